@@ -1,0 +1,85 @@
+"""Small models lorad can build offline, for the quickstart, demos and tests.
+
+`model.path: builtin:tiny-llama` materialises a randomly initialised
+Llama-architecture model (fixed seed, so every machine builds the same
+weights) and a byte-level tokenizer into a directory with `save_pretrained`,
+then the normal loader reads it back — the real loading code runs, and
+nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from engine.fsio import RealFs, ensure_dir_durable
+
+TINY_LLAMA = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+BUILTIN_MODELS = {"tiny-llama": "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters)."}
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE tokenizer with no merges: 256 byte symbols plus <s>, </s>, <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+
+
+def build_tiny_llama(dest: Path, seed: int = 1234) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_level_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=1, eos_token_id=2, pad_token_id=0, **TINY_LLAMA)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+
+
+def materialise(name: str, cache_dir: Path) -> Path:
+    """Build builtin model `name` under cache_dir once (atomically) and return its directory."""
+    if name not in BUILTIN_MODELS:
+        raise KeyError(name)
+    dest = Path(cache_dir) / name
+    if (dest / "config.json").exists():
+        return dest
+    fs = RealFs()
+    ensure_dir_durable(fs, dest.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=dest.parent))
+    try:
+        build_tiny_llama(tmp)
+        for f in tmp.iterdir():
+            fs.fsync(f)
+        fs.fsync_dir(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            # Another process won the race; its copy is identical.
+            shutil.rmtree(tmp, ignore_errors=True)
+        fs.fsync_dir(dest.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -1,0 +1,290 @@
+"""Crash-safe checkpoints: atomic commit, verified load that walks back, pruning, a background writer.
+
+Layout of one checkpoint (`checkpoints/step-00000420/`):
+
+    adapter.safetensors     trainable (LoRA) parameters by name
+    optimizer.safetensors   every tensor of the optimizer state (8-bit states, qmaps, absmax, moments)
+    optimizer.json          the rest of the optimizer state (steps, param groups), tensors referenced by key
+    rng.safetensors         torch CPU / CUDA / data-generator RNG states
+    state.json              step, data cursor, python/numpy RNG, anything else the loop needs
+    manifest.json           written last: size and sha256 of every file above, step, config hash
+
+Commit: write everything into `step-N.tmp-*/`, fsync each file, fsync the
+directory, rename it to `step-N/`, fsync `checkpoints/`. A directory without a
+manifest that verifies is not a checkpoint. We write this ourselves because
+no training library commits checkpoints this way (they write in place,
+without fsync), and the tests drive it through a recording file layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from engine.fsio import FileLayer, RealFs, ensure_dir_durable
+
+FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class Snapshot:
+    """Host copies of everything a checkpoint holds, taken at an optimizer-step boundary."""
+
+    step: int
+    adapter: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_tree: Any
+    rng_tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+    def files(self) -> dict[str, bytes]:
+        return {
+            "adapter.safetensors": st_save(self.adapter),
+            "optimizer.safetensors": st_save(self.optimizer_tensors) if self.optimizer_tensors else st_save({}),
+            "optimizer.json": json.dumps(self.optimizer_tree).encode(),
+            "rng.safetensors": st_save(self.rng_tensors),
+            "state.json": json.dumps(self.state, indent=1).encode(),
+        }
+
+
+@dataclass
+class Loaded:
+    step: int
+    path: Path
+    adapter: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+    optimizer_tree: Any
+    rng_tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+@dataclass
+class Skipped:
+    name: str
+    reason: str
+
+
+class ConfigMismatch(Exception):
+    """The newest valid checkpoint was written by a job with different training settings."""
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _debug_delay() -> float:
+    # Fault-injection hook for tests: widen the window in which a checkpoint is half-written.
+    try:
+        return float(os.environ.get("LORAD_DEBUG_CKPT_WRITE_DELAY_S", "0"))
+    except ValueError:
+        return 0.0
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, config_hash: str, keep: int, fs: FileLayer | None = None):
+        self.root = Path(root)
+        self.config_hash = config_hash
+        self.keep = keep
+        self.fs = fs or RealFs()
+
+    # ---------------------------------------------------------------- commit
+    def commit(self, snap: Snapshot) -> Path:
+        """Write `snap` as checkpoint step-N atomically; return its final path."""
+        fs = self.fs
+        ensure_dir_durable(fs, self.root)
+        final = self.root / step_dir_name(snap.step)
+        tmp = self.root / f"{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            fs.mkdir(tmp)
+            files = snap.files()
+            manifest = {
+                "format": FORMAT_VERSION,
+                "step": snap.step,
+                "config_hash": self.config_hash,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in files.items()},
+            }
+            delay = _debug_delay()
+            for name, data in files.items():
+                fs.write(tmp / name, [data])
+                fs.fsync(tmp / name)
+                if delay:
+                    time.sleep(delay)
+            fs.write(tmp / MANIFEST, [json.dumps(manifest, indent=1).encode()])
+            fs.fsync(tmp / MANIFEST)
+            fs.fsync_dir(tmp)
+            if final.exists():
+                # Only an invalid leftover can sit here (a valid one would have been resumed from).
+                self._set_aside(final, "replaced")
+            fs.rename(tmp, final)
+            fs.fsync_dir(self.root)
+        except BaseException:
+            fs.rmtree(tmp)
+            raise
+        self.prune(protect=snap.step)
+        return final
+
+    def _set_aside(self, path: Path, why: str) -> None:
+        aside = path.with_name(f"{path.name}.invalid-{why}-{time.time_ns()}")
+        self.fs.rename(path, aside)
+        self.fs.fsync_dir(path.parent)
+
+    # ---------------------------------------------------------------- load
+    def steps(self) -> list[tuple[int, Path]]:
+        """Checkpoint-named directories, newest first (validity not checked)."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for p in self.root.iterdir():
+            m = STEP_DIR.match(p.name)
+            if m and p.is_dir():
+                out.append((int(m.group(1)), p))
+        return sorted(out, reverse=True)
+
+    def verify(self, path: Path) -> tuple[dict | None, dict[str, bytes], str | None]:
+        """(manifest, file bytes, None) for a valid checkpoint, else (None, {}, reason)."""
+        mpath = path / MANIFEST
+        if not mpath.exists():
+            return None, {}, "no manifest.json (the save never finished)"
+        try:
+            manifest = json.loads(mpath.read_bytes())
+            files_meta = manifest["files"]
+            step = int(manifest["step"])
+        except (ValueError, KeyError, TypeError) as e:
+            return None, {}, f"manifest.json is unreadable ({type(e).__name__})"
+        if manifest.get("format") != FORMAT_VERSION:
+            return None, {}, f"manifest format {manifest.get('format')!r} is not {FORMAT_VERSION}"
+        if step_dir_name(step) != path.name:
+            return None, {}, f"manifest says step {step}, directory says {path.name}"
+        blobs: dict[str, bytes] = {}
+        for name, meta in files_meta.items():
+            fpath = path / name
+            if not fpath.is_file():
+                return None, {}, f"{name} is missing"
+            data = fpath.read_bytes()
+            if len(data) != meta["size"]:
+                return None, {}, f"{name} is {len(data)} bytes, manifest says {meta['size']} (truncated?)"
+            if _sha256(data) != meta["sha256"]:
+                return None, {}, f"{name} fails its sha256 checksum (corrupted)"
+            blobs[name] = data
+        return manifest, blobs, None
+
+    def load_latest(self, set_aside_invalid: bool = True) -> tuple[Loaded | None, list[Skipped]]:
+        """Walk back from the newest step to the first checkpoint that verifies.
+
+        Invalid directories are renamed aside (`*.invalid-*`) so a later commit
+        of the same step never collides with them; nothing is deleted here.
+        """
+        skipped: list[Skipped] = []
+        for step, path in self.steps():
+            manifest, blobs, reason = self.verify(path)
+            if reason is not None:
+                skipped.append(Skipped(path.name, reason))
+                if set_aside_invalid:
+                    try:
+                        self._set_aside(path, "skipped")
+                    except OSError:
+                        pass
+                continue
+            if manifest["config_hash"] != self.config_hash:
+                raise ConfigMismatch(
+                    f"checkpoint {path} was written by a job with different model/lora/data/train settings "
+                    f"(config hash {manifest['config_hash']}, this job {self.config_hash}); "
+                    "give the job a new name or remove that job directory"
+                )
+            return (
+                Loaded(
+                    step=step,
+                    path=path,
+                    adapter=st_load(blobs["adapter.safetensors"]),
+                    optimizer_tensors=st_load(blobs["optimizer.safetensors"]),
+                    optimizer_tree=json.loads(blobs["optimizer.json"]),
+                    rng_tensors=st_load(blobs["rng.safetensors"]),
+                    state=json.loads(blobs["state.json"]),
+                ),
+                skipped,
+            )
+        return None, skipped
+
+    # ---------------------------------------------------------------- prune
+    def prune(self, protect: int | None = None) -> list[str]:
+        """Keep the newest `keep` checkpoints by step (and `protect`); remove stale temp dirs of this store."""
+        removed = []
+        for i, (step, path) in enumerate(self.steps()):
+            if i >= self.keep and step != protect:
+                self.fs.rmtree(path)
+                removed.append(path.name)
+        if self.root.is_dir():
+            for p in self.root.iterdir():
+                if ".tmp-" in p.name and not p.name.split(".tmp-")[1].startswith(f"{os.getpid()}-"):
+                    self.fs.rmtree(p)
+                    removed.append(p.name)
+        return removed
+
+
+@dataclass
+class SaveResult:
+    step: int
+    path: Path | None
+    seconds: float
+    error: BaseException | None = None
+
+
+@dataclass
+class AsyncCheckpointer:
+    """Writes snapshots on a background thread so training does not wait for the disk; one save at a time."""
+
+    store: CheckpointStore
+    _thread: threading.Thread | None = None
+    _done: list[SaveResult] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    in_flight_step: int | None = None
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, snap: Snapshot) -> None:
+        if self.busy():
+            raise RuntimeError("a checkpoint save is already in flight")
+        self.in_flight_step = snap.step
+        self._thread = threading.Thread(target=self._write, args=(snap,), name=f"ckpt-{snap.step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, snap: Snapshot) -> None:
+        t0 = time.monotonic()
+        try:
+            path = self.store.commit(snap)
+            res = SaveResult(snap.step, path, time.monotonic() - t0)
+        except BaseException as e:  # reported to the training loop through poll()
+            res = SaveResult(snap.step, None, time.monotonic() - t0, e)
+        with self._lock:
+            self._done.append(res)
+
+    def poll(self) -> list[SaveResult]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def wait(self) -> list[SaveResult]:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.in_flight_step = None
+        return self.poll()

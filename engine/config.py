@@ -1,0 +1,267 @@
+"""The job file: strict validation with pydantic.
+
+Every error names the key and, where there is a closed set, the allowed
+values; all errors are collected and reported together. Relative paths are
+resolved against the job file's directory so the normalised job (written to
+jobs/ID/job.yaml) is self-contained.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_JOB_FILE_BYTES = 256 * 1024
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+BUILTIN_PREFIX = "builtin:"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class JobInvalid(Exception):
+    """A job file that can never run as written. The engine exits 65 on it."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Strict):
+    family: Literal["causal_lm", "flux"] = "causal_lm"
+    path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    quantize: Literal["nf4"] | None = None
+    base_precision: Literal["auto", "bf16", "fp8", "nf4", "int8"] = "auto"
+    trust_remote_code: bool = False
+
+
+class LoraConfig(Strict):
+    rank: int = Field(16, ge=1, le=1024)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # A list of module-name suffixes, or one regular expression matched against the full module path.
+    targets: Union[list[str], str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_ok(cls, v):
+        if isinstance(v, str):
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"not a valid regular expression: {e}") from None
+        elif not v:
+            raise ValueError("must name at least one module")
+        return v
+
+
+class DataConfig(Strict):
+    path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files")
+    text_field: str = "text"
+    seq_len: int = Field(256, ge=8, le=131072)
+    packing: bool = True
+
+
+class TrainConfig(Strict):
+    steps: int = Field(1000, ge=1, le=10_000_000)
+    batch_size: int = Field(1, ge=1, le=4096)
+    grad_accum: int = Field(1, ge=1, le=4096)
+    lr: float = Field(1e-4, gt=0, le=1.0)
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    optimizer: Literal["adamw8bit", "paged_adamw8bit", "adamw"] = "adamw8bit"
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    gradient_checkpointing: bool = False
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    blocks_to_swap: int = Field(0, ge=0)
+    compile: bool = False
+
+
+class CheckpointConfig(Strict):
+    every_steps: int | None = Field(100, ge=1)
+    every_seconds: float | None = Field(60.0, gt=0)
+    keep: int = Field(3, ge=1, le=1000)
+
+
+class OutputConfig(Strict):
+    formats: list[Literal["peft", "diffusers", "comfyui"]] = Field(default_factory=lambda: ["peft"])
+
+
+class PowerConfig(Strict):
+    limit_w: Union[Annotated[int, Field(ge=1, le=2000)], Literal["auto"], None] = None
+    max_slowdown: float = Field(0.10, gt=0.0, le=1.0)
+
+
+class JobConfig(Strict):
+    name: str
+    model: ModelConfig
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    power: PowerConfig = Field(default_factory=PowerConfig)
+    priority: int = Field(0, ge=-1000, le=1000)
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        if self.train.warmup_steps > self.train.steps:
+            raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        return self
+
+    def identity_hash(self) -> str:
+        """Hash of everything that decides the trained weights.
+
+        The step count, checkpoint cadence, outputs, power and priority may
+        change between attempts without invalidating a checkpoint.
+        """
+        d = self.model_dump(mode="json")
+        d["train"].pop("steps")
+        for k in ("checkpoint", "output", "power", "priority"):
+            d.pop(k)
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _loc(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "(top level)"
+
+
+def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
+    loc = [p for p in err["loc"] if not isinstance(p, int) or True]
+    # pydantic reports union members as extra path parts; drop them for a readable key.
+    key_parts = [str(p) for p in loc if not re.match(r"^(list\[.*\]|literal\[.*\]|int|str|float|bool|function-.*|constrained-.*)$", str(p))]
+    key = ".".join(key_parts) or "(top level)"
+    typ = err["type"]
+    got = err.get("input")
+    if typ == "extra_forbidden":
+        parent = ".".join(key_parts[:-1])
+        model = models.get(parent)
+        allowed = ", ".join(model.model_fields) if model else ""
+        return f"{key}: unknown key" + (f" (allowed here: {allowed})" if allowed else "")
+    if typ == "missing":
+        return f"{key}: required key is missing"
+    if typ == "literal_error":
+        return f"{key}: {err['msg'].replace('Input should be', 'must be')} (got {got!r})"
+    msg = err["msg"].replace("Value error, ", "").replace("Input should be", "must be")
+    if got is not None and not isinstance(got, dict):
+        return f"{key}: {msg} (got {got!r})"
+    return f"{key}: {msg}"
+
+
+def _section_models() -> dict[str, type[BaseModel]]:
+    out: dict[str, type[BaseModel]] = {"": JobConfig}
+    for name, field in JobConfig.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out[name] = ann
+    return out
+
+
+def parse_job(raw: Any, base_dir: Path, source: str = "job") -> JobConfig:
+    """Validate a parsed YAML document and resolve its paths; raise JobInvalid naming every problem."""
+    if not isinstance(raw, dict):
+        raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), got {type(raw).__name__}")
+    try:
+        cfg = JobConfig.model_validate(raw)
+    except ValidationError as e:
+        models = _section_models()
+        problems = [_describe(err, models) for err in e.errors()]
+        # Several union branches may fail for one key; keep the distinct messages.
+        seen: list[str] = []
+        for p in problems:
+            if p not in seen:
+                seen.append(p)
+        raise JobInvalid(f"{source}: " + "; ".join(seen)) from None
+    _resolve_paths(cfg, base_dir)
+    _check_paths(cfg)
+    return cfg
+
+
+def _resolve(p: str, base_dir: Path) -> str:
+    path = Path(p).expanduser()
+    if not path.is_absolute():
+        path = (base_dir / path).resolve()
+    return str(path)
+
+
+def looks_like_hub_id(p: str) -> bool:
+    return bool(HUB_ID.match(p)) and not p.startswith((".", "/", "~"))
+
+
+def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
+    mp = cfg.model.path
+    if not mp.startswith(BUILTIN_PREFIX):
+        local = Path(_resolve(mp, base_dir))
+        if local.exists() or not looks_like_hub_id(mp):
+            cfg.model.path = str(local)
+    cfg.data.path = _resolve(cfg.data.path, base_dir)
+
+
+def _check_paths(cfg: JobConfig) -> None:
+    mp = cfg.model.path
+    if mp.startswith(BUILTIN_PREFIX):
+        from engine.builtin_models import BUILTIN_MODELS
+
+        name = mp[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise JobInvalid(f"model.path: unknown built-in model {name!r} (available: {', '.join(BUILTIN_MODELS)})")
+    elif Path(mp).is_absolute():
+        if not Path(mp).exists():
+            raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
+        if not Path(mp).is_dir():
+            raise JobInvalid(f"model.path: {mp} is not a directory")
+    dp = Path(cfg.data.path)
+    if not dp.exists():
+        raise JobInvalid(f"data.path: {dp} does not exist")
+    if cfg.model.family == "causal_lm":
+        from engine.data.text import check_text_source
+
+        check_text_source(dp, cfg.data.text_field)
+
+
+def load_yaml_text(text: str, source: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
+
+
+def load_job(path: str | Path) -> JobConfig:
+    """Read, size-check, safely parse and validate a job file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise JobInvalid(f"{path}: cannot read the job file: {e.strerror}") from None
+    if size > MAX_JOB_FILE_BYTES:
+        raise JobInvalid(f"{path}: job file is {size} bytes, larger than the {MAX_JOB_FILE_BYTES}-byte limit")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise JobInvalid(f"{path}: job file is not UTF-8 text") from None
+    raw = load_yaml_text(text, str(path.name))
+    return parse_job(raw, path.parent.resolve(), source=path.name)
+
+
+def dump_job(cfg: JobConfig) -> str:
+    """The normalised job (absolute paths, defaults filled in) as YAML."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,69 @@
+"""Structured job events: JSON lines to jobs/ID/events.jsonl and (for the supervisor) to stdout.
+
+Every line is one structlog event with a timestamp, a level and an `event`
+name. The supervisor treats `step`, `checkpoint_committed` and `phase` lines as
+heartbeats; the schema is documented in README.md ("Events").
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+
+class _Sinks:
+    """A structlog logger that writes each rendered line to several files."""
+
+    def __init__(self, files: list[IO[str]]):
+        self.files = files
+        self.lock = threading.Lock()
+
+    def msg(self, line: str) -> None:
+        with self.lock:
+            for f in self.files:
+                try:
+                    f.write(line + "\n")
+                    f.flush()
+                except (OSError, ValueError):
+                    # A full disk or a closed pipe must not kill training; the checkpoint path reports disk errors.
+                    pass
+
+    info = warning = error = debug = critical = msg
+
+
+class EventLog:
+    def __init__(self, path: Path | None, to_stdout: bool, **bound: Any):
+        self._file = open(path, "a", encoding="utf-8") if path is not None else None
+        files: list[IO[str]] = [f for f in (self._file, sys.stdout if to_stdout else None) if f is not None]
+        self._log = structlog.wrap_logger(
+            _Sinks(files),
+            processors=[
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+                structlog.processors.JSONRenderer(sort_keys=False),
+            ],
+        ).bind(**bound)
+        self.listeners: list = []
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._emit("info", event, kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._emit("warning", event, kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._emit("error", event, kw)
+
+    def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        getattr(self._log, level)(event, **kw)
+        for fn in self.listeners:
+            fn(level, event, kw)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,17 @@
+"""Model families behind one small interface; `get_family(name)` picks one."""
+
+from __future__ import annotations
+
+from engine.families.base import Family
+
+
+def get_family(name: str) -> Family:
+    if name == "causal_lm":
+        from engine.families.causal_lm import CausalLM
+
+        return CausalLM()
+    if name == "flux":
+        from engine.families.flux import Flux  # added by the Flux family
+
+        return Flux()
+    raise ValueError(f"unknown model family {name!r}")

@@ -1,0 +1,41 @@
+"""The interface every model family implements.
+
+The training recipe (engine/run.py) only talks to a family through these
+methods, so a family owns everything specific to its models: how to load the
+base, which modules get LoRA, how a batch turns into a loss, how the dataset
+is built and how the finished adapter is exported.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.config import JobConfig
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+    def collate(self, indices: list[int]) -> dict[str, Any]: ...
+
+
+class Family(Protocol):
+    def prepare(self, cfg: JobConfig, workdir: Path, log) -> None:
+        """One-off work before loading (e.g. caching latents). Must be idempotent and crash-safe."""
+
+    def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
+        """Load the frozen base and wrap it with peft LoRA; only LoRA parameters require grad."""
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> Dataset:
+        """The full, ordered list of training samples; its order is decided by engine.data.order."""
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+        """Loss of one micro-batch. Any randomness (noise, timesteps) must come from `generator`."""
+
+    def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
+        """Hook after an optimizer step (e.g. render samples every N steps). Must not touch training RNG."""
+
+    def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
+        """Write the final adapter files into out_dir (not yet durable); return the file names written."""

@@ -1,0 +1,97 @@
+"""Causal language models from transformers, with LoRA or QLoRA (nf4) through peft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+from engine.data.text import TokenDataset, read_documents
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
+    """A local directory or hub id as given; builtin:NAME is built once under the job's workdir."""
+    p = cfg.model.path
+    if p.startswith(BUILTIN_PREFIX):
+        from engine.builtin_models import materialise
+
+        return str(materialise(p[len(BUILTIN_PREFIX):], Path(workdir) / "builtin-models"))
+    return p
+
+
+class CausalLM:
+    def __init__(self):
+        self._tokenizer = None
+
+    def prepare(self, cfg: JobConfig, workdir: Path, log) -> None:
+        resolve_model_path(cfg, workdir)
+
+    def tokenizer(self, cfg: JobConfig, workdir: Path):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = resolve_model_path(cfg, workdir)
+            self._tokenizer = AutoTokenizer.from_pretrained(
+                path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+            )
+        return self._tokenizer
+
+    def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model_path(cfg, workdir)
+        kwargs: dict[str, Any] = dict(
+            revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, dtype=DTYPES[cfg.model.dtype]
+        )
+        quantize = cfg.model.quantize or ("nf4" if cfg.model.base_precision == "nf4" else None)
+        if quantize == "nf4":
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=DTYPES[cfg.model.dtype],
+            )
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        if quantize is None:
+            model.to(device)
+        model.config.use_cache = False
+        if quantize == "nf4":
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
+        elif cfg.train.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        lcfg = LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=cfg.lora.targets,
+            task_type="CAUSAL_LM",
+        )
+        try:
+            model = get_peft_model(model, lcfg)
+        except ValueError as e:
+            raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+        return model
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> TokenDataset:
+        docs = read_documents(Path(cfg.data.path), cfg.data.text_field)
+        return TokenDataset(docs, self.tokenizer(cfg, workdir), cfg.data.seq_len, cfg.data.packing)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+        return model(**batch).loss
+
+    def on_step_end(self, model, step, cfg, workdir, log) -> None:
+        return None
+
+    def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
+        model.save_pretrained(out_dir, safe_serialization=True)
+        return sorted(p.name for p in Path(out_dir).iterdir())

@@ -1,0 +1,98 @@
+"""The file layer every durable write goes through.
+
+Checkpoints, cache files and outputs are committed with a handful of primitive
+operations (mkdir, write, fsync, fsync_dir, rename, remove). Routing them
+through one small object lets the crash-state tests record the exact sequence
+and replay every state a power cut could leave behind; production uses
+`RealFs`, which is a thin wrapper over `os`.
+
+We write this ourselves because no library offers a crash-safe directory commit
+with a recordable operation log.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+
+class FileLayer(Protocol):
+    def mkdir(self, path: Path) -> None: ...
+    def write(self, path: Path, chunks: Iterable[bytes]) -> int: ...
+    def fsync(self, path: Path) -> None: ...
+    def fsync_dir(self, path: Path) -> None: ...
+    def rename(self, src: Path, dst: Path) -> None: ...
+    def rmtree(self, path: Path) -> None: ...
+
+
+class RealFs:
+    """Plain POSIX operations. `write` creates or truncates the file and does not sync."""
+
+    def mkdir(self, path: Path) -> None:
+        os.mkdir(path)
+
+    def write(self, path: Path, chunks: Iterable[bytes]) -> int:
+        n = 0
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+                n += len(chunk)
+        return n
+
+    def fsync(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def rename(self, src: Path, dst: Path) -> None:
+        os.rename(src, dst)
+
+    def rmtree(self, path: Path) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def ensure_dir_durable(fs: FileLayer, path: Path) -> None:
+    """Create `path` and any missing parents, fsyncing each parent after creating a child.
+
+    After a power cut only what was fsynced exists, so a directory that holds
+    committed checkpoints must itself be durable in its parent.
+    """
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            fs.mkdir(d)
+        except FileExistsError:
+            continue
+        fs.fsync_dir(d.parent)
+
+
+def write_file_durable(fs: FileLayer, path: Path, data: bytes) -> None:
+    """Write a whole file atomically: temp name, fsync, rename, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fs.write(tmp, [data])
+    fs.fsync(tmp)
+    fs.rename(tmp, path)
+    fs.fsync_dir(path.parent)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

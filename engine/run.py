@@ -1,0 +1,293 @@
+"""The training recipe: config → model → LoRA → optimizer → resume → loop (step, log, save, stop).
+
+    python -m engine.run --job jobs/ID/job.yaml --workdir jobs/ID
+
+is exactly how the daemon starts a trainer; `lorad run` calls `train()` in the
+foreground with a progress bar. Running it again after any interruption
+resumes from the newest checkpoint that verifies.
+
+Exit codes: 0 finished, 65 invalid job, 74 disk full / unwritable, 75 stopped
+cleanly after a checkpoint (resumable), anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.checkpoint import AsyncCheckpointer, CheckpointStore, ConfigMismatch, Snapshot
+from engine.config import JobConfig, JobInvalid, load_job
+from engine.data.order import Cursor, sample_indices
+from engine.events import EventLog
+from engine.families import get_family
+from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full
+from engine.optim import build_optimizer, join_tree, lr_at, split_tree
+from engine.progress import make_progress
+from engine.rng import capture, restore, seed_everything
+from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
+
+VERSION = "0.1.0"
+
+
+class DiskError(Exception):
+    """A checkpoint or output could not be written (disk full, read-only, ...)."""
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def snapshot(step: int, params, optimizer, generator, state: dict[str, Any]) -> Snapshot:
+    """Host copies at a step boundary; the background writer serialises and writes them."""
+    adapter = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
+    opt_tensors: dict[str, torch.Tensor] = {}
+    tree = split_tree(optimizer.state_dict(), "", opt_tensors)
+    opt_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in opt_tensors.items()}
+    rng_meta, rng_tensors = capture(generator)
+    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta})
+
+
+def restore_checkpoint(loaded, params, optimizer, generator) -> dict[str, Any]:
+    missing = set(params) ^ set(loaded.adapter)
+    if missing:
+        raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(loaded.adapter[n])
+    optimizer.load_state_dict(join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
+    restore(loaded.state["rng"], loaded.rng_tensors, generator)
+    return loaded.state
+
+
+def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any]) -> Path:
+    """Write the final adapter to output.tmp-*, make it durable, and rename it to output/."""
+    out = workdir / "output"
+    tmp = workdir / f"output.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    fs.mkdir(tmp)
+    names = family.export(model, cfg, tmp, meta)
+    for name in names:
+        if (tmp / name).is_file():
+            fs.fsync(tmp / name)
+    fs.fsync_dir(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    fs.rename(tmp, out)
+    fs.fsync_dir(workdir)
+    return out
+
+
+def train(
+    cfg: JobConfig,
+    workdir: Path,
+    progress: str = "json",
+    fs: FileLayer | None = None,
+    stop: StopFlag | None = None,
+) -> int:
+    """Train (or resume) the job in `workdir`; return the process exit code."""
+    fs = fs or RealFs()
+    stop = stop or StopFlag()
+    workdir = Path(workdir).resolve()
+    ensure_dir_durable(fs, workdir)
+    log = EventLog(workdir / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
+    try:
+        return _train(cfg, workdir, progress, fs, stop, log)
+    except JobInvalid as e:
+        log.error("invalid_job", message=str(e))
+        _say(progress, f"lorad: invalid job: {e}")
+        return EXIT_INVALID
+    except ConfigMismatch as e:
+        log.error("invalid_job", message=str(e))
+        _say(progress, f"lorad: {e}")
+        return EXIT_INVALID
+    except DiskError as e:
+        log.error("disk_error", message=str(e))
+        _say(progress, f"lorad: {e}")
+        return EXIT_IO
+    finally:
+        log.close()
+
+
+def _say(progress: str, line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: StopFlag, log: EventLog) -> int:
+    t_start = time.monotonic()
+    device = pick_device()
+    family = get_family(cfg.model.family)
+    log.info("start", version=VERSION, pid=os.getpid(), device=str(device), family=cfg.model.family,
+             steps=cfg.train.steps, config_hash=cfg.identity_hash())
+
+    # -- data and model
+    log.info("phase", phase="prepare")
+    family.prepare(cfg, workdir, log)
+    dataset = family.build_dataset(cfg, workdir, log)
+    n = len(dataset)
+    generator = seed_everything(cfg.train.seed)
+    log.info("phase", phase="load_model")
+    model = family.load_model(cfg, workdir, device, log)
+    params = trainable(model)
+    optimizer = build_optimizer(list(params.values()), cfg.train)
+
+    # -- resume
+    store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs)
+    loaded, skipped = store.load_latest()
+    for s in skipped:
+        log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)
+    step, consumed, elapsed_before = 0, 0, 0.0
+    if loaded is not None:
+        state = restore_checkpoint(loaded, params, optimizer, generator)
+        step, consumed, elapsed_before = state["step"], state["samples_consumed"], state.get("train_seconds", 0.0)
+        if state.get("dataset_size") != n:
+            log.warning("dataset_changed", was=state.get("dataset_size"), now=n,
+                        message="the dataset changed since this checkpoint; the order continues by sample count")
+        log.info("resumed", from_step=step, checkpoint=loaded.path.name, skipped=[s.name for s in skipped],
+                 seconds_since_start=round(time.monotonic() - t_start, 3))
+    if step >= cfg.train.steps and (workdir / "output").is_dir():
+        log.info("done", step=step, output=str(workdir / "output"), already=True)
+        return EXIT_OK
+
+    # -- loop
+    saver = AsyncCheckpointer(store)
+    bar = make_progress(progress, total=cfg.train.steps, start=step)
+    micro = cfg.train.batch_size
+    last_save_t = time.monotonic()
+    last_saved_step = step
+    step_times: list[float] = []
+    train_seconds = elapsed_before
+    model.train()
+
+    def state_now() -> dict[str, Any]:
+        c = Cursor(consumed, n)
+        return {"step": step, "samples_consumed": consumed, "epoch": c.epoch, "position": c.position,
+                "dataset_size": n, "train_seconds": train_seconds, "config_hash": cfg.identity_hash()}
+
+    def handle_saves(results) -> None:
+        nonlocal last_saved_step
+        for r in results:
+            if r.error is not None:
+                _raise_save_error(r, store)
+            last_saved_step = max(last_saved_step, r.step)
+            log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
+
+    try:
+        while step < cfg.train.steps:
+            if stop.requested:
+                break
+            t0 = time.monotonic()
+            lr = lr_at(step, cfg.train)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            loss_sum = 0.0
+            for _ in range(cfg.train.grad_accum):
+                batch = dataset.collate(sample_indices(cfg.train.seed, n, consumed, micro))
+                consumed += micro
+                batch = _to_device(batch, device)
+                loss = family.loss(model, batch, generator) / cfg.train.grad_accum
+                loss.backward()
+                loss_sum += float(loss.detach())
+            if cfg.train.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.train.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            dt = time.monotonic() - t0
+            train_seconds += dt
+            step_times.append(dt)
+            s_per_step = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
+            eta = s_per_step * (cfg.train.steps - step)
+            log.info("step", step=step, total=cfg.train.steps, loss=round(loss_sum, 6), lr=lr,
+                     s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
+            bar.update(step, loss_sum, s_per_step)
+            family.on_step_end(model, step, cfg, workdir, log)
+
+            handle_saves(saver.poll())
+            due = (cfg.checkpoint.every_steps is not None and step - last_saved_step >= cfg.checkpoint.every_steps) or (
+                cfg.checkpoint.every_seconds is not None and time.monotonic() - last_save_t >= cfg.checkpoint.every_seconds
+            )
+            if due and not saver.busy() and step < cfg.train.steps:
+                saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+                last_save_t = time.monotonic()
+
+        # -- final or stop checkpoint, written synchronously
+        handle_saves(saver.wait())
+        if step > last_saved_step:
+            log.info("phase", phase="final_checkpoint", step=step)
+            saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+            handle_saves(saver.wait())
+    finally:
+        bar.close()
+        # Never leave a writer thread behind on an exception.
+        if saver.busy():
+            saver.wait()
+
+    if step < cfg.train.steps:
+        log.info("stopped", step=step, reason=stop.reason, checkpoint=last_saved_step)
+        return EXIT_STOPPED
+
+    meta = {"steps": step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
+            "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
+    try:
+        out = export_output(family, model, cfg, workdir, fs, meta)
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
+                            f"checkpoint step-{step:08d} is committed, free space and run again") from None
+        raise
+    log.info("done", step=step, output=str(out), train_seconds=round(train_seconds, 2))
+    return EXIT_OK
+
+
+def _raise_save_error(r, store: CheckpointStore) -> None:
+    e = r.error
+    if isinstance(e, OSError):
+        prev = [p.name for _, p in store.steps()]
+        kept = f"the previous checkpoint {prev[0]} is intact" if prev else "no earlier checkpoint exists"
+        free = ""
+        try:
+            st = os.statvfs(store.root)
+            free = f" ({st.f_bavail * st.f_frsize // (1 << 20)} MiB free)"
+        except OSError:
+            pass
+        what = "disk full" if is_disk_full(e) else f"cannot write ({e.strerror or e})"
+        raise DiskError(f"{what} while saving checkpoint step-{r.step:08d} in {store.root}{free}; {kept}") from None
+    raise e
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.run", description="Run one lorad training job (resumes by itself).")
+    ap.add_argument("--job", required=True, help="job YAML file")
+    ap.add_argument("--workdir", required=True, help="the job's directory (checkpoints/, output/, events.jsonl)")
+    ap.add_argument("--progress", choices=["json", "bar", "none"], default="json")
+    args = ap.parse_args(argv)
+    stop = StopFlag()
+    stop.install()
+    try:
+        cfg = load_job(args.job)
+    except JobInvalid as e:
+        print(f"lorad: invalid job: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
