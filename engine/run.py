@@ -215,6 +215,13 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             family.on_step_end(model, step, cfg, workdir, log)
 
             handle_saves(saver.poll())
+            if stop.take_save_request() and step < cfg.train.steps:
+                # An urgent save (UPS on battery): wait for any save in flight, then write this step now.
+                handle_saves(saver.wait())
+                log.info("phase", phase="urgent_checkpoint", step=step)
+                saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+                last_save_t = time.monotonic()
+                continue
             due = (cfg.checkpoint.every_steps is not None and step - last_saved_step >= cfg.checkpoint.every_steps) or (
                 cfg.checkpoint.every_seconds is not None and time.monotonic() - last_save_t >= cfg.checkpoint.every_seconds
             )

@@ -2,6 +2,8 @@
 
 SIGTERM or SIGINT: finish the current step, commit a checkpoint, exit 75.
 A second SIGINT: exit at once; the last committed checkpoint still stands.
+SIGUSR1: commit a checkpoint after the current step and keep training
+(the daemon sends it when the UPS goes on battery).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class StopFlag:
         self._event = threading.Event()
         self.reason: str | None = None
         self._sigints = 0
+        self._save_now = threading.Event()
 
     def request(self, reason: str) -> None:
         if self.reason is None:
@@ -32,9 +35,20 @@ class StopFlag:
     def requested(self) -> bool:
         return self._event.is_set()
 
+    def request_save(self) -> None:
+        self._save_now.set()
+
+    def take_save_request(self) -> bool:
+        """True once per SIGUSR1 (or request_save call)."""
+        if self._save_now.is_set():
+            self._save_now.clear()
+            return True
+        return False
+
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: self.request_save())
 
     def _on_term(self, signum, frame) -> None:
         self.request("SIGTERM")
