@@ -1,0 +1,1 @@
+"""Power: NVML telemetry, caps, the auto-tuned limit, schedules, outage timetables and the UPS."""
