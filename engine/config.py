@@ -143,9 +143,8 @@ def _loc(loc: tuple) -> str:
 
 
 def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
-    loc = [p for p in err["loc"] if not isinstance(p, int) or True]
     # pydantic reports union members as extra path parts; drop them for a readable key.
-    key_parts = [str(p) for p in loc if not re.match(r"^(list\[.*\]|literal\[.*\]|int|str|float|bool|function-.*|constrained-.*)$", str(p))]
+    key_parts = [str(p) for p in err["loc"] if not re.match(r"^(list\[.*\]|literal\[.*\]|int|str|float|bool|function-.*|constrained-.*)$", str(p))]
     key = ".".join(key_parts) or "(top level)"
     typ = err["type"]
     got = err.get("input")
