@@ -28,6 +28,8 @@ TINY_LLAMA = dict(
 )
 
 BUILTIN_MODELS = {"tiny-llama": "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters)."}
+# Built by engine/tiny_flux.py (model.family: flux), not by materialise() below.
+BUILTIN_MODELS["tiny-flux"] = "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights."
 
 
 def byte_level_tokenizer():

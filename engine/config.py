@@ -46,9 +46,8 @@ class LoraConfig(Strict):
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # A list of module-name suffixes, or one regular expression matched against the full module path.
-    targets: Union[list[str], str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    # None (the default) means the family's own default list (engine/families/*.py: DEFAULT_TARGETS).
+    targets: Union[list[str], str, None] = None
 
     @field_validator("targets")
     @classmethod
@@ -64,10 +63,18 @@ class LoraConfig(Strict):
 
 
 class DataConfig(Strict):
-    path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files")
+    path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files (causal_lm); a folder of images (flux)")
+    # causal_lm only
     text_field: str = "text"
     seq_len: int = Field(256, ge=8, le=131072)
     packing: bool = True
+    # flux only (engine/data/images.py): aspect-ratio buckets around each resolution, captions from IMAGE.<caption_ext>
+    resolution: list[Annotated[int, Field(ge=64, le=4096)]] = Field(default_factory=lambda: [512], min_length=1)
+    trigger: str | None = Field(None, max_length=200)
+    caption_ext: str = Field("txt", pattern=r"^[A-Za-z0-9_]{1,16}$")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
+    flip: bool = False
+    repeats: int = Field(1, ge=1, le=10000)
 
 
 class TrainConfig(Strict):
@@ -84,6 +91,23 @@ class TrainConfig(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     blocks_to_swap: int = Field(0, ge=0)
     compile: bool = False
+    # flux only. sigmoid: sigma = sigmoid(N(0,1)) (logit-normal, mid-noise heavy); linear: sigma ~ U(0,1);
+    # shift: U(0,1) moved toward high noise by the resolution-dependent shift of FLUX's scheduler.
+    timestep_sampling: Literal["sigmoid", "linear", "shift"] = "sigmoid"
+    # flux only: the guidance value fed to FLUX.1-dev's guidance embedding while training (ignored by schnell).
+    guidance: float = Field(1.0, ge=0.0, le=100.0)
+
+
+class SampleConfig(Strict):
+    """Preview images rendered during training (flux): every_steps, with fixed seeds, into WORKDIR/samples/step-N/."""
+
+    every_steps: int | None = Field(None, ge=1)
+    prompts: list[Annotated[str, Field(min_length=1, max_length=2000)]] = Field(default_factory=list, max_length=64)
+    seed: int = Field(42, ge=0, le=2**31 - 1)
+    steps: int = Field(20, ge=1, le=200)
+    guidance: float = Field(3.5, ge=0.0, le=100.0)
+    width: int = Field(1024, ge=32, le=4096)
+    height: int = Field(1024, ge=32, le=4096)
 
 
 class CheckpointConfig(Strict):
@@ -111,6 +135,7 @@ class JobConfig(Strict):
     output: OutputConfig = Field(default_factory=OutputConfig)
     power: PowerConfig = Field(default_factory=PowerConfig)
     priority: int = Field(0, ge=-1000, le=1000)
+    sample: SampleConfig = Field(default_factory=SampleConfig)
 
     @field_validator("name")
     @classmethod
@@ -123,6 +148,7 @@ class JobConfig(Strict):
     def _cross_checks(self):
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        _family_keys_check(self)
         return self
 
     def identity_hash(self) -> str:
@@ -133,9 +159,43 @@ class JobConfig(Strict):
         """
         d = self.model_dump(mode="json")
         d["train"].pop("steps")
-        for k in ("checkpoint", "output", "power", "priority"):
-            d.pop(k)
+        for k in ("checkpoint", "output", "power", "priority", "sample"):
+            d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Keys that only mean something for one family; setting them on the other is a mistake worth naming.
+IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "flip", "repeats")
+TEXT_DATA_KEYS = ("text_field", "seq_len", "packing")
+FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance")
+
+
+def _family_keys_check(cfg: "JobConfig") -> None:
+    family = cfg.model.family
+    builtin_family = {"tiny-flux": "flux"}.get(cfg.model.path.removeprefix(BUILTIN_PREFIX), "causal_lm")
+    if cfg.model.path.startswith(BUILTIN_PREFIX) and builtin_family != family:
+        raise ValueError(f"model.path: {cfg.model.path} is a {builtin_family} model, but model.family is {family}")
+    if family == "causal_lm":
+        wrong = [f"data.{k}" for k in IMAGE_DATA_KEYS if k in cfg.data.model_fields_set]
+        wrong += [f"train.{k}" for k in FLUX_TRAIN_KEYS if k in cfg.train.model_fields_set]
+        wrong += ["sample"] if "sample" in cfg.model_fields_set else []
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: only for model.family flux (this job is causal_lm)")
+    elif family == "flux":
+        wrong = [f"data.{k}" for k in TEXT_DATA_KEYS if k in cfg.data.model_fields_set]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: only for model.family causal_lm (flux reads images and captions)")
+        if cfg.model.quantize is not None:
+            raise ValueError("model.quantize: nf4 is for causal_lm; for flux use model.base_precision")
+        if "formats" not in cfg.output.model_fields_set:
+            cfg.output.formats = ["diffusers"]  # the family-aware default
+        if "peft" in cfg.output.formats:
+            raise ValueError("output.formats: 'peft' is for causal_lm; flux writes 'diffusers' and/or 'comfyui'")
+        if cfg.sample.every_steps is not None and not cfg.sample.prompts:
+            raise ValueError("sample.prompts: sample.every_steps is set but there are no prompts to render")
+        for k in ("width", "height"):
+            if getattr(cfg.sample, k) % 16:
+                raise ValueError(f"sample.{k}: must be a multiple of 16 (got {getattr(cfg.sample, k)})")
 
 
 def _loc(loc: tuple) -> str:
@@ -232,6 +292,10 @@ def _check_paths(cfg: JobConfig) -> None:
         from engine.data.text import check_text_source
 
         check_text_source(dp, cfg.data.text_field)
+    elif cfg.model.family == "flux":
+        from engine.data.images import check_image_folder
+
+        check_image_folder(dp)
 
 
 def load_yaml_text(text: str, source: str) -> Any:

@@ -11,6 +11,8 @@ from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.data.text import TokenDataset, read_documents
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# LoRA targets when lora.targets is not given: every attention and MLP projection of a Llama-like block.
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
@@ -73,7 +75,7 @@ class CausalLM:
             r=cfg.lora.rank,
             lora_alpha=cfg.lora.alpha,
             lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.targets,
+            target_modules=cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS,
             task_type="CAUSAL_LM",
         )
         try:
