@@ -156,9 +156,12 @@ class JobConfig(Strict):
 
         The step count, checkpoint cadence, outputs, power and priority may
         change between attempts without invalidating a checkpoint.
+        Keys at their default value are left out, so a lorad upgrade that adds
+        a key (with a default that keeps the old behaviour) does not strand
+        every checkpoint written before it.
         """
-        d = self.model_dump(mode="json")
-        d["train"].pop("steps")
+        d = self.model_dump(mode="json", exclude_defaults=True)
+        d.get("train", {}).pop("steps", None)
         for k in ("checkpoint", "output", "power", "priority", "sample"):
             d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
