@@ -193,7 +193,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 g["lr"] = lr
             loss_sum = 0.0
             for _ in range(cfg.train.grad_accum):
-                batch = dataset.collate(sample_indices(cfg.train.seed, n, consumed, micro))
+                # A dataset may own its order (Flux: one aspect-ratio bucket per batch); both are pure in (seed, position).
+                pick = getattr(dataset, "indices_at", None) or (lambda seed, start, count: sample_indices(seed, n, start, count))
+                batch = dataset.collate(pick(cfg.train.seed, consumed, micro))
                 consumed += micro
                 batch = _to_device(batch, device)
                 loss = family.loss(model, batch, generator) / cfg.train.grad_accum
