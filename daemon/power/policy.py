@@ -1,0 +1,344 @@
+"""PowerPolicy: telemetry, caps, the tuner, schedules and the UPS behind the supervisor's Policy seam.
+
+The supervisor calls on_job_start / on_heartbeat / on_job_end and tick(now);
+this class never touches a process — it answers with a Decision. It owns the
+GPU limits: on every tick each GPU gets the lowest of the caps that apply to it
+
+    manual (`lorad power --limit`) or caps.default_w,  the open schedule cap,
+    the UPS's lowest cap while on battery,  the running job's limit_w or tuned limit
+
+and a GPU none of them applies to goes back to the limit it had before lorad
+touched it (so a job's own cap ends with the job).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daemon.policy import Decision, RunningJob
+from daemon.power.caps import CapManager
+from daemon.power.schedule import Schedule
+from daemon.power.settings import PowerSettings
+from daemon.power.telemetry import Device, Sampler, open_device
+from daemon.power.telemetry_store import TelemetryStore
+from daemon.power.tuner import Tuner, candidate_limits, job_shape_key, profiling_steps
+from daemon.power.ups import UpsMonitor
+
+_FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
+
+
+@dataclass
+class _Job:
+    job: RunningJob
+    gpu: int
+    shape_key: str
+    limit_w: float | None = None  # a fixed per-job cap
+    auto: bool = False
+    max_slowdown: float = 0.10
+    tuner: Tuner | None = None
+    last: tuple[int, float, float] | None = None  # (step, monotonic t, energy mJ) of the previous heartbeat
+    pending: tuple[float, float, int] = (0.0, 0.0, 0)  # energy J, seconds, steps not yet written
+    flushed_at: float = 0.0
+
+
+class PowerPolicy:
+    def __init__(self, settings: PowerSettings, home: Path, db_path: Path, log: Any,
+                 clock: Callable[[], float] = time.monotonic, device: Device | None = None,
+                 start_threads: bool = True):
+        self.s, self.home, self.log, self.clock = settings, Path(home), log, clock
+        self._lock = threading.RLock()  # supervisor thread + socket handlers (lorad power)
+        self.store = TelemetryStore(db_path, settings.telemetry.raw_retention_s, settings.telemetry.history_days)
+        self.device = device if device is not None else open_device(
+            settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock)
+        self.caps = CapManager(self.device, log) if self.device is not None else None
+        self.sampler = (Sampler(self.device, self._write_samples, settings.telemetry.interval_s, log)
+                        if self.device is not None else None)
+        sch = settings.schedule
+        self.schedule = Schedule(sch, log) if (sch.run_windows or sch.caps or sch.outages_file) else None
+        self.ups = UpsMonitor(settings.ups, log, clock) if settings.ups.enabled else None
+        self.jobs: dict[str, _Job] = {}
+        self.manual: dict[int, float] = {}  # gpu -> W from `lorad power --limit`
+        self._said: set[str] = set()
+        self.last_notes: list[str] = []
+        if start_threads:
+            if self.sampler is not None:
+                self.sampler.start()
+            if self.ups is not None:
+                self.ups.start()
+
+    # --- helpers -------------------------------------------------------------------------------------------
+
+    def _say_once(self, key: str, event: str, **kw: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self.log.warning(event, **kw)
+
+    def _write_samples(self, rows: list) -> None:
+        with self._lock:
+            by_gpu = {j.gpu: jid for jid, j in self.jobs.items()}
+        self.store.add_samples(rows, by_gpu)
+
+    def _gpu_of(self, job: RunningJob) -> int:
+        # A CPU-only machine reports gpu=None; the simulated device stands in with its GPU 0.
+        return job.gpu if job.gpu is not None else 0
+
+    def _shape_key(self, job: RunningJob) -> str:
+        p = self.home / "jobs" / job.job_id / "job.yaml"
+        try:
+            doc = yaml.safe_load(p.read_text())
+            if isinstance(doc, dict):
+                return job_shape_key(doc)
+        except (OSError, yaml.YAMLError):
+            pass
+        return "name:" + job.name  # no job file to read: at least jobs of one name share a profile
+
+    def _make_tuner(self, j: _Job, total: int) -> None:
+        assert self.device is not None
+        info = self.device.info(j.gpu)
+        prof = self.store.load_profile(info.name, j.shape_key)
+        if prof is not None:
+            j.tuner = Tuner.from_profile(prof["points"], j.max_slowdown)
+            self.log.info("power profile reused", job=j.job.job_id, gpu_model=info.name, shape=j.shape_key,
+                          limit_w=j.tuner.limit_w, simulated=info.simulated)
+            return
+        t = self.s.tuner
+        cands = candidate_limits(info.min_w, info.max_w, total, t.warmup_steps, t.measure_steps,
+                                 t.max_candidates, t.budget_fraction, t.round_w)
+        j.tuner = Tuner(cands, t.warmup_steps, t.measure_steps, j.max_slowdown)
+        if cands:
+            self.log.info("power profiling", job=j.job.job_id, candidates_w=cands, total_steps=total,
+                          max_profile_steps=profiling_steps(len(cands), t.warmup_steps, t.measure_steps),
+                          simulated=info.simulated)
+        else:
+            self.log.info("power profiling skipped: job too short for the profiling budget", job=j.job.job_id,
+                          total_steps=total)
+
+    def _flush(self, j: _Job, now: float, force: bool = False) -> None:
+        e, secs, steps = j.pending
+        if steps == 0 or (not force and now - j.flushed_at < _FLUSH_S):
+            return
+        assert self.device is not None
+        info = self.device.info(j.gpu)
+        limit = self.caps.applied.get(j.gpu) if self.caps else None
+        self.store.add_job_energy(j.job.job_id, info.name, info.simulated, e, secs, steps, limit)
+        j.pending, j.flushed_at = (0.0, 0.0, 0), now
+
+    # --- the Policy protocol -------------------------------------------------------------------------------
+
+    def on_job_start(self, job: RunningJob) -> None:
+        with self._lock:
+            power = job.power or {}
+            lim = power.get("limit_w")
+            j = _Job(job=job, gpu=self._gpu_of(job), shape_key=self._shape_key(job),
+                     limit_w=float(lim) if isinstance(lim, (int, float)) else None, auto=lim == "auto",
+                     max_slowdown=float(power.get("max_slowdown", 0.10)), flushed_at=self.clock())
+            self.jobs[job.job_id] = j
+            if self.device is None:
+                if lim is not None:
+                    self._say_once("nocaps", "power limit requested but telemetry is unavailable; running uncapped",
+                                   job=job.job_id, limit_w=lim)
+                return
+            if getattr(self.device, "simulated", False) and hasattr(self.device, "set_busy"):
+                self.device.set_busy(j.gpu, True)
+            if j.auto and job.total:
+                self._make_tuner(j, job.total)
+            self._apply_caps(j.gpu)
+
+    def on_heartbeat(self, job_id: str, event: dict[str, Any]) -> None:
+        if event.get("event") != "step" or self.device is None:
+            return
+        with self._lock:
+            j = self.jobs.get(job_id)
+            if j is None:
+                return
+            step = int(event.get("step", 0))
+            now, energy = self.clock(), self.device.energy_mj(j.gpu)
+            if j.last is not None and step > j.last[0]:
+                e, secs, n = j.pending
+                j.pending = (e + (energy - j.last[2]) / 1000.0, secs + now - j.last[1], n + step - j.last[0])
+            j.last = (step, now, energy)
+            self._flush(j, now)
+            if j.auto and j.tuner is None and event.get("total"):
+                self._make_tuner(j, int(event["total"]))
+            if j.tuner is not None and not j.tuner.done:
+                before = j.tuner.limit_w
+                if j.tuner.observe(step, now, energy, self.caps.applied.get(j.gpu) if self.caps else None):
+                    self._tuned(j)
+                if j.tuner.limit_w != before:
+                    self._apply_caps(j.gpu)
+
+    def _tuned(self, j: _Job) -> None:
+        assert self.device is not None and j.tuner is not None
+        info = self.device.info(j.gpu)
+        pts = [p.to_dict() for p in j.tuner.points]
+        self.store.save_profile(info.name, j.shape_key, info.default_w, pts, info.simulated)
+        base, best = j.tuner.points[0], j.tuner.chosen
+        assert best is not None
+        self.log.info("power tuned", job=j.job.job_id, gpu_model=info.name, limit_w=best.limit_w,
+                      j_per_step_saved=round(1 - best.j_per_step / base.j_per_step, 4),
+                      slowdown=round(best.s_per_step / base.s_per_step - 1, 4), points=len(pts),
+                      simulated=info.simulated)
+
+    def on_job_end(self, job_id: str, exit_code: int | None) -> None:
+        with self._lock:
+            j = self.jobs.pop(job_id, None)
+            if j is None or self.device is None:
+                return
+            self._flush(j, self.clock(), force=True)
+            if not any(o.gpu == j.gpu for o in self.jobs.values()):
+                if hasattr(self.device, "set_busy"):
+                    self.device.set_busy(j.gpu, False)
+            self._apply_caps(j.gpu)
+
+    def tick(self, now: datetime, running: list[RunningJob]) -> Decision:
+        with self._lock:
+            d = Decision()
+            for r in running:  # a job adopted after a daemon restart, or started before the policy existed
+                if r.job_id not in self.jobs:
+                    self.on_job_start(r)
+                else:
+                    self.jobs[r.job_id].job = r
+            sched = self.schedule.state(now) if self.schedule is not None else None
+            ups = self.ups.advice() if self.ups is not None else None
+            self._sched_cap = sched.cap_w if sched else None
+            self._ups_lowest = bool(ups and ups.lowest_cap)
+            reasons = []
+            if ups is not None:
+                d.may_start &= ups.may_start
+                d.checkpoint_now = ups.checkpoint_now
+                d.notes += ups.notes
+                if ups.stop_reason:
+                    reasons.append(ups.stop_reason)
+            if sched is not None:
+                d.may_start &= sched.may_run
+                d.notes += sched.notes
+                if sched.reason:
+                    reasons.append(sched.reason)
+            if reasons and running:
+                d.stop_running = reasons[0]  # the UPS first: it is the most urgent
+                d.checkpoint_now = False  # the stop itself commits a final checkpoint
+            if not running:
+                d.checkpoint_now = False
+            if self.device is not None:
+                for gpu in range(self.device.count()):
+                    self._apply_caps(gpu)
+            self.store.maintain()
+            self.last_notes = list(d.notes)
+            return d
+
+    def close(self) -> None:
+        with self._lock:
+            if self.ups is not None:
+                self.ups.stop()
+            if self.sampler is not None:
+                self.sampler.stop()
+            for j in self.jobs.values():
+                self._flush(j, self.clock(), force=True)
+            if self.caps is not None and self.s.caps.restore_on_exit:
+                self.caps.restore_all("daemon exit")
+            self.store.close()
+            if self.device is not None:
+                self.device.close()
+
+    # --- caps ----------------------------------------------------------------------------------------------
+
+    _sched_cap: float | None = None
+    _ups_lowest: bool = False
+
+    def wanted_limit(self, gpu: int) -> tuple[float | None, str]:
+        """The lowest cap that applies to a GPU now, and why; (None, ...) = the driver's own limit."""
+        assert self.device is not None
+        c: list[tuple[float, str]] = []
+        base = self.manual.get(gpu, self.s.caps.default_w)
+        if base is not None:
+            c.append((float(base), "manual" if gpu in self.manual else "caps.default_w"))
+        if self._sched_cap is not None:
+            c.append((self._sched_cap, "schedule"))
+        if self._ups_lowest:
+            c.append((self.device.info(gpu).min_w, "ups on battery"))
+        for j in self.jobs.values():
+            if j.gpu != gpu:
+                continue
+            if j.limit_w is not None:
+                c.append((j.limit_w, f"job {j.job.job_id}"))
+            elif j.tuner is not None and j.tuner.limit_w is not None:
+                c.append((j.tuner.limit_w, f"job {j.job.job_id} " + ("tuned" if j.tuner.done else "profiling")))
+        if not c:
+            return None, "none"
+        return min(c)
+
+    def _apply_caps(self, gpu: int) -> None:
+        if self.caps is None:
+            return
+        w, why = self.wanted_limit(gpu)
+        self.caps.apply(gpu, w, why)
+
+    def set_manual_limit(self, gpu: int | None, watts: float | None) -> dict[str, Any]:
+        """`lorad power --limit W [--gpu N]` (None W: clear the manual limit). Applied at once."""
+        with self._lock:
+            if self.device is None:
+                return {"ok": False, "error": "telemetry unavailable: no NVML device to cap"}
+            gpus = range(self.device.count()) if gpu is None else [gpu]
+            out = {}
+            for g in gpus:
+                if not 0 <= g < self.device.count():
+                    return {"ok": False, "error": f"no GPU {g}"}
+                if watts is None:
+                    self.manual.pop(g, None)
+                else:
+                    self.manual[g] = float(watts)
+                self._apply_caps(g)
+                out[g] = {"wanted_w": self.wanted_limit(g)[0], "applied_w": self.caps.applied.get(g),  # type: ignore[union-attr]
+                          "refused": self.caps.last_refusal.get(g)}  # type: ignore[union-attr]
+            return {"ok": True, "gpus": out, "simulated": self.device.simulated}
+
+    # --- reports -------------------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """Everything `lorad power --json` shows: live telemetry per GPU, caps, tuner, UPS, schedule."""
+        with self._lock:
+            rep: dict[str, Any] = {"backend": self.s.telemetry.backend, "available": self.device is not None,
+                                   "simulated": bool(self.device and self.device.simulated), "gpus": [],
+                                   "jobs": {}, "notes": list(self.last_notes)}
+            if self.device is None:
+                rep["notes"].insert(0, "telemetry unavailable")
+            else:
+                for g in range(self.device.count()):
+                    info = self.device.info(g)
+                    latest = self.sampler.latest.get(g) if self.sampler else None
+                    want, why = self.wanted_limit(g)
+                    rep["gpus"].append({
+                        "index": g, "name": info.name, "simulated": info.simulated,
+                        "min_w": info.min_w, "max_w": info.max_w, "default_w": info.default_w,
+                        "limit_w": self.device.limit_w(g), "wanted_w": want, "cap_reason": why,
+                        "original_w": self.caps.original.get(g) if self.caps else None,
+                        "refused": self.caps.last_refusal.get(g) if self.caps else None,
+                        "sample": latest.to_dict() if latest else None,
+                    })
+            for jid, j in self.jobs.items():
+                t = j.tuner
+                rep["jobs"][jid] = {"gpu": j.gpu, "limit_w": j.limit_w, "auto": j.auto,
+                                    "tuner": None if t is None else {
+                                        "done": t.done, "limit_w": t.limit_w,
+                                        "points": [p.to_dict() for p in t.points]},
+                                    "energy": self.store.job_summary(jid)}
+            if self.ups is not None:
+                rep["ups"] = {"state": self.ups.mode, "status": self.ups.status, "connected": self.ups.connected,
+                              "error": self.ups.last_error}
+            return rep
+
+    def job_power(self, job_id: str) -> dict[str, Any] | None:
+        """Per-job W, J/step, kWh, steps/kWh for `lorad status ID` (None: no energy recorded)."""
+        with self._lock:
+            j = self.jobs.get(job_id)
+            if j is not None:
+                self._flush(j, self.clock(), force=True)
+            return self.store.job_summary(job_id)
