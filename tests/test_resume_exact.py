@@ -1,0 +1,168 @@
+"""Resume is exact: kills at any point, signals, and re-running a finished or changed job.
+
+Every run here is a real `python -m engine.run` child on a micro Llama, so
+the test exercises the same process boundary the daemon uses.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.checkpoint import CheckpointStore
+from engine.config import load_job
+from tests.conftest import QUICKSTART_DATA, Trainer, adapter_bytes, deep_update, run_engine, tiny_job_dict
+
+OPTIMIZERS = ["adamw8bit", "adamw"]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory, micro_model) -> dict[str, Path]:
+    """One job file per optimizer, shared by the uninterrupted and the interrupted runs."""
+    root = tmp_path_factory.mktemp("jobs")
+    out = {}
+    for opt in OPTIMIZERS:
+        d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"name": f"tiny-{opt}", "train": {"optimizer": opt}})
+        path = root / f"{opt}.yaml"
+        path.write_text(yaml.safe_dump(d, sort_keys=False))
+        out[opt] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, jobs):
+    """uninterrupted(optimizer) -> workdir of a run that was never interrupted (run once per module)."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    done: dict[str, Path] = {}
+
+    def get(opt: str) -> Path:
+        if opt not in done:
+            wd = root / opt
+            t = run_engine(jobs[opt], wd)
+            assert t.proc.returncode == 0, t.stderr
+            done[opt] = wd
+        return done[opt]
+
+    return get
+
+
+def _tmp_dirs(workdir: Path) -> list[Path]:
+    ck = workdir / "checkpoints"
+    return [p for p in ck.iterdir() if ".tmp-" in p.name] if ck.is_dir() else []
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_three_sigkills_then_resume_is_bit_identical(opt, jobs, uninterrupted, tmp_path):
+    rnd = random.Random()
+    wd = tmp_path / "work"
+    story: list[str] = []  # what happened, for the failure message
+
+    # 1. killed at a random step after the first checkpoint
+    k1 = rnd.randint(6, 10)
+    t = Trainer.engine(jobs[opt], wd)
+    t.wait_step(k1)
+    t.kill()
+    story.append(f"run1 SIGKILL after step {k1} (last step seen {t.named('step')[-1]['step']})")
+
+    # 2. resumed, then killed while a checkpoint is half-written
+    t = Trainer.engine(jobs[opt], wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
+    t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)))
+    t.kill()
+    torn = _tmp_dirs(wd)
+    resumed2 = t.named("resumed")
+    story.append(f"run2 resumed {[e['from_step'] for e in resumed2]}, SIGKILL with {[d.name for d in torn]} half-written")
+    assert torn, story
+    torn_step = int(torn[0].name.split(".")[0].split("-")[1])
+    assert not (wd / "checkpoints" / f"step-{torn_step:08d}").exists(), story
+
+    # 3. resumed from before the torn save, then killed at another random step
+    t = Trainer.engine(jobs[opt], wd)
+    t.wait_for(lambda: bool(t.named("resumed")) or bool(t.named("step")))
+    resumed3 = t.named("resumed")
+    assert resumed3 and resumed3[0]["from_step"] < torn_step, story + [f"run3 events {t.events[:3]}"]
+    k3 = rnd.randint(resumed3[0]["from_step"] + 2, 20)
+    t.wait_step(k3)
+    t.kill()
+    story.append(f"run3 resumed from {resumed3[0]['from_step']}, SIGKILL after step {k3}")
+
+    # 4. resumed and run to the end
+    t = run_engine(jobs[opt], wd)
+    assert t.proc.returncode == 0, t.stderr
+    resumed4 = t.named("resumed")
+    story.append(f"run4 resumed from {[e['from_step'] for e in resumed4]}")
+    assert resumed4 and resumed4[0]["from_step"] > 0, story
+    assert not _tmp_dirs(wd), "the stale half-written checkpoint was not cleaned up"
+
+    ref, got = adapter_bytes(uninterrupted(opt)), adapter_bytes(wd)
+    assert sorted(ref) == sorted(got)
+    differing = [k for k in ref if ref[k] != got[k]]
+    assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:2]}; {story}"
+
+
+def test_sigterm_commits_the_current_step_and_exits_75(jobs, tmp_path):
+    wd = tmp_path / "work"
+    t = Trainer.engine(jobs["adamw8bit"], wd)
+    t.wait_step(5)
+    t.send(signal.SIGTERM)
+    assert t.wait() == 75, t.stderr
+    stopped = t.named("stopped")
+    last_step = t.named("step")[-1]["step"]
+    assert stopped and stopped[0]["step"] == last_step < 24
+    store = CheckpointStore(wd / "checkpoints", load_job(jobs["adamw8bit"]).identity_hash(), keep=3)
+    loaded, skipped = store.load_latest()
+    assert skipped == [] and loaded is not None
+    assert loaded.step == last_step and loaded.state["step"] == last_step
+
+
+def test_second_sigint_exits_at_once_and_the_last_checkpoint_stands(tmp_path, write_job):
+    job = write_job(train={"steps": 200}, checkpoint={"every_steps": 4})
+    wd = tmp_path / "work"
+    # Each save takes >= 2 s, so a prompt exit can only come from the second SIGINT.
+    t = Trainer.engine(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.4")
+    t.wait_for(lambda: bool(t.named("checkpoint_committed")))
+    t.send(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    t.send(signal.SIGINT)
+    rc = t.wait()
+    assert rc == 130, t.stderr
+    assert time.monotonic() - t0 < 1.5
+    assert not t.named("stopped")
+    committed = max(e["step"] for e in t.named("checkpoint_committed"))
+    store = CheckpointStore(wd / "checkpoints", load_job(job).identity_hash(), keep=3)
+    loaded, skipped = store.load_latest()
+    assert skipped == []
+    assert loaded is not None and loaded.step == committed
+
+
+def test_rerunning_a_finished_job_reports_done_without_training(uninterrupted, jobs, tmp_path):
+    wd = tmp_path / "finished"
+    shutil.copytree(uninterrupted("adamw8bit"), wd)
+    before = adapter_bytes(wd)
+    t = run_engine(jobs["adamw8bit"], wd)
+    assert t.proc.returncode == 0, t.stderr
+    assert not t.named("step")
+    done = t.named("done")
+    assert done and done[0].get("already") is True
+    assert adapter_bytes(wd) == before
+
+
+def test_changed_training_settings_refuse_to_resume_with_a_clear_message(uninterrupted, jobs, tmp_path):
+    wd = tmp_path / "changed"
+    shutil.copytree(uninterrupted("adamw8bit"), wd)
+    raw = yaml.safe_load(jobs["adamw8bit"].read_text())
+    raw["train"]["lr"] = 0.005
+    job = tmp_path / "changed.yaml"
+    job.write_text(yaml.safe_dump(raw))
+    t = run_engine(job, wd)
+    assert t.proc.returncode == 65
+    lines = [ln for ln in t.stderr.splitlines() if ln.startswith("lorad:")]
+    assert len(lines) == 1 and "different" in lines[0] and "config hash" in lines[0], t.stderr
+    assert "Traceback" not in t.stderr
+    assert t.named("invalid_job")
