@@ -69,7 +69,7 @@ class DataConfig(Strict):
     seq_len: int = Field(256, ge=8, le=131072)
     packing: bool = True
     # flux only (engine/data/images.py): aspect-ratio buckets around each resolution, captions from IMAGE.<caption_ext>
-    resolution: list[Annotated[int, Field(ge=64, le=4096)]] = Field(default_factory=lambda: [512], min_length=1)
+    resolution: list[Annotated[int, Field(ge=32, le=4096)]] = Field(default_factory=lambda: [512], min_length=1)
     trigger: str | None = Field(None, max_length=200)
     caption_ext: str = Field("txt", pattern=r"^[A-Za-z0-9_]{1,16}$")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0)

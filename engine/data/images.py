@@ -1,0 +1,210 @@
+"""Image datasets for Flux LoRA: a folder of images with same-name caption files, aspect-ratio buckets.
+
+Layout (data.path):
+
+    photo-001.png   photo-001.txt     "a man in a red coat"
+    photo-002.jpg   photo-002.txt
+    sub/pic.webp    sub/pic.txt       (sub-folders are read too; hidden files are skipped)
+
+A missing caption file means the trigger word alone (with a warning); a
+trigger (data.trigger) is prepended to every caption that does not already
+start with it.
+
+Buckets. For each resolution R in data.resolution the bucket set holds the
+sizes (w, h), both multiples of the step (16 px up to R=256, 64 px above),
+whose area is at most R² and whose aspect ratio is at most 2:1 either way.
+Every image is trained once per resolution, at the bucket whose aspect ratio
+is closest (in log space) to its own: resized to cover the bucket, then
+centre-cropped. Nothing is random here, so the cache is stable.
+
+Order. Every micro-batch holds samples of one bucket only (Flux needs one
+latent size per batch). For epoch e the samples of each bucket (repeated
+data.repeats times) are shuffled with a generator seeded by (seed, e,
+bucket), cut into batches (the last one topped up from the start of the same
+bucket), and the list of batches is permuted with a generator seeded by
+(seed, e). Batch k of the run is therefore a pure function of (seed, epoch,
+position) and resume needs only the count of samples consumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from engine.config import JobInvalid
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+MAX_ASPECT = 2.0
+
+
+def list_images(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    return sorted(
+        p for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def check_image_folder(path: Path) -> None:
+    """Cheap validation at job-load time: a directory that holds at least one image."""
+    path = Path(path)
+    if not path.is_dir():
+        raise JobInvalid(f"data.path: {path} must be a folder of images with same-name .txt captions (model.family flux)")
+    if not list_images(path):
+        raise JobInvalid(f"data.path: {path} contains no images ({', '.join(IMAGE_EXTS)})")
+
+
+def bucket_step(resolution: int) -> int:
+    return 16 if resolution <= 256 else 64
+
+
+def buckets_for(resolution: int) -> list[tuple[int, int]]:
+    """Bucket sizes (w, h) around resolution² area, aspect ratio within 2:1, multiples of the step."""
+    step = bucket_step(resolution)
+    area = resolution * resolution
+    out = set()
+    for w in range(step, 2 * resolution + 1, step):
+        h = (area // w) // step * step
+        if h >= step and max(w / h, h / w) <= MAX_ASPECT:
+            out.add((w, h))
+    return sorted(out)
+
+
+def assign_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
+    target = math.log(width / height)
+    return min(buckets_for(resolution), key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1]))
+
+
+def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
+    """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im).convert("RGB")
+    w, h = bucket
+    scale = max(w / im.width, h / im.height)
+    size = (max(w, round(im.width * scale)), max(h, round(im.height * scale)))
+    im = im.resize(size, Image.Resampling.LANCZOS)
+    left, top = (size[0] - w) // 2, (size[1] - h) // 2
+    im = im.crop((left, top, left + w, top + h))
+    return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    path: Path
+    rel: str
+    sha256: str
+    width: int
+    height: int
+    caption: str
+    caption_missing: bool
+
+
+@dataclass(frozen=True)
+class Item:
+    """One training sample: an image at one resolution's bucket."""
+
+    record: ImageRecord
+    resolution: int
+    bucket: tuple[int, int]
+
+
+def make_caption(raw: str | None, trigger: str | None) -> str:
+    text = " ".join((raw or "").split())
+    if trigger:
+        if not text:
+            return trigger
+        if not text.startswith(trigger):
+            return f"{trigger}, {text}"
+    return text
+
+
+def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[ImageRecord]:
+    from PIL import Image, UnidentifiedImageError
+
+    folder = Path(folder)
+    records = []
+    for p in list_images(folder):
+        data = p.read_bytes()
+        try:
+            with Image.open(p) as im:
+                im = _oriented(im)
+                size = im.size
+        except (UnidentifiedImageError, OSError) as e:
+            raise JobInvalid(f"data.path: {p.relative_to(folder)} is not a readable image ({e})") from None
+        cap_path = p.with_suffix("." + caption_ext)
+        missing = not cap_path.is_file()
+        raw = None if missing else cap_path.read_text(encoding="utf-8", errors="replace")
+        if missing and log is not None:
+            log.warning("caption_missing", image=str(p.relative_to(folder)),
+                        message=f"no {cap_path.name}; the caption is the trigger alone ({trigger or 'empty'})")
+        records.append(ImageRecord(p, str(p.relative_to(folder)), hashlib.sha256(data).hexdigest(), size[0], size[1],
+                                   make_caption(raw, trigger), missing))
+    if not records:
+        raise JobInvalid(f"data.path: {folder} contains no images")
+    return records
+
+
+def _oriented(im):
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(im)
+
+
+def make_items(records: list[ImageRecord], resolutions: list[int]) -> list[Item]:
+    return [Item(r, res, assign_bucket(r.width, r.height, res)) for r in records for res in sorted(set(resolutions))]
+
+
+def dataset_hash(records: list[ImageRecord]) -> str:
+    """Identifies the training set (image bytes and final captions) in output metadata."""
+    h = hashlib.sha256()
+    for r in records:
+        h.update(f"{r.rel}\0{r.sha256}\0{r.caption}\n".encode())
+    return h.hexdigest()[:16]
+
+
+class BucketOrder:
+    """Deterministic single-bucket batches over `items` (see the module docstring)."""
+
+    def __init__(self, items: list[Item], batch_size: int, repeats: int, seed: int):
+        self.batch_size = batch_size
+        self.seed = seed
+        by_bucket: dict[tuple[int, int], list[int]] = {}
+        for i, it in enumerate(items):
+            by_bucket.setdefault(it.bucket, []).extend([i] * repeats)
+        self.buckets = sorted(by_bucket.items())
+        self.n_batches = sum(math.ceil(len(m) / batch_size) for _, m in self.buckets)
+
+    def __len__(self) -> int:
+        """Samples per epoch (whole batches, so an epoch boundary never splits a batch)."""
+        return self.n_batches * self.batch_size
+
+    @lru_cache(maxsize=4)
+    def epoch_batches(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        batches = []
+        for b, (_, members) in enumerate(self.buckets):
+            rng = np.random.Generator(np.random.PCG64([self.seed, epoch, b, 1]))
+            shuffled = [members[i] for i in rng.permutation(len(members))]
+            for s in range(0, len(shuffled), self.batch_size):
+                chunk = shuffled[s : s + self.batch_size]
+                # Top up the last batch from the start of the same bucket, wrapping for tiny buckets.
+                k = 0
+                while len(chunk) < self.batch_size:
+                    chunk.append(shuffled[k % len(shuffled)])
+                    k += 1
+                batches.append(tuple(chunk))
+        rng = np.random.Generator(np.random.PCG64([self.seed, epoch, 2]))
+        return tuple(batches[i] for i in rng.permutation(len(batches)))
+
+    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
+        """Item indices of the micro-batch that starts at global sample position `start`."""
+        if seed != self.seed or count != self.batch_size or start % self.batch_size:
+            raise ValueError("bucketed batches are read whole: start must be a multiple of train.batch_size")
+        k = start // self.batch_size
+        return list(self.epoch_batches(k // self.n_batches)[k % self.n_batches])

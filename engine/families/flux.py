@@ -1,0 +1,276 @@
+"""FLUX.1 (dev or schnell) LoRA: diffusers FluxTransformer2DModel trained by flow matching on cached latents.
+
+The objective is rectified flow. For a clean latent x0, noise ε ~ N(0, I) and
+a noise level σ in [0, 1] the model sees the straight-line interpolation
+
+    x_σ = (1 − σ) · x0 + σ · ε
+
+and is trained to predict the velocity along that line, v = dx_σ/dσ = ε − x0,
+with a plain mean squared error. The transformer's timestep input is σ itself
+(the Flux pipeline passes t/1000 with t = 1000σ).
+
+Where σ is drawn matters more than anything else in the recipe
+(train.timestep_sampling):
+
+- `sigmoid` — logit-normal: σ = sigmoid(u), u ~ N(0, 1). Most samples in
+  the middle of the noise range, where detail and composition are learned;
+  the default, as in SD3/FLUX training and most Flux LoRA trainers.
+- `linear` — uniform: σ ~ U(0, 1). Every noise level equally often.
+- `shift` — uniform t, then moved toward high noise by the same
+  resolution-dependent shift FLUX's scheduler applies at inference:
+  σ = e^μ·t / (e^μ·t + 1 − t), with μ linear in the number of image tokens
+  (diffusers' `calculate_shift` with the model's scheduler settings: μ = 0.5
+  at 256 tokens, 1.15 at 4096). Large images spend more steps at high noise,
+  matching how they are sampled.
+
+Flux sees latents as a sequence: the 16-channel (VAE) latent is cut into 2×2
+patches and packed to [B, h/2·w/2, 64] (`FluxPipeline._pack_latents`), and
+every image token gets a position id (0, row, col)
+(`FluxPipeline._prepare_latent_image_ids`), text tokens (0, 0, 0). Both are
+public static helpers of the diffusers pipeline and used as is, so training
+sees exactly what inference does. FLUX.1-dev also embeds a guidance value
+(train.guidance); schnell has no guidance embedding and ignores it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# The modules diffusers' Flux LoRA trainer targets: attention q/k/v/out of both streams (incl. the added text
+# projections), both feed-forwards, and the single blocks' q/k/v, proj_mlp and proj_out. Matched against the
+# full module path so the top-level proj_out (the final projection) and the embedders are not caught.
+DEFAULT_TARGETS = (
+    r"^(transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+    r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))"
+    r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out))$"
+)
+
+SCHEDULER_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
+
+
+def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
+    """A local FLUX.1 diffusers directory or hub id as given; builtin:tiny-flux is built under the workdir."""
+    p = cfg.model.path
+    if p.startswith(BUILTIN_PREFIX):
+        from engine.tiny_flux import materialise_tiny_flux
+
+        return str(materialise_tiny_flux(Path(workdir) / "builtin-models"))
+    return p
+
+
+def sample_sigmas(kind: str, batch: int, image_seq_len: int, sched: dict[str, float],
+                  generator: torch.Generator) -> torch.Tensor:
+    """Noise levels σ in [0, 1] for one batch (see the module docstring for the three kinds)."""
+    if kind == "sigmoid":
+        return torch.sigmoid(torch.randn(batch, generator=generator))
+    t = torch.rand(batch, generator=generator)
+    if kind == "linear":
+        return t
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    mu = calculate_shift(image_seq_len, sched["base_image_seq_len"], sched["max_image_seq_len"],
+                         sched["base_shift"], sched["max_shift"])
+    e = math.exp(mu)
+    return e * t / (e * t + (1 - t))
+
+
+def apply_lora(transformer: torch.nn.Module, cfg: JobConfig) -> torch.nn.Module:
+    """Freeze the transformer and add a peft LoRA adapter (named "default") to the target modules."""
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    lcfg = LoraConfig(
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS,
+        init_lora_weights=True,
+    )
+    try:
+        transformer.add_adapter(lcfg)
+    except ValueError as e:
+        raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+    return transformer
+
+
+class FluxDataset:
+    """Items backed by the cache; batches are single-bucket (engine.data.images.BucketOrder)."""
+
+    def __init__(self, items, order, cache, plan):
+        self.items, self.order, self.cache, self.plan = items, order, cache, plan
+        empty = cache.load(plan.empty_text)
+        self._empty = (empty["prompt_embeds"], empty["pooled"])
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
+        return self.order.indices_at(seed, start, count)
+
+    def collate(self, indices: list[int]) -> dict[str, Any]:
+        lat = [self.cache.load(self.plan.item_latent[i]) for i in indices]
+        txt = [self.cache.load(self.plan.item_text[i]) for i in indices]
+        batch = {
+            "latents": torch.stack([x["latent"] for x in lat]),
+            "prompt_embeds": torch.stack([t["prompt_embeds"] for t in txt]),
+            "pooled": torch.stack([t["pooled"] for t in txt]),
+            "empty_prompt_embeds": self._empty[0][None],
+            "empty_pooled": self._empty[1][None],
+        }
+        if "latent_flip" in lat[0]:
+            batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+        return batch
+
+
+class Flux:
+    def __init__(self):
+        self.cfg: JobConfig | None = None
+        self.cache = None
+        self.plan = None
+        self.items = None
+        self.records = None
+        self.sched = dict(SCHEDULER_DEFAULTS)
+        self.sampler = None
+
+    # ---------------------------------------------------------------- data
+    def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
+        """Scan the image folder and make the latent/text cache complete (encoders are freed afterwards)."""
+        from engine import cache as cache_mod
+        from engine.data.images import make_items, scan
+
+        self.cfg = cfg
+        path = resolve_model_path(cfg, workdir)
+        self.records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
+        self.items = make_items(self.records, cfg.data.resolution)
+        self.cache, self.plan, self.report = cache_mod.ensure(cfg, self.items, workdir, path, log, bar=bar)
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> FluxDataset:
+        from engine.data.images import BucketOrder
+
+        if self.cache is None:
+            self.prepare(cfg, workdir, log)
+        order = BucketOrder(self.items, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
+        buckets = sorted({f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items})
+        log.info("dataset", images=len(self.records), samples_per_epoch=len(order), buckets=buckets,
+                 captions_missing=sum(r.caption_missing for r in self.records))
+        return FluxDataset(self.items, order, self.cache, self.plan)
+
+    def dataset_hash(self) -> str:
+        from engine.data.images import dataset_hash
+
+        return dataset_hash(self.records) if self.records else ""
+
+    # ---------------------------------------------------------------- model
+    def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        self.cfg = cfg
+        path = resolve_model_path(cfg, workdir)
+        transformer = FluxTransformer2DModel.from_pretrained(
+            path, subfolder="transformer", revision=cfg.model.revision, dtype=DTYPES[cfg.model.dtype]
+        )
+        self.sched = _scheduler_settings(path, cfg.model.revision)
+        _maybe_precision(transformer, cfg, device, log)
+        transformer.to(device)
+        if cfg.train.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        apply_lora(transformer, cfg)
+        # LoRA weights train in float32 even on a bf16 base (peft casts the input to the LoRA weight's dtype).
+        for p in transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+        log.info("lora", trainable_params=n, modules=sum(1 for m in transformer.modules() if hasattr(m, "lora_A")))
+        return transformer
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+        from diffusers import FluxPipeline
+
+        cfg = self.cfg
+        x0 = batch["latents"]
+        device, dtype = x0.device, model.dtype
+        b, c, h, w = x0.shape
+        # Every random draw comes from `generator` (checkpointed), in a fixed order.
+        if "latents_flip" in batch:
+            flip = (torch.rand(b, generator=generator) < 0.5).to(device)
+            x0 = torch.where(flip[:, None, None, None], batch["latents_flip"], x0)
+        embeds, pooled = batch["prompt_embeds"], batch["pooled"]
+        if cfg.data.caption_dropout > 0:
+            drop = (torch.rand(b, generator=generator) < cfg.data.caption_dropout).to(device)
+            embeds = torch.where(drop[:, None, None], batch["empty_prompt_embeds"].expand_as(embeds), embeds)
+            pooled = torch.where(drop[:, None], batch["empty_pooled"].expand_as(pooled), pooled)
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        seq_len = (h // 2) * (w // 2)
+        sigma = sample_sigmas(cfg.train.timestep_sampling, b, seq_len, self.sched, generator).to(device)
+        x0, noise = x0.float(), noise.float()
+        s = sigma[:, None, None, None]
+        x_t = (1 - s) * x0 + s * noise
+        target = noise - x0
+
+        packed = FluxPipeline._pack_latents(x_t.to(dtype), b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
+        guidance = None
+        if model.config.guidance_embeds:
+            guidance = torch.full((b,), cfg.train.guidance, device=device, dtype=torch.float32)
+        pred = model(
+            hidden_states=packed,
+            timestep=sigma.to(dtype),
+            guidance=guidance,
+            pooled_projections=pooled.to(dtype),
+            encoder_hidden_states=embeds.to(dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        return torch.nn.functional.mse_loss(pred.float(), FluxPipeline._pack_latents(target, b, c, h, w))
+
+    # ---------------------------------------------------------------- samples and export
+    def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
+        every = cfg.sample.every_steps
+        if not every or step % every or not cfg.sample.prompts:
+            return
+        if self.sampler is None:
+            from engine.sample import Sampler
+
+            self.sampler = Sampler(cfg, resolve_model_path(cfg, workdir), self.cache, self.plan, Path(workdir))
+        self.sampler.render(model, step, log)
+
+    def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
+        from engine.export_flux import export
+
+        meta = {**meta, "trigger": cfg.data.trigger or "", "dataset_hash": self.dataset_hash()}
+        return export(model, cfg, Path(out_dir), meta)
+
+
+def _scheduler_settings(path: str, revision: str | None) -> dict[str, float]:
+    """The shift settings of the model's own scheduler (for timestep_sampling: shift)."""
+    out = dict(SCHEDULER_DEFAULTS)
+    try:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        conf = FlowMatchEulerDiscreteScheduler.load_config(path, subfolder="scheduler", revision=revision)
+        out.update({k: conf[k] for k in SCHEDULER_DEFAULTS if conf.get(k) is not None})
+    except (OSError, ValueError, json.JSONDecodeError):
+        pass  # a transformer-only directory: FLUX.1's published settings
+    return out
+
+
+def _maybe_precision(transformer: torch.nn.Module, cfg: JobConfig, device: torch.device, log) -> None:
+    """FP8 frozen base weights etc. live in engine/precision.py when it is present."""
+    if cfg.model.base_precision in ("auto", "bf16"):
+        return
+    try:
+        from engine.precision import apply_base_precision
+    except ImportError:
+        raise JobInvalid(f"model.base_precision: {cfg.model.base_precision} is not available in this build") from None
+    apply_base_precision(transformer, cfg, device, log)

@@ -1,0 +1,72 @@
+"""Shared pieces of the Flux tests: the tiny random pipeline (built once per session), images, job files.
+
+Import the fixtures into a test module with
+`from tests.flux_helpers import tiny_flux  # noqa: F401` (pytest finds fixtures by name there).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.conftest import deep_update
+
+# (file name, width, height, caption or None for no caption file)
+IMAGES = [
+    ("wide-0.png", 96, 48, "a red square on grass"),
+    ("wide-1.png", 90, 44, "a blue circle in the sky"),
+    ("tall-0.png", 40, 80, "a green tower"),
+    ("tall-1.png", 44, 90, None),
+    ("square-0.png", 64, 64, "a yellow sun"),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_flux(tmp_path_factory) -> Path:
+    """A tiny random FLUX.1-dev-shaped diffusers directory (transformer, VAE, CLIP, T5, tokenizers, scheduler)."""
+    from engine.tiny_flux import build_tiny_flux
+
+    dest = tmp_path_factory.mktemp("models") / "tiny-flux"
+    build_tiny_flux(dest)
+    return dest
+
+
+def make_images(folder: Path, images=IMAGES, seed: int = 0) -> Path:
+    """Procedural RGB images (smooth gradients plus a block, so the VAE sees structure) with captions."""
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name, w, h, caption in images:
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = rng.integers(0, 255, size=3)
+        arr = np.stack([(base[c] + xx * (c + 1) + yy * (3 - c)) % 256 for c in range(3)], axis=-1).astype(np.uint8)
+        arr[h // 4 : h // 2, w // 4 : w // 2] = rng.integers(0, 255, size=3)
+        Image.fromarray(arr).save(folder / name)
+        if caption is not None:
+            (folder / name).with_suffix(".txt").write_text(caption + "\n")
+    return folder
+
+
+def flux_job_dict(model: Path | str, data: Path | str, **over: Any) -> dict[str, Any]:
+    d = {
+        "name": "tiny-flux",
+        "model": {"family": "flux", "path": str(model), "dtype": "float32"},
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
+        "data": {"path": str(data), "resolution": [48, 64], "trigger": "sks", "caption_dropout": 0.2,
+                 "flip": True, "repeats": 2},
+        "train": {"steps": 10, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
+                  "seed": 3, "timestep_sampling": "shift", "guidance": 1.0, "max_grad_norm": 1.0},
+        "checkpoint": {"every_steps": 3, "every_seconds": None, "keep": 2},
+        "output": {"formats": ["diffusers", "comfyui"]},
+    }
+    return deep_update(d, over)
+
+
+def write_flux_job(path: Path, model: Path | str, data: Path | str, **over: Any) -> Path:
+    path.write_text(yaml.safe_dump(flux_job_dict(model, data, **over), sort_keys=False))
+    return path
