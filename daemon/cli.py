@@ -1,14 +1,30 @@
-"""The `lorad` command line. One function per verb; `main()` dispatches."""
+"""The `lorad` command line. One function per verb; `main()` dispatches.
+
+`run` trains in the foreground; `serve` is the daemon; every other verb is one
+typed request over the daemon's socket (daemon/protocol.py), printed as a
+table or, with --json, as the reply's JSON.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+from daemon import protocol as p
 from daemon.paths import default_home, job_dir
 
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
+FINAL = {"succeeded", "failed", "cancelled"}
 
+
+# ================================================================ verbs without the daemon
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a job in the foreground (no daemon). Running it again resumes."""
     from engine.config import JobInvalid, dump_job, load_job
@@ -32,21 +48,254 @@ def cmd_run(args: argparse.Namespace) -> int:
     return train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from daemon.service import serve
+
+    return serve(Path(args.home) if args.home else default_home(), args.config)
+
+
+def cmd_install_service(args: argparse.Namespace) -> int:
+    """Install systemd/lorad.service with ExecStart pointing at this lorad, create the group, enable it."""
+    src = Path(__file__).resolve().parents[1] / "systemd" / "lorad.service"
+    if not src.is_file():
+        print(f"lorad: {src} not found (install-service needs the source checkout; see README 'The service')",
+              file=sys.stderr)
+        return 1
+    exe = shutil.which("lorad") or str(Path(sys.executable).with_name("lorad"))
+    unit = src.read_text().replace("/usr/local/bin/lorad", exe)
+    dest = Path(args.dest)
+    if args.dry_run:
+        print(unit, end="")
+        return 0
+    if os.geteuid() != 0:
+        print("lorad: install-service needs root (sudo lorad install-service)", file=sys.stderr)
+        return 1
+    dest.write_text(unit)
+    print(f"wrote {dest}")
+    steps = [["getent", "group", "lorad"]]
+    if subprocess.run(steps[0], capture_output=True).returncode != 0:
+        subprocess.run(["groupadd", "--system", "lorad"], check=True)
+        print("created group lorad (add users with: usermod -aG lorad USER)")
+    if not args.no_enable:
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
+        subprocess.run(["systemctl", "enable", "--now", "lorad"], check=True)
+        print("enabled and started lorad.service (journalctl -u lorad -f)")
+    return 0
+
+
+# ================================================================ verbs through the socket
+def _call(args: argparse.Namespace, req: p.BaseModel) -> dict[str, Any]:
+    from daemon.client import Client, find_socket
+
+    return Client(find_socket(args.home, args.socket)).call(req)
+
+
+def _out(args: argparse.Namespace, data: dict[str, Any], human) -> int:
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        human(data)
+    return 0
+
+
+def _fmt_eta(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    data = _call(args, p.Ping())
+    return _out(args, data, lambda d: print(f"lorad is up: pid {d['pid']}, home {d['home']}, "
+                                            f"{d['running']} running, up {d['uptime_s']} s"
+                                            + (", draining" if d["draining"] else "")))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from daemon.intake import normalised
+    from engine.config import JobInvalid, load_job
+
+    try:
+        cfg = load_job(args.job)  # locally first: the mistake is shown here, not in rejected/
+    except JobInvalid as e:
+        print(f"lorad: invalid job: {e}", file=sys.stderr)
+        return 65
+    data = _call(args, p.Submit(name=Path(args.job).name, text=normalised(cfg)))
+    return _out(args, data, lambda d: print(d["job"]))
+
+
+def _print_table(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE"):
+        t.add_column(col, justify="right" if col in ("STEP", "LOSS", "S/STEP", "ETA") else "left")
+    for j in data["jobs"]:
+        note = j["requested"] and f"{j['requested']} requested" or (j["last_error"] or "")
+        if j["state"] in ("succeeded", "cancelled"):
+            note = ""
+        t.add_row(j["id"], j["name"], j["state"], f"{j['step']}/{j['total']}",
+                  f"{j['loss']:.4f}" if j["loss"] is not None else "-",
+                  f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
+                  _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note[:60])
+    c = Console(width=max(shutil.get_terminal_size((120, 20)).columns, 100))
+    if not data["jobs"]:
+        c.print("no jobs (drop a job file into the inbox, or: lorad submit FILE)")
+    else:
+        c.print(t)
+    if data.get("draining"):
+        c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
+    for n in data.get("notes", []):
+        c.print(f"note: {n}")
+
+
+def _print_detail(data: dict[str, Any]) -> None:
+    j = data["job"]
+    rows = [("id", j["id"]), ("name", j["name"]), ("state", j["state"]), ("priority", j["priority"]),
+            ("step", f"{j['step']}/{j['total']}"), ("loss", j["loss"]), ("s/step", j["s_per_step"]),
+            ("ETA", _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
+            ("last checkpoint", j["last_checkpoint"] or "-"), ("output", j["output"] or "-"),
+            ("workdir", j["workdir"]), ("submitted", _when(j["submitted_at"])), ("source", j["source"]),
+            ("crashes in a row", j["retries"])]
+    if j["not_before"] and j["not_before"] > time.time() and j["state"] == "queued":
+        rows.append(("next try", _when(j["not_before"])))
+    if j["requested"]:
+        rows.append(("requested", j["requested"]))
+    if j["last_error"]:
+        rows.append(("last error", j["last_error"]))
+    for k, v in rows:
+        print(f"{k:>17}: {v}")
+    print("attempts:")
+    for a in j["attempts"]:
+        end = _when(a["ended_at"]) if a["ended_at"] else "running"
+        print(f"  #{a['n']:<3} {_when(a['started_at'])} → {end}  pid {a['pid']}  exit {a['exit_code']}  "
+              f"steps {a['start_step']}→{a['end_step'] if a['end_step'] is not None else '…'}"
+              + (f"  error: {a['error']}" if a["error"] else ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    data = _call(args, p.Status(job=args.job))
+    return _out(args, data, _print_detail if args.job else _print_table)
+
+
+def _log_line(ev: dict[str, Any]) -> str:
+    skip = {"ts", "level", "event", "job"}
+    rest = " ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
+    return f"{ev.get('ts', '')[:19]} {ev.get('level', ''):7} {ev.get('event', '')} {rest}".rstrip()
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    data = _call(args, p.Logs(job=args.job, tail=args.lines))
+    while True:
+        for ev in data["lines"]:
+            print(json.dumps(ev) if args.json else _log_line(ev), flush=True)
+        if not args.follow:
+            return 0
+        if data["state"] in FINAL and not data["lines"]:
+            return 0
+        time.sleep(0.5)
+        data = _call(args, p.Logs(job=args.job, offset=data["offset"]))
+
+
+def _action(req_cls):
+    def cmd(args: argparse.Namespace) -> int:
+        data = _call(args, req_cls(job=args.job))
+        return _out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+
+    return cmd
+
+
+cmd_pause = _action(p.Pause)
+cmd_resume = _action(p.Resume)
+cmd_cancel = _action(p.Cancel)
+
+
+def cmd_priority(args: argparse.Namespace) -> int:
+    data = _call(args, p.SetPriority(job=args.job, priority=args.priority))
+    return _out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    data = _call(args, p.Drain(on=not args.off))
+    return _out(args, data, lambda d: print(d["message"]))
+
+
+# ================================================================ parser
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="lorad", description="Resilient LoRA training service.")
     sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    p = sub.add_parser("run", help="train a job in the foreground; run again to resume")
-    p.add_argument("job", help="job YAML file")
-    p.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(fn=cmd_run)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
+    common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
+    common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+
+    p_ = sub.add_parser("run", help="train a job in the foreground; run again to resume")
+    p_.add_argument("job", help="job YAML file")
+    p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
+    p_.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_.set_defaults(fn=cmd_run)
+
+    p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
+    p_.add_argument("--home", help="lorad home directory")
+    p_.add_argument("--config", help="daemon config YAML (see configs/daemon.yaml)")
+    p_.set_defaults(fn=cmd_serve)
+
+    p_ = sub.add_parser("install-service", help="install and enable the systemd unit (root)")
+    p_.add_argument("--dest", default="/etc/systemd/system/lorad.service")
+    p_.add_argument("--no-enable", action="store_true", help="write the unit, do not enable or start it")
+    p_.add_argument("--dry-run", action="store_true", help="print the unit that would be installed")
+    p_.set_defaults(fn=cmd_install_service)
+
+    p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
+    p_.set_defaults(fn=cmd_ping)
+    p_ = sub.add_parser("submit", parents=[common], help="validate a job file and queue it; prints the job id")
+    p_.add_argument("job", help="job YAML file")
+    p_.set_defaults(fn=cmd_submit)
+    p_ = sub.add_parser("status", parents=[common], help="the queue, or one job in detail")
+    p_.add_argument("job", nargs="?", help="job id (or name)")
+    p_.set_defaults(fn=cmd_status)
+    p_ = sub.add_parser("logs", parents=[common], help="a job's events")
+    p_.add_argument("job")
+    p_.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p_.add_argument("-n", "--lines", type=int, default=50)
+    p_.set_defaults(fn=cmd_logs)
+    for verb, fn, what in (("pause", cmd_pause, "checkpoint and stop a job (or keep a queued one from starting)"),
+                           ("resume", cmd_resume, "queue a paused job again"),
+                           ("cancel", cmd_cancel, "stop a job for good (its checkpoints stay)")):
+        p_ = sub.add_parser(verb, parents=[common], help=what)
+        p_.add_argument("job")
+        p_.set_defaults(fn=fn)
+    p_ = sub.add_parser("priority", parents=[common], help="set a job's priority (higher runs first)")
+    p_.add_argument("job")
+    p_.add_argument("priority", type=int)
+    p_.set_defaults(fn=cmd_priority)
+    p_ = sub.add_parser("drain", parents=[common], help="checkpoint and stop running jobs; start no new ones")
+    p_.add_argument("--off", action="store_true", help="take jobs again")
+    p_.set_defaults(fn=cmd_drain)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    from daemon.client import DaemonDown, RequestFailed
+
+    try:
+        return args.fn(args)
+    except DaemonDown as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except RequestFailed as e:
+        if getattr(args, "json", False):
+            print(json.dumps({"ok": False, "error": e.code, "message": e.message}))
+        print(f"lorad: {e.message}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

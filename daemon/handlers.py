@@ -1,0 +1,187 @@
+"""One handler per socket verb. Each takes the daemon context and its typed request and returns the reply data.
+
+Handlers run on connection threads: they read and write the store (which
+serialises access) and wake the service loop; they never touch processes —
+the supervisor's `requests` step turns a recorded pause/cancel into a SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from daemon import protocol as p
+from daemon import states
+from daemon.store import Store, UnknownJob
+from engine.config import JobInvalid
+
+LOG_CHUNK_BYTES = 256 * 1024
+
+
+class HandlerError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Context:
+    home: Path
+    store: Store
+    intake: Any
+    supervisor: Any
+    started_at: float
+    socket_path: Path
+
+    def wake(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.wake.set()
+
+
+def _job(ctx: Context, ref: str) -> dict[str, Any]:
+    try:
+        return ctx.store.find(ref)
+    except UnknownJob:
+        raise HandlerError("not_found", f"no job {ref!r}") from None
+
+
+def _row(job: dict[str, Any]) -> dict[str, Any]:
+    return p.JobRow.model_validate(job).model_dump()
+
+
+def ping(ctx: Context, req: p.Ping) -> dict[str, Any]:
+    sup = ctx.supervisor
+    return {"pid": os.getpid(), "home": str(ctx.home), "socket": str(ctx.socket_path),
+            "uptime_s": round(time.time() - ctx.started_at, 1), "protocol": p.VERSION,
+            "draining": ctx.store.get_meta("drain") == "1",
+            "running": len(sup.children) if sup is not None else 0,
+            "notes": list(sup.notes) if sup is not None else []}
+
+
+def submit(ctx: Context, req: p.Submit) -> dict[str, Any]:
+    try:
+        out = ctx.intake.submit_text(req.name, req.text)
+    except JobInvalid as e:
+        raise HandlerError("invalid_job", str(e)) from None
+    ctx.wake()
+    return {"job": out.job_id}
+
+
+def status(ctx: Context, req: p.Status) -> dict[str, Any]:
+    if req.job is None:
+        return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
+                "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else []}
+    job = _job(ctx, req.job)
+    detail = p.JobDetail.model_validate({**job, "attempts": ctx.store.attempts(job["id"]),
+                                         "events": ctx.store.events(job["id"], limit=20)})
+    return {"job": detail.model_dump()}
+
+
+def logs(ctx: Context, req: p.Logs) -> dict[str, Any]:
+    job = _job(ctx, req.job)
+    path = Path(job["workdir"]) / "events.jsonl"
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return {"job": job["id"], "lines": [], "offset": 0, "state": job["state"]}
+    with open(path, "rb") as f:
+        if req.offset < 0:
+            start = max(0, size - LOG_CHUNK_BYTES)
+            f.seek(start)
+            data = f.read(size - start)
+            lines = data.split(b"\n")
+            if start > 0:
+                lines = lines[1:]  # a partial first line
+            complete = lines[:-1]
+            chosen = complete[-req.tail:] if req.tail else []
+            end = size - len(lines[-1])
+        else:
+            start = min(req.offset, size)
+            f.seek(start)
+            data = f.read(LOG_CHUNK_BYTES)
+            cut = data.rfind(b"\n") + 1  # only whole lines; the rest comes next time
+            chosen = data[:cut].split(b"\n")[:-1]
+            end = start + cut
+    out = []
+    for ln in chosen:
+        try:
+            out.append(json.loads(ln))
+        except ValueError:
+            out.append({"event": "unparsed", "text": ln.decode(errors="replace")})
+    return {"job": job["id"], "lines": out, "offset": end, "state": job["state"]}
+
+
+def pause(ctx: Context, req: p.Pause) -> dict[str, Any]:
+    job = _job(ctx, req.job)
+    st = job["state"]
+    if st == states.QUEUED:
+        ctx.store.transition(job["id"], states.QUEUED, states.PAUSED, "lorad pause")
+        return {"job": job["id"], "state": states.PAUSED, "message": "paused"}
+    if st == states.RUNNING:
+        ctx.store.update(job["id"], requested="pause")
+        ctx.wake()
+        return {"job": job["id"], "state": st, "message": "pausing: the trainer checkpoints and stops"}
+    if st == states.PAUSED:
+        return {"job": job["id"], "state": st, "message": "already paused"}
+    raise HandlerError("refused", f"job {job['id']} is {st}; only queued or running jobs can be paused")
+
+
+def resume(ctx: Context, req: p.Resume) -> dict[str, Any]:
+    job = _job(ctx, req.job)
+    if job["state"] == states.PAUSED:
+        ctx.store.transition(job["id"], states.PAUSED, states.QUEUED, "lorad resume", not_before=0, retries=0)
+        ctx.wake()
+        return {"job": job["id"], "state": states.QUEUED, "message": "queued; it resumes from its last checkpoint"}
+    if job["state"] == states.RUNNING and job["requested"] == "pause":
+        raise HandlerError("refused", f"job {job['id']} is still pausing; resume it once it is paused")
+    raise HandlerError("refused", f"job {job['id']} is {job['state']}, not paused")
+
+
+def cancel(ctx: Context, req: p.Cancel) -> dict[str, Any]:
+    job = _job(ctx, req.job)
+    st = job["state"]
+    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED):
+        ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")
+        return {"job": job["id"], "state": states.CANCELLED, "message": "cancelled"}
+    if st == states.RUNNING:
+        ctx.store.update(job["id"], requested="cancel")
+        ctx.wake()
+        return {"job": job["id"], "state": st, "message": "cancelling: the trainer checkpoints and stops"}
+    raise HandlerError("refused", f"job {job['id']} is already {st}")
+
+
+def priority(ctx: Context, req: p.SetPriority) -> dict[str, Any]:
+    job = _job(ctx, req.job)
+    if job["state"] in states.FINAL:
+        raise HandlerError("refused", f"job {job['id']} is {job['state']}")
+    ctx.store.update(job["id"], priority=req.priority)
+    ctx.wake()
+    return {"job": job["id"], "state": job["state"], "priority": req.priority,
+            "message": f"priority {req.priority} (takes effect when the next job is picked)"}
+
+
+def drain(ctx: Context, req: p.Drain) -> dict[str, Any]:
+    ctx.store.set_meta("drain", "1" if req.on else "0")
+    ctx.wake()
+    msg = ("draining: running jobs checkpoint and stop; no job starts until `lorad drain --off`" if req.on
+           else "taking jobs again")
+    return {"draining": req.on, "message": msg}
+
+
+HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
+    "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
+    "cancel": cancel, "priority": priority, "drain": drain,
+}
+
+
+def dispatch(ctx: Context, req: Any) -> bytes:
+    try:
+        data = HANDLERS[req.verb](ctx, req)
+    except HandlerError as e:
+        return p.error(e.code, e.message)
+    return p.encode(p.Reply(data=data))

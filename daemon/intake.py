@@ -1,0 +1,271 @@
+"""Job intake: read a job file defensively, validate it, and accept it (jobs/ID/) or reject it (rejected/).
+
+The order of writes is what makes "a job file is never lost" true:
+claim (rename inbox/NAME → incoming/), then either write rejected/NAME.error.txt
+durably and rename the file next to it, or write jobs/ID/job.yaml durably,
+insert the job row, then drop the claimed copy. A crash at any point leaves
+the file in incoming/, and `recover()` finishes the work at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daemon.settings import DaemonConfig
+from daemon.store import Store
+from engine.config import JobConfig, JobInvalid, dump_job, parse_job
+from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+JOB_SUFFIXES = (".yaml", ".yml")
+# Names editors and copy tools use while a file is being written: never taken.
+IGNORED_SUFFIXES = (".tmp", ".part", ".partial", ".swp", ".crdownload", "~")
+
+
+@dataclass
+class Outcome:
+    name: str
+    job_id: str | None = None
+    error: str | None = None
+    rejected_path: Path | None = None
+
+
+def ignored(name: str) -> bool:
+    """Hidden files and in-progress names are left alone: writers rename them in when complete."""
+    return name.startswith(".") or name.endswith(IGNORED_SUFFIXES)
+
+
+def safe_name(name: str) -> str:
+    """A name that is harmless as a path component and in a terminal."""
+    s = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-")[:120]
+    return s or "job"
+
+
+class _CountingLoader(yaml.SafeLoader):
+    """SafeLoader that refuses documents with more than `max_aliases` aliases (billion-laughs bombs)."""
+
+    max_aliases = 16
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.alias_count = getattr(self, "alias_count", 0) + 1
+            if self.alias_count > self.max_aliases:
+                raise JobInvalid(f"uses more than {self.max_aliases} YAML aliases (*name); "
+                                 "refused as a possible YAML bomb")
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str, source: str, max_aliases: int) -> Any:
+    loader_cls = type("Loader", (_CountingLoader,), {"max_aliases": max_aliases})
+    loader = loader_cls(text)
+    try:
+        return loader.get_single_data()
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise JobInvalid(f"{source}: YAML nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _under(path: Path, roots: list[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+def _check_roots(raw: dict, base_dir: Path, roots: list[Path]) -> None:
+    """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""
+    shown = ", ".join(str(r) for r in roots)
+    for section, key in (("data", "path"), ("model", "path")):
+        sec = raw.get(section)
+        p = sec.get(key) if isinstance(sec, dict) else None
+        if not isinstance(p, str) or p.startswith("builtin:"):
+            continue
+        cand = Path(os.path.expanduser(p))
+        if not cand.is_absolute():
+            cand = base_dir / cand
+        if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
+            continue  # a hub id (org/name), not a local path
+        real = Path(os.path.realpath(cand))
+        if not _under(real, roots):
+            raise JobInvalid(f"{section}.{key}: {p} resolves to {real}, outside the allowed roots ({shown}); "
+                             "add a root to allowed_roots in the daemon config")
+
+
+def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
+    """Everything a job must pass, in order of cost: size, YAML safety, daemon policy, roots, the engine's validator."""
+    if len(text.encode("utf-8", errors="replace")) > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{source}: job file is larger than the {cfg.max_job_file_bytes}-byte limit")
+    raw = parse_yaml(text, source, cfg.max_yaml_aliases)
+    if not isinstance(raw, dict):
+        raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
+                         f"got {type(raw).__name__}")
+    model = raw.get("model")
+    if isinstance(model, dict) and model.get("trust_remote_code") is True and not cfg.allow_trust_remote_code:
+        raise JobInvalid(f"{source}: model.trust_remote_code: true is not allowed by this daemon "
+                         "(set allow_trust_remote_code: true in the daemon config to permit it)")
+    _check_roots(raw, base_dir, cfg.roots(home))
+    return parse_job(raw, base_dir, source=source)
+
+
+def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:
+    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        real = Path(os.path.realpath(path))
+        if not _under(real, cfg.roots(home)):
+            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise JobInvalid(f"{display}: not a regular file")
+    if st.st_size > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{display}: job file is {st.st_size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = b""
+        while len(data) <= cfg.max_job_file_bytes:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{display}: job file grew past the {cfg.max_job_file_bytes}-byte limit while being read")
+    if b"\x00" in data:
+        raise JobInvalid(f"{display}: job file is binary (contains NUL bytes), not YAML text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JobInvalid(f"{display}: job file is not UTF-8 text") from None
+
+
+def normalised(cfg: JobConfig) -> str:
+    """The job as jobs/ID/job.yaml: engine.config.dump_job, checked to load back to the same job.
+
+    If the engine's full dump does not load back (defaults of another family's keys, say), the keys the
+    user set are written instead (paths already absolute): the trainer must be able to read what we accept.
+    """
+    text = dump_job(cfg)
+    try:
+        if parse_job(yaml.safe_load(text), Path("/"), source="job.yaml") == cfg:
+            return text
+    except JobInvalid:
+        pass
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+
+
+class Intake:
+    def __init__(self, home: Path, cfg: DaemonConfig, store: Store, log):
+        self.home = Path(home)
+        self.cfg = cfg
+        self.store = store
+        self.log = log
+        self.fs = RealFs()
+        self.inbox = self.home / "inbox"
+        self.incoming = self.home / "incoming"
+        self.rejected = self.home / "rejected"
+        for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
+            ensure_dir_durable(self.fs, d)
+
+    # ---------------------------------------------------------------- inbox files
+    def take(self, path: Path) -> Outcome | None:
+        """Claim one inbox entry and accept or reject it. None when there is nothing to take."""
+        name = path.name
+        if ignored(name) or path.parent != self.inbox:
+            return None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None  # taken already (an event and a rescan raced) or removed by its owner
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        claimed = self.incoming / f"{time.time_ns()}-{safe_name(name)}"
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            return None
+        self.fs.fsync_dir(self.incoming)
+        self.fs.fsync_dir(self.inbox)
+        return self._process_claimed(claimed, name)
+
+    def recover(self) -> list[Outcome]:
+        """Finish what a crash interrupted: files claimed into incoming/ but not yet accepted or rejected."""
+        out = []
+        accepted = {j["source"] for j in self.store.jobs()}
+        for p in sorted(self.incoming.iterdir()):
+            if p.name in accepted:
+                p.unlink()  # accepted and recorded; only the claimed copy was left behind
+                continue
+            out.append(self._process_claimed(p, p.name.split("-", 1)[-1]))
+        self.fs.fsync_dir(self.incoming)
+        return out
+
+    def _process_claimed(self, claimed: Path, name: str) -> Outcome:
+        display = safe_name(name)
+        try:
+            if not SAFE_NAME.match(name):
+                raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
+                                 "starting with a letter or digit (no path separators or '..')")
+            if not name.endswith(JOB_SUFFIXES):
+                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
+            text = read_job_file(claimed, name, self.cfg, self.home)
+            job = validate_text(text, name, self.inbox, self.cfg, self.home)
+        except JobInvalid as e:
+            return self._reject(claimed, display, str(e))
+        except Exception as e:  # noqa: BLE001 — a job file must never take the daemon down
+            return self._reject(claimed, display, f"{name}: could not be read or validated: {type(e).__name__}: {e}")
+        job_id = self._accept(job, claimed.name, text)
+        claimed.unlink()
+        self.fs.fsync_dir(self.incoming)
+        self.log.info("job_accepted", job=job_id, file=name)
+        return Outcome(name=name, job_id=job_id)
+
+    def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
+        dest = self.rejected / display
+        n = 1
+        while dest.exists() or dest.with_name(dest.name + ".error.txt").exists():
+            n += 1
+            dest = self.rejected / f"{display}.{n}"
+        write_file_durable(self.fs, dest.with_name(dest.name + ".error.txt"),
+                           f"lorad rejected {display}:\n{reason}\n".encode())
+        os.rename(claimed, dest)
+        self.fs.fsync_dir(self.rejected)
+        self.fs.fsync_dir(self.incoming)
+        self.log.warning("job_rejected", file=display, reason=reason)
+        self.store.event(None, "rejected", source=display, reason=reason)
+        return Outcome(name=display, error=reason, rejected_path=dest)
+
+    # ---------------------------------------------------------------- socket submissions
+    def submit_text(self, name: str, text: str) -> Outcome:
+        """`lorad submit`: the client sends the normalised job (absolute paths); validated again here."""
+        if not SAFE_NAME.match(name):
+            raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
+        job = validate_text(text, name, self.home, self.cfg, self.home)
+        job_id = self._accept(job, f"submit:{name}", text)
+        self.log.info("job_accepted", job=job_id, file=f"submit:{name}")
+        return Outcome(name=name, job_id=job_id)
+
+    def _accept(self, job: JobConfig, source: str, original: str) -> str:
+        job_id = self.store.new_id(job.name)
+        workdir = self.home / "jobs" / job_id
+        ensure_dir_durable(self.fs, workdir)
+        write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
+        write_file_durable(self.fs, workdir / "job.yaml", normalised(job).encode())
+        self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+        return job_id

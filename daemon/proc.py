@@ -1,0 +1,100 @@
+"""Processes by pid: identity (pid + start time), discovery of trainers, and stopping a process group.
+
+A pid alone is not an identity (pids are reused after a reboot or a busy
+day); the pair (pid, start time in clock ticks since boot, /proc/PID/stat
+field 22) is.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may contain spaces and parentheses; everything after the last ')' is fixed.
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def start_time(pid: int) -> int | None:
+    f = _stat_fields(pid)
+    return int(f[19]) if f else None  # field 22 overall; fields[0] here is field 3 (state)
+
+
+def alive(pid: int | None, started: int | None = None) -> bool:
+    """True if `pid` runs (not a zombie) and, when given, started at `started`."""
+    if not pid:
+        return False
+    f = _stat_fields(pid)
+    if f is None or f[0] in ("Z", "X"):
+        return False
+    return started is None or int(f[19]) == started
+
+
+@dataclass
+class Trainer:
+    pid: int
+    start: int
+    workdir: Path
+
+
+def find_trainers(jobs_root: Path) -> list[Trainer]:
+    """Live `engine.run` processes whose --workdir lies under jobs_root (a previous daemon's orphans)."""
+    out = []
+    jobs_root = Path(jobs_root).resolve()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv if a]
+        if "engine.run" not in args or "--workdir" not in args:
+            continue
+        i = args.index("--workdir")
+        if i + 1 >= len(args):
+            continue
+        wd = Path(args[i + 1])
+        if jobs_root not in wd.resolve().parents:
+            continue
+        st = start_time(int(d))
+        if st is not None and alive(int(d)):
+            out.append(Trainer(int(d), st, wd.resolve()))
+    return out
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the process group the trainer leads (it was started in a session of its own)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def stop_and_wait(pid: int, started: int | None, grace_s: float, poll_s: float = 0.1) -> bool:
+    """SIGTERM the group (the trainer checkpoints and exits 75), SIGKILL after grace_s. True if it had to be killed."""
+    if not alive(pid, started):
+        return False
+    signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not alive(pid, started):
+            return False
+        time.sleep(poll_s)
+    signal_group(pid, signal.SIGKILL)
+    while alive(pid, started):
+        time.sleep(poll_s)
+    return True

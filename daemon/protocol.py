@@ -1,0 +1,168 @@
+"""The socket protocol: newline-delimited JSON, one typed request per CLI verb, one reply shape per request.
+
+Every message carries `v` (the protocol version). A request line is at most
+`max_request_bytes`; anything malformed, oversize, of an unknown verb or of
+another version gets an ErrorReply and the connection stays usable (or is
+closed, for oversize lines whose end cannot be found).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+VERSION = 1
+JOB_REF = Field(min_length=1, max_length=200)
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: int = VERSION
+
+
+# ---------------------------------------------------------------- requests (one per verb)
+class Ping(_Msg):
+    verb: Literal["ping"] = "ping"
+
+
+class Submit(_Msg):
+    verb: Literal["submit"] = "submit"
+    name: str = Field(min_length=1, max_length=200)  # the job file's name, for messages
+    text: str  # the normalised job YAML (absolute paths); validated again by the daemon
+
+    def __repr_args__(self):  # keep whole configs out of debug output
+        return [("verb", self.verb), ("name", self.name), ("text", f"<{len(self.text)} chars>")]
+
+
+class Status(_Msg):
+    verb: Literal["status"] = "status"
+    job: str | None = Field(None, max_length=200)  # None: the whole queue
+
+
+class Logs(_Msg):
+    verb: Literal["logs"] = "logs"
+    job: str = JOB_REF
+    offset: int = Field(-1, ge=-1)  # byte offset in events.jsonl; -1 = the last `tail` lines
+    tail: int = Field(50, ge=0, le=10_000)
+
+
+class Pause(_Msg):
+    verb: Literal["pause"] = "pause"
+    job: str = JOB_REF
+
+
+class Resume(_Msg):
+    verb: Literal["resume"] = "resume"
+    job: str = JOB_REF
+
+
+class Cancel(_Msg):
+    verb: Literal["cancel"] = "cancel"
+    job: str = JOB_REF
+
+
+class SetPriority(_Msg):
+    verb: Literal["priority"] = "priority"
+    job: str = JOB_REF
+    priority: int = Field(ge=-1000, le=1000)
+
+
+class Drain(_Msg):
+    verb: Literal["drain"] = "drain"
+    on: bool = True  # False: take jobs again
+
+
+# A new verb: a request class above, added here, and a handler in daemon/handlers.py.
+REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain]
+Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
+REQUEST = TypeAdapter(Request)
+VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
+
+
+# ---------------------------------------------------------------- replies
+class JobRow(BaseModel):
+    id: str
+    name: str
+    state: str
+    priority: int
+    step: int
+    total: int
+    loss: float | None = None
+    s_per_step: float | None = None
+    eta_s: float | None = None
+    last_error: str | None = None
+    requested: str | None = None
+    retries: int = 0
+
+
+class Attempt(BaseModel):
+    n: int
+    started_at: float
+    ended_at: float | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    start_step: int = 0
+    end_step: int | None = None
+    error: str | None = None
+
+
+class JobDetail(JobRow):
+    workdir: str
+    source: str | None = None
+    submitted_at: float
+    last_checkpoint: str | None = None
+    checkpoint_step: int | None = None
+    output: str | None = None
+    pid: int | None = None
+    not_before: float = 0
+    attempts: list[Attempt] = []
+    events: list[dict[str, Any]] = []
+
+
+class Reply(_Msg):
+    ok: Literal[True] = True
+    data: dict[str, Any] = {}
+
+
+class ErrorReply(_Msg):
+    ok: Literal[False] = False
+    error: str  # a short code: bad_json, too_large, bad_request, unknown_verb, version, not_found, refused, internal
+    message: str
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_request(line: bytes) -> BaseModel:
+    """One request line → a typed request, or ProtocolError with a code and a message."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError("bad_json", f"not a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_json", "a request must be a JSON object")
+    if obj.get("v", VERSION) != VERSION:
+        raise ProtocolError("version", f"protocol version {obj.get('v')!r} is not supported (this daemon speaks {VERSION})")
+    verb = obj.get("verb")
+    if verb not in VERBS:
+        raise ProtocolError("unknown_verb", f"unknown verb {verb!r} (known: {', '.join(sorted(VERBS))})")
+    try:
+        return REQUEST.validate_python(obj)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or verb}: {err['msg']}" for err in e.errors())
+        raise ProtocolError("bad_request", problems) from None
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json().encode() + b"\n"
+
+
+def error(code: str, message: str) -> bytes:
+    return encode(ErrorReply(error=code, message=message))
+

@@ -1,0 +1,117 @@
+"""`lorad serve`: put the parts together, reconcile, say READY, run the loop, stop cleanly.
+
+    lock → store → intake → reconcile → policy → socket → inbox watcher → READY → loop → shutdown
+
+SIGTERM or SIGINT ends the loop: every trainer is asked to checkpoint and
+stop (SIGKILL after stop_grace_s), their jobs are recorded as interrupted,
+and the next start resumes them.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from daemon import devices as devices_mod
+from daemon.handlers import Context, dispatch
+from daemon.inbox import InboxWatcher
+from daemon.intake import Intake
+from daemon.lock import AlreadyRunning, HomeLock
+from daemon.log import setup as setup_log
+from daemon.notify import Notifier
+from daemon.policy import NullPolicy
+from daemon.recovery import reconcile
+from daemon.server import SocketInUse, SocketServer
+from daemon.settings import ConfigInvalid, DaemonConfig, load_config
+from daemon.store import Store
+from daemon.supervisor import Supervisor
+from engine.fsio import RealFs, ensure_dir_durable
+
+EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config
+
+
+def make_policy(cfg: DaemonConfig, home: Path, store: Store, log):
+    """daemon.power.make_policy (telemetry, caps, schedules, UPS) if it is there, else the null policy."""
+    try:
+        from daemon.power import make_policy as power_policy  # noqa: PLC0415 — optional, loaded lazily
+    except ImportError:
+        return NullPolicy()
+    try:
+        return power_policy(cfg.power, home, home / "state.db", log)
+    except Exception as e:  # noqa: BLE001 — power features must never stop training
+        log.error("policy_unavailable", error=f"{type(e).__name__}: {e}", message="running without a power policy")
+        return NullPolicy()
+
+
+def serve(home: Path, config_path: str | None) -> int:
+    home = Path(home).resolve()
+    try:
+        cfg = load_config(config_path)
+    except ConfigInvalid as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    log = setup_log()
+    ensure_dir_durable(RealFs(), home)
+    lock = HomeLock(home)
+    try:
+        lock.acquire()
+    except AlreadyRunning as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return 1
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda s, f: stop.set())
+    signal.signal(signal.SIGINT, lambda s, f: stop.set())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal must not stop training
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    t0 = time.time()
+    notifier = Notifier()
+    store = Store(home / "state.db")
+    intake = Intake(home, cfg, store, log)
+    log.info("starting", home=str(home), pid=__import__("os").getpid(), config=config_path)
+    notifier.status("reconciling")
+    reconcile(home, cfg, store, log, intake)
+    policy = make_policy(cfg, home, store, log)
+    devs = devices_mod.detect(cfg.devices)
+    inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
+    sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier)
+    sock_path = cfg.socket_path(home)
+    ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0, socket_path=sock_path)
+    server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,
+                          max_request_bytes=cfg.max_request_bytes, timeout_s=cfg.client_timeout_s,
+                          max_connections=cfg.max_connections)
+    try:
+        server.start()
+    except SocketInUse as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return 1
+    inbox.start()
+    log.info("ready", socket=str(sock_path), devices=[d for d in devs], seconds=round(time.time() - t0, 3))
+    notifier.ready(sup.status_line())
+
+    try:
+        while not stop.is_set():
+            sup.tick()
+            sup.wake.wait(cfg.tick_s)
+            sup.wake.clear()
+    finally:
+        n = len(sup.children)
+        log.info("stopping", trainers=n)
+        notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
+        inbox.stop()
+        sup.shutdown(cfg.stop_grace_s)
+        server.close()
+        try:
+            policy.close()
+        except Exception as e:  # noqa: BLE001
+            log.error("policy_close_failed", error=str(e))
+        store.close()
+        notifier.close()
+        log.info("stopped", seconds=round(time.time() - t0, 1))
+        lock.release()
+    return 0

@@ -1,0 +1,83 @@
+"""The daemon config (`lorad serve --config FILE`); configs/daemon.yaml documents every key and default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from daemon.power.settings import PowerSettings
+from engine.config import MAX_JOB_FILE_BYTES
+
+
+class ConfigInvalid(Exception):
+    pass
+
+
+class DaemonConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # --- socket API
+    socket: str | None = None  # default: $RUNTIME_DIRECTORY/lorad.sock under systemd, else HOME/lorad.sock
+    socket_group: str | None = None  # members of this group may use the socket (besides root and the daemon's user)
+    max_request_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
+    client_timeout_s: float = Field(10.0, gt=0, le=3600)  # a connection idle this long is closed
+    max_connections: int = Field(32, ge=1, le=4096)
+
+    # --- inbox and job intake
+    allowed_roots: list[str] = Field(default_factory=lambda: ["{home}", "~"])  # job data/model paths must lie under one
+    allow_trust_remote_code: bool = False
+    max_job_file_bytes: int = Field(MAX_JOB_FILE_BYTES, ge=1024, le=MAX_JOB_FILE_BYTES)
+    max_yaml_aliases: int = Field(16, ge=0, le=10_000)
+    inbox_settle_s: float = Field(1.0, ge=0, le=3600)  # a file found by a rescan must be this old (mtime)
+    inbox_rescan_s: float = Field(10.0, gt=0, le=3600)  # a rescan catches what the watcher missed
+
+    # --- supervisor
+    tick_s: float = Field(0.25, gt=0, le=10)
+    devices: Union[Literal["auto"], list[int]] = "auto"  # GPU indices to use; auto = all visible (none: CPU, one job)
+    hang_timeout_s: float = Field(600.0, gt=0)  # no heartbeat for this long (once steps flow) = hung
+    hang_step_multiple: float = Field(20.0, gt=0)  # ... or this many median step times, whichever is longer
+    startup_timeout_s: float = Field(1800.0, gt=0)  # loading the model, or a final checkpoint, may take this long
+    retry_budget: int = Field(5, ge=0, le=1000)  # crashes in a row (without a new checkpoint) before failed
+    backoff_base_s: float = Field(10.0, ge=0)  # first retry after this long, then doubled
+    backoff_max_s: float = Field(600.0, ge=0)
+    stop_grace_s: float = Field(120.0, gt=0)  # SIGTERM → SIGKILL; keep systemd's TimeoutStopSec above it
+    trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
+
+    power: PowerSettings = Field(default_factory=PowerSettings)
+
+    def roots(self, home: Path) -> list[Path]:
+        out = []
+        for r in self.allowed_roots:
+            p = Path(os.path.expanduser(r.replace("{home}", str(home))))
+            out.append(p.resolve())
+        return out
+
+    def socket_path(self, home: Path) -> Path:
+        if self.socket:
+            return Path(self.socket)
+        return socket_default(home)
+
+
+def socket_default(home: Path) -> Path:
+    rd = os.environ.get("RUNTIME_DIRECTORY")
+    if rd:
+        return Path(rd.split(":")[0]) / "lorad.sock"
+    return Path(home) / "lorad.sock"
+
+
+def load_config(path: str | Path | None) -> DaemonConfig:
+    if path is None:
+        return DaemonConfig()
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigInvalid(f"{path}: cannot read the daemon config: {e}") from None
+    try:
+        return DaemonConfig.model_validate(raw or {})
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigInvalid(f"{path}: {problems}") from None

@@ -1,0 +1,47 @@
+"""Job states and the one table of allowed transitions. Depends on nothing.
+
+`Store.transition()` checks this table and writes the change in the same
+SQLite transaction; anything not listed here raises IllegalTransition.
+"""
+
+from __future__ import annotations
+
+QUEUED = "queued"
+RUNNING = "running"
+PAUSED = "paused"
+INTERRUPTED = "interrupted"
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+CANCELLED = "cancelled"
+
+STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, SUCCEEDED, FAILED, CANCELLED)
+FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+
+# (from, to) -> when it happens. The only place a job's state may change.
+TRANSITIONS: dict[tuple[str, str], str] = {
+    (QUEUED, RUNNING): "a device is free and the job is first in line (priority, then arrival)",
+    (QUEUED, PAUSED): "lorad pause on a job that has not started",
+    (QUEUED, CANCELLED): "lorad cancel",
+    (RUNNING, SUCCEEDED): "the trainer exited 0 with its adapter written",
+    (RUNNING, FAILED): "exit 65 (invalid job), or the retry budget is spent",
+    (RUNNING, QUEUED): "the trainer crashed or hung; retried after a backoff",
+    (RUNNING, INTERRUPTED): "daemon shutdown or restart, power policy, drain, outage",
+    (RUNNING, PAUSED): "lorad pause: the trainer checkpointed and exited",
+    (RUNNING, CANCELLED): "lorad cancel: the trainer was stopped",
+    (INTERRUPTED, QUEUED): "requeued at once to resume from its last checkpoint",
+    (INTERRUPTED, CANCELLED): "lorad cancel while interrupted",
+    (PAUSED, QUEUED): "lorad resume",
+    (PAUSED, CANCELLED): "lorad cancel",
+}
+
+
+class IllegalTransition(Exception):
+    pass
+
+
+def check(src: str, dst: str) -> str:
+    """Return why (src → dst) is allowed, or raise IllegalTransition."""
+    why = TRANSITIONS.get((src, dst))
+    if why is None:
+        raise IllegalTransition(f"a job cannot go from {src} to {dst}")
+    return why

@@ -1,0 +1,262 @@
+"""The one persisted state: SQLite in HOME/state.db (WAL, synchronous=FULL).
+
+Tables: jobs (one row per job, its state and latest progress), attempts (one
+row per trainer start: start, end, exit code, steps done, error) and events
+(what happened to a job, in order). The daemon is the only writer; the
+socket threads and the supervisor share one connection behind a lock.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon import states
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    priority INTEGER NOT NULL DEFAULT 0,
+    seq INTEGER NOT NULL,
+    submitted_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    source TEXT,
+    workdir TEXT NOT NULL,
+    retries INTEGER NOT NULL DEFAULT 0,
+    not_before REAL NOT NULL DEFAULT 0,
+    requested TEXT,
+    last_error TEXT,
+    pid INTEGER,
+    pid_start INTEGER,
+    gpu INTEGER,
+    step INTEGER NOT NULL DEFAULT 0,
+    total INTEGER NOT NULL DEFAULT 0,
+    loss REAL,
+    s_per_step REAL,
+    eta_s REAL,
+    last_checkpoint TEXT,
+    checkpoint_step INTEGER,
+    output TEXT
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    n INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    pid INTEGER,
+    exit_code INTEGER,
+    start_step INTEGER NOT NULL DEFAULT 0,
+    end_step INTEGER,
+    error TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT,
+    ts REAL NOT NULL,
+    kind TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, priority, seq);
+CREATE INDEX IF NOT EXISTS attempts_by_job ON attempts(job_id, n);
+"""
+
+# Progress columns a heartbeat may update without a state change.
+PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
+                    "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
+                    "priority"}
+
+
+class UnknownJob(KeyError):
+    pass
+
+
+class Store:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = threading.RLock()
+        self.db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed transition survives a power cut, not only a process crash.
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA foreign_keys=ON")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+    # ------------------------------------------------------------ helpers
+    def _tx(self):
+        return _Tx(self)
+
+    def new_id(self, name: str) -> str:
+        """NAME-xxxx: readable, unique among all jobs ever accepted here."""
+        with self._lock:
+            while True:
+                jid = f"{name}-{secrets.token_hex(2)}"
+                if self.db.execute("SELECT 1 FROM jobs WHERE id=?", (jid,)).fetchone() is None:
+                    return jid
+
+    # ------------------------------------------------------------ jobs
+    def add_job(self, job_id: str, name: str, workdir: Path, priority: int, total: int, source: str | None) -> None:
+        now = time.time()
+        with self._tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+            db.execute(
+                "INSERT INTO jobs (id, name, state, priority, seq, submitted_at, updated_at, source, workdir, total)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (job_id, name, states.QUEUED, priority, seq, now, now, source, str(workdir), total),
+            )
+            _event(db, job_id, "accepted", {"source": source})
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        with self._lock:
+            row = self.db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None:
+            raise UnknownJob(job_id)
+        return dict(row)
+
+    def find(self, ref: str) -> dict[str, Any]:
+        """A job by id, or by unique id prefix / name (the newest job of that name)."""
+        with self._lock:
+            row = self.db.execute("SELECT * FROM jobs WHERE id=?", (ref,)).fetchone()
+            if row is None:
+                row = self.db.execute("SELECT * FROM jobs WHERE name=? ORDER BY seq DESC LIMIT 1", (ref,)).fetchone()
+            if row is None:
+                rows = self.db.execute("SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\'",
+                                       (ref.replace("%", "\\%").replace("_", "\\_") + "%",)).fetchall()
+                row = rows[0] if len(rows) == 1 else None
+        if row is None:
+            raise UnknownJob(ref)
+        return dict(row)
+
+    def jobs(self, job_states: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+        with self._lock:
+            if job_states:
+                q = ",".join("?" * len(job_states))
+                rows = self.db.execute(f"SELECT * FROM jobs WHERE state IN ({q}) ORDER BY seq", job_states).fetchall()
+            else:
+                rows = self.db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
+        return [dict(r) for r in rows]
+
+    def next_queued(self, now: float) -> dict[str, Any] | None:
+        """First in line: highest priority, then earliest arrival, whose backoff has passed."""
+        with self._lock:
+            row = self.db.execute(
+                "SELECT * FROM jobs WHERE state=? AND not_before<=? ORDER BY priority DESC, seq ASC LIMIT 1",
+                (states.QUEUED, now),
+            ).fetchone()
+        return dict(row) if row else None
+
+    def transition(self, job_id: str, src: str | tuple[str, ...], dst: str, reason: str = "", **fields: Any) -> None:
+        """Move a job from `src` (or one of several) to `dst`, checked against the table, in one transaction."""
+        allowed_src = (src,) if isinstance(src, str) else src
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise UnknownJob(job_id)
+            cur = row["state"]
+            if cur not in allowed_src:
+                raise states.IllegalTransition(f"job {job_id} is {cur}, not {' or '.join(allowed_src)}")
+            states.check(cur, dst)
+            sets, vals = ["state=?", "updated_at=?"], [dst, time.time()]
+            for k, v in fields.items():
+                if k not in PROGRESS_COLUMNS:
+                    raise ValueError(f"not a job column: {k}")
+                sets.append(f"{k}=?")
+                vals.append(v)
+            db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*vals, job_id))
+            _event(db, job_id, "transition", {"from": cur, "to": dst, "reason": reason})
+
+    def update(self, job_id: str, **fields: Any) -> None:
+        """Progress and bookkeeping columns; never the state (that is transition()'s job)."""
+        if not fields:
+            return
+        for k in fields:
+            if k not in PROGRESS_COLUMNS:
+                raise ValueError(f"not a job column: {k}")
+        with self._tx() as db:
+            db.execute(
+                f"UPDATE jobs SET {', '.join(f'{k}=?' for k in fields)}, updated_at=? WHERE id=?",
+                (*fields.values(), time.time(), job_id),
+            )
+
+    # ------------------------------------------------------------ attempts
+    def start_attempt(self, job_id: str, start_step: int) -> int:
+        with self._tx() as db:
+            n = db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE job_id=?", (job_id,)).fetchone()[0]
+            db.execute("INSERT INTO attempts (job_id, n, started_at, start_step) VALUES (?,?,?,?)",
+                       (job_id, n, time.time(), start_step))
+            return n
+
+    def set_attempt_pid(self, job_id: str, n: int, pid: int) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
+
+    def end_attempt(self, job_id: str, exit_code: int | None, end_step: int, error: str | None) -> None:
+        """Close the open attempt of a job (if any)."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE attempts SET ended_at=?, exit_code=?, end_step=?, error=? "
+                "WHERE job_id=? AND ended_at IS NULL",
+                (time.time(), exit_code, end_step, error, job_id),
+            )
+
+    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self.db.execute("SELECT * FROM attempts WHERE job_id=? ORDER BY n", (job_id,)).fetchall()
+        return [dict(r) for r in rows]
+
+    # ------------------------------------------------------------ events and meta
+    def event(self, job_id: str | None, kind: str, **data: Any) -> None:
+        with self._tx() as db:
+            _event(db, job_id, kind, data)
+
+    def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self.db.execute("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?",
+                                   (job_id, limit)).fetchall()
+        return [dict(r, data=json.loads(r["data"])) for r in reversed(rows)]
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        with self._lock:
+            row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row["value"] if row else default
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?,?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                       (key, value))
+
+
+def _event(db: sqlite3.Connection, job_id: str | None, kind: str, data: dict[str, Any]) -> None:
+    db.execute("INSERT INTO events (job_id, ts, kind, data) VALUES (?,?,?,?)",
+               (job_id, time.time(), kind, json.dumps(data, default=str)))
+
+
+class _Tx:
+    """BEGIN IMMEDIATE ... COMMIT under the store's lock; ROLLBACK on any exception."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.store._lock.acquire()
+        self.store.db.execute("BEGIN IMMEDIATE")
+        return self.store.db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.store._lock.release()
