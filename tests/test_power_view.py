@@ -1,0 +1,52 @@
+"""`lorad power` output and the per-job energy lines: simulated figures are always labelled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+
+from daemon.policy import NullPolicy, RunningJob
+from daemon.power import api, view
+from daemon.power.policy import PowerPolicy
+from daemon.power.settings import PowerSettings
+from daemon.power.simulated import SimulatedDevice
+
+
+class NoLog:
+    def __getattr__(self, level):
+        return lambda event, **kw: None
+
+
+def _text(renderable) -> str:
+    c = Console(width=120, record=True)
+    c.print(renderable)
+    return c.export_text()
+
+
+def test_power_report_and_view_label_the_simulated_device(tmp_path: Path):
+    pol = PowerPolicy(PowerSettings(telemetry={"backend": "simulated"}), tmp_path, tmp_path / "state.db", NoLog(),
+                      device=SimulatedDevice(2), start_threads=False)
+    pol.on_job_start(RunningJob("j1", "j1", 1, 1, 0.0, total=2000, power={"limit_w": "auto"}))
+    pol.sampler.sample_once()
+    rep = api.power_report(pol)
+    assert rep["simulated"] and len(rep["gpus"]) == 2
+    out = _text(view.render(rep))
+    assert "SIMULATED device" in out
+    assert out.count("SIMULATED lorad-sim") == 2  # one line per GPU
+    assert "profiling 400 W" in out
+    r = api.set_limit(pol, 0, 200)
+    assert r["ok"] and r["gpus"][0]["applied_w"] == 200
+    pol.close()
+
+
+def test_without_a_power_policy_the_answers_say_so(tmp_path: Path):
+    assert api.power_report(NullPolicy())["available"] is False
+    assert api.set_limit(None, 0, 200)["ok"] is False
+    assert api.job_power(NullPolicy(), tmp_path / "state.db", "j1") is None
+
+
+def test_job_energy_line_has_w_j_per_step_kwh_and_steps_per_kwh():
+    line = view.job_lines({"avg_w": 310.0, "j_per_step": 333.3, "kwh": 0.1852, "steps_per_kwh": 10800,
+                           "simulated": True})[0]
+    assert line == "power (SIMULATED): 310 W avg, 333.3 J/step, 0.1852 kWh, 10800 steps/kWh"
