@@ -70,3 +70,24 @@ def flux_job_dict(model: Path | str, data: Path | str, **over: Any) -> dict[str,
 def write_flux_job(path: Path, model: Path | str, data: Path | str, **over: Any) -> Path:
     path.write_text(yaml.safe_dump(flux_job_dict(model, data, **over), sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session")
+def flux_job(tmp_path_factory, tiny_flux) -> Path:
+    """The job every subprocess Flux run shares: two resolutions, flips, dropout, repeats, samples at step 4."""
+    root = tmp_path_factory.mktemp("flux-job")
+    data = make_images(root / "data")
+    return write_flux_job(root / "job.yaml", tiny_flux, data, train={"steps": 12},
+                          sample={"every_steps": 4, "prompts": ["sks, a tower at night"], "steps": 2,
+                                  "width": 48, "height": 32, "seed": 5})
+
+
+@pytest.fixture(scope="session")
+def flux_uninterrupted(tmp_path_factory, flux_job) -> Path:
+    """Workdir of one uninterrupted `python -m engine.run` of flux_job (run once per session)."""
+    from tests.conftest import run_engine
+
+    wd = tmp_path_factory.mktemp("flux-uninterrupted") / "work"
+    t = run_engine(flux_job, wd, timeout=300)
+    assert t.proc.returncode == 0, t.stderr[-3000:]
+    return wd

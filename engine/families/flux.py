@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+from engine.precision import apply_base_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,6 +54,10 @@ DEFAULT_TARGETS = (
     r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))"
     r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out))$"
 )
+
+# Kept in the model dtype under fp8: the embedders and the final layers (top level only — the single blocks'
+# proj_out is a large matmul and is converted). They are small, run once per step and set the scale of the rest.
+FP8_SKIP = r"^(x_embedder|context_embedder|time_text_embed|norm_out|proj_out)(\.|$)"
 
 SCHEDULER_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
 
@@ -179,15 +184,13 @@ class Flux:
             path, subfolder="transformer", revision=cfg.model.revision, dtype=DTYPES[cfg.model.dtype]
         )
         self.sched = _scheduler_settings(path, cfg.model.revision)
-        _maybe_precision(transformer, cfg, device, log)
         transformer.to(device)
+        # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py); logs the choice.
+        apply_base_precision(transformer, cfg.model.base_precision, device, log,
+                             compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP)
         if cfg.train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         apply_lora(transformer, cfg)
-        # LoRA weights train in float32 even on a bf16 base (peft casts the input to the LoRA weight's dtype).
-        for p in transformer.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
         n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         log.info("lora", trainable_params=n, modules=sum(1 for m in transformer.modules() if hasattr(m, "lora_A")))
         return transformer
@@ -263,14 +266,3 @@ def _scheduler_settings(path: str, revision: str | None) -> dict[str, float]:
     except (OSError, ValueError, json.JSONDecodeError):
         pass  # a transformer-only directory: FLUX.1's published settings
     return out
-
-
-def _maybe_precision(transformer: torch.nn.Module, cfg: JobConfig, device: torch.device, log) -> None:
-    """FP8 frozen base weights etc. live in engine/precision.py when it is present."""
-    if cfg.model.base_precision in ("auto", "bf16"):
-        return
-    try:
-        from engine.precision import apply_base_precision
-    except ImportError:
-        raise JobInvalid(f"model.base_precision: {cfg.model.base_precision} is not available in this build") from None
-    apply_base_precision(transformer, cfg, device, log)
