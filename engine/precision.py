@@ -15,6 +15,7 @@ The chosen precision and the reason are logged as one `base_precision` event.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ def resolve(choice: str, device: torch.device) -> tuple[str, str]:
         where = f"{device.type} (no FP8 tensor cores)"
     if choice != "auto":
         if choice == "fp8" and not fp8_tensor_cores(device):
-            return "fp8", f"requested; {where} computes with a dequantising bf16 matmul (FP8 storage only)"
+            return "fp8", f"requested; {where}: FP8 storage with a dequantising matmul"
         return choice, "requested"
     if fp8_tensor_cores(device):
         return "fp8", f"auto: {where} has FP8 tensor cores"
@@ -111,18 +112,23 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
 
 def apply_base_precision(model: nn.Module, choice: str, device: torch.device, log=None,
                          compute_dtype: torch.dtype = torch.bfloat16, skip: str = DEFAULT_SKIP,
-                         fp8_compute: str = "auto") -> PrecisionReport:
+                         fp8_compute: str | None = None) -> PrecisionReport:
     """Apply `model.base_precision` to a loaded (not yet peft-wrapped) model on `device`; log the choice.
 
     For fp8 this converts the frozen linears in place; for bf16, nf4 and int8 the
-    work was done at load time and this only records it.
+    work was done at load time and this only records it. `fp8_compute` (default:
+    $LORAD_FP8_COMPUTE or "auto") forces scaled_mm or dequant, for tests and
+    for comparing the two paths on one GPU.
     """
+    fp8_compute = fp8_compute or os.environ.get("LORAD_FP8_COMPUTE", "auto")
     precision, reason = resolve(choice, device)
     report = PrecisionReport(precision, reason)
     if precision == "fp8":
         convert_linears_to_fp8(model, skip=skip, compute=fp8_compute, compute_dtype=compute_dtype, report=report)
         if report.compute == "n/a":
             report.rowwise = scaled_mm_rowwise_supported(device)
+        if fp8_compute != "auto":
+            report.reason += f"; fp8 compute forced to {fp8_compute}"
     if log is not None:
         log.info("base_precision", **report.event())
     return report

@@ -29,8 +29,10 @@ from engine.events import EventLog
 from engine.families import get_family
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full
 from engine.optim import build_optimizer, join_tree, lr_at, split_tree
+from engine.prefetch import Prefetcher
 from engine.progress import make_progress
 from engine.rng import capture, restore, seed_everything
+from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 
 VERSION = "0.1.0"
@@ -139,6 +141,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     generator = seed_everything(cfg.train.seed)
     log.info("phase", phase="load_model")
     model = family.load_model(cfg, workdir, device, log)
+    apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
     params = trainable(model)
     optimizer = build_optimizer(list(params.values()), cfg.train)
 
@@ -169,6 +172,10 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     step_times: list[float] = []
     train_seconds = elapsed_before
     model.train()
+    # A dataset may own its order (Flux: one aspect-ratio bucket per batch); both are pure in (seed, position).
+    pick = getattr(dataset, "indices_at", None) or (lambda seed, start, count: sample_indices(seed, n, start, count))
+    # On a GPU the batch at the next cursor is copied on a side stream while this step computes; on CPU a passthrough.
+    prefetcher = Prefetcher(lambda cursor: dataset.collate(pick(cfg.train.seed, cursor, micro)), device, micro)
 
     def state_now() -> dict[str, Any]:
         c = Cursor(consumed, n)
@@ -193,11 +200,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 g["lr"] = lr
             loss_sum = 0.0
             for _ in range(cfg.train.grad_accum):
-                # A dataset may own its order (Flux: one aspect-ratio bucket per batch); both are pure in (seed, position).
-                pick = getattr(dataset, "indices_at", None) or (lambda seed, start, count: sample_indices(seed, n, start, count))
-                batch = dataset.collate(pick(cfg.train.seed, consumed, micro))
+                batch = prefetcher.get(consumed)
                 consumed += micro
-                batch = _to_device(batch, device)
                 loss = family.loss(model, batch, generator) / cfg.train.grad_accum
                 loss.backward()
                 loss_sum += float(loss.detach())

@@ -9,6 +9,8 @@ import torch
 
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.data.text import TokenDataset, read_documents
+from engine.precision import apply_base_precision, quantization_config
+from engine.precision import resolve as resolve_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # LoRA targets when lora.targets is not given: every attention and MLP projection of a Llama-like block.
@@ -50,21 +52,20 @@ class CausalLM:
         kwargs: dict[str, Any] = dict(
             revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, dtype=DTYPES[cfg.model.dtype]
         )
-        quantize = cfg.model.quantize or ("nf4" if cfg.model.base_precision == "nf4" else None)
-        if quantize == "nf4":
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=DTYPES[cfg.model.dtype],
-            )
+        # model.quantize: nf4 is the older spelling of base_precision: nf4.
+        choice = "nf4" if cfg.model.quantize == "nf4" else cfg.model.base_precision
+        precision, _ = resolve_precision(choice, device)
+        quantize = precision if precision in ("nf4", "int8") else None
+        qconf = quantization_config(precision, DTYPES[cfg.model.dtype])
+        if qconf is not None:
+            kwargs["quantization_config"] = qconf
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
         if quantize is None:
             model.to(device)
         model.config.use_cache = False
-        if quantize == "nf4":
+        # fp8: swap the frozen linears for FP8 layers before peft wraps them; logs the choice either way.
+        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype])
+        if quantize is not None:
             from peft import prepare_model_for_kbit_training
 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
@@ -79,7 +80,9 @@ class CausalLM:
             task_type="CAUSAL_LM",
         )
         try:
-            model = get_peft_model(model, lcfg)
+            # With a bf16/fp8 base the adapters stay in the model dtype (bf16 LoRA compute); peft's default
+            # would upcast them to fp32. QLoRA/int8 keep peft's default.
+            model = get_peft_model(model, lcfg, autocast_adapter_dtype=quantize is not None)
         except ValueError as e:
             raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
         return model

@@ -1,0 +1,203 @@
+"""Block swapping: train a model larger than VRAM by streaming its frozen blocks from host memory.
+
+`train.blocks_to_swap: N` keeps the frozen weights of the last N transformer
+blocks in pinned host memory. Each swapped block is copied to the GPU on a
+side stream just before it is needed and dropped right after, with a window
+of two swapped blocks on the GPU at any moment (double buffering):
+
+    forward,  entering block i:        keep {i, i+1}; wait for i; start copying i+1
+    backward, gradient reaches block i: keep {i, i-1}; wait for i; start copying i-1
+
+so block i±1 crosses PCIe while block i computes. The last blocks are the
+swapped ones because the backward pass starts where the forward ends: the
+last block is still resident when backward begins, and the first resident
+blocks need no copy at the start of the next step.
+
+Only frozen parameters move (the base weights, FP8 or bf16); LoRA parameters,
+their gradients and optimizer state stay on the GPU. Parameters move by
+swapping `param.data`, which keeps the same Parameter object: tensors that
+autograd saved for backward are those Parameters, so by the time a block's
+backward runs its weights are back on the GPU (our FP8 layer reads its
+weight from the module at backward time for the same reason).
+
+Backward is detected with a gradient hook on each block's output. Under
+activation checkpointing, a block's forward runs again during backward; the
+forward hook sees it (torch reports a current graph task) and only makes
+sure the block is resident.
+
+On the CPU the "device" copy is a fresh CPU tensor: every step of the logic
+(which block is resident, when copies start and end) runs and is tested, and
+the copies cost a memcpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class SwapStats:
+    loads: int = 0
+    evictions: int = 0
+    max_resident: int = 0
+    trace: list[tuple[str, int]] = field(default_factory=list)  # ("load"/"evict"/"wait", block index)
+    keep_trace: bool = False
+
+    def note(self, what: str, i: int) -> None:
+        if self.keep_trace:
+            self.trace.append((what, i))
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class BlockSwapper:
+    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device, keep_trace: bool = False):
+        if blocks_to_swap < 0 or blocks_to_swap > len(blocks):
+            raise ValueError(f"train.blocks_to_swap must be between 0 and the number of blocks ({len(blocks)}), "
+                             f"got {blocks_to_swap}")
+        self.blocks = list(blocks)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        first = len(blocks) - blocks_to_swap
+        self.swapped = list(range(first, len(blocks)))
+        self.stats = SwapStats(keep_trace=keep_trace)
+        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        # Per swapped block: its frozen params, their host copies, and (when resident) a ready event.
+        self._params: dict[int, list[nn.Parameter]] = {}
+        self._host: dict[int, list[torch.Tensor]] = {}
+        self._resident: dict[int, object] = {}
+        self._hooks = []
+        for i in self.swapped:
+            params = [p for p in blocks[i].parameters() if not p.requires_grad]
+            self._params[i] = params
+            self._host[i] = [self._to_host(p.data) for p in params]
+            for p, h in zip(params, self._host[i], strict=True):
+                p.data = h
+        for i, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(i)))
+            self._hooks.append(block.register_forward_hook(self._make_post_hook(i)))
+        if self.cuda:
+            torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = t.detach().to("cpu", copy=True)
+        return host.pin_memory() if self.cuda else host
+
+    # -- residency
+    def _load(self, i: int) -> None:
+        """Start copying block i to the device (asynchronously on CUDA)."""
+        if i not in self._params or i in self._resident:
+            return
+        self.stats.loads += 1
+        self.stats.note("load", i)
+        if self.cuda:
+            with torch.cuda.stream(self._stream):
+                for p, h in zip(self._params[i], self._host[i], strict=True):
+                    p.data = h.to(self.device, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._stream)
+            self._resident[i] = ev
+        else:
+            for p, h in zip(self._params[i], self._host[i], strict=True):
+                p.data = h.clone()
+            self._resident[i] = None
+        self.stats.max_resident = max(self.stats.max_resident, len(self._resident))
+
+    def _wait(self, i: int) -> None:
+        """Block i must be on the device before its kernels are queued."""
+        if i not in self._params:
+            return
+        if i not in self._resident:
+            self._load(i)
+        self.stats.note("wait", i)
+        ev = self._resident[i]
+        if self.cuda and ev is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(ev)
+            for p in self._params[i]:
+                p.data.record_stream(current)  # allocated on the side stream, used on the compute stream
+            self._resident[i] = None
+
+    def _evict_except(self, keep: set[int]) -> None:
+        for i in [j for j in self._resident if j not in keep]:
+            for p, h in zip(self._params[i], self._host[i], strict=True):
+                p.data = h  # host copies are never written: the base is frozen, nothing to copy back
+            del self._resident[i]
+            self.stats.evictions += 1
+            self.stats.note("evict", i)
+
+    # -- hooks
+    def _make_pre_hook(self, i: int):
+        def pre_hook(module, args):
+            if _in_backward():  # activation-checkpoint recompute: only make sure it is here
+                self._wait(i)
+                return
+            self._evict_except({i, i + 1})
+            self._wait(i)
+            self._load(i + 1)
+        return pre_hook
+
+    def _make_post_hook(self, i: int):
+        def post_hook(module, args, output):
+            if _in_backward() or not torch.is_grad_enabled():
+                return
+            t = _first_grad_tensor(output)
+            if t is not None:
+                t.register_hook(self._make_grad_hook(i))
+        return post_hook
+
+    def _make_grad_hook(self, i: int):
+        def grad_hook(grad):
+            self._evict_except({i, i - 1})
+            self._wait(i)
+            self._load(i - 1)
+            return None
+        return grad_hook
+
+    def resident(self) -> list[int]:
+        return sorted(self._resident)
+
+    def remove(self) -> None:
+        """Detach the hooks and bring every swapped block back to the device."""
+        for h in self._hooks:
+            h.remove()
+        for i in self.swapped:
+            self._wait(i)
+        self._resident.clear()
+
+
+def _first_grad_tensor(output):
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for o in output:
+            t = _first_grad_tensor(o)
+            if t is not None:
+                return t
+    if isinstance(output, dict):
+        return _first_grad_tensor(list(output.values()))
+    return None
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, in forward order: the longest ModuleList(s) of identical module types.
+
+    Flux has two lists (transformer_blocks then single_transformer_blocks); they
+    are concatenated in that order, which is the order the forward runs them.
+    """
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) >= 2
+             and len({type(b) for b in m}) == 1]
+    # A ModuleList nested inside another candidate's block (e.g. peft's) is not a block list.
+    top = [m for m in lists if not any(m is not o and any(m is s for s in o.modules()) for o in lists)]
+    top = [m for m in top if len(m) >= 2]
+    if not top:
+        return []
+    biggest = max(sum(p.numel() for p in m.parameters()) for m in top)
+    # keep lists holding at least a tenth of the largest one's parameters (drops small helper lists)
+    chosen = [m for m in top if sum(p.numel() for p in m.parameters()) * 10 >= biggest]
+    return [b for m in chosen for b in m]
