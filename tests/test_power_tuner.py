@@ -146,3 +146,36 @@ def test_a_fixed_per_job_limit_is_applied_and_restored_at_job_end(tmp_path: Path
     pol.on_job_end("j1", 0)
     assert dev.limit_w(0) == sim.DEFAULT_W
     pol.close()
+
+
+def test_heartbeats_read_up_to_a_tick_late_still_measure_exact_joules_per_step(tmp_path: Path):
+    """The supervisor reads heartbeats once per 0.25 s tick and the limit changes only then. Steps run back
+    to back at the rate of the limit in force; the tuner must measure from the steps' own timestamps."""
+    from datetime import datetime, timezone
+
+    clock = Clock(1_700_000_000.0)
+    dev = SimulatedDevice(1, clock=clock)
+    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
+                      start_threads=False)
+    pol.on_job_start(_job())
+    tick, progress, step, pending = 0.25, 0.0, 0, []
+    while not pol.jobs["j1"].tuner.done:
+        # training between two ticks at the current limit: record when each step ends
+        rate, t0 = 1.0 / dev.step_time_s(0), clock.t
+        while progress + rate * (t0 + tick - clock.t) >= 1.0:
+            clock.t += (1.0 - progress) / rate
+            progress, step = 0.0, step + 1
+            pending.append((step, clock.t))
+        progress += rate * (t0 + tick - clock.t)
+        clock.t = t0 + tick
+        for s, t in pending:  # the tick: heartbeats, then the policy
+            ts = datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
+            pol.on_heartbeat("j1", {"event": "step", "step": s, "total": 2000, "ts": ts})
+        pending = []
+        pol.tick(datetime.fromtimestamp(clock.t, timezone.utc), [_job()])
+    tuner = pol.jobs["j1"].tuner
+    for p in tuner.points:
+        assert p.s_per_step == pytest.approx(sim.step_time_s(p.limit_w), rel=1e-6)
+        assert p.j_per_step == pytest.approx(sim.joules_per_step(p.limit_w), rel=1e-6)
+    assert tuner.limit_w == 330
+    pol.close()

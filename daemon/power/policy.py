@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -33,6 +35,20 @@ from daemon.power.tuner import Tuner, candidate_limits, job_shape_key, profiling
 from daemon.power.ups import UpsMonitor
 
 _FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
+_HISTORY = 64  # (time, energy) readings kept per GPU to find the energy at a step's own timestamp
+
+
+def _event_time(event: dict[str, Any], now: float) -> float:
+    """The trainer's own timestamp of a heartbeat (it was written before the supervisor's tick read it)."""
+    ts = event.get("ts")
+    if isinstance(ts, str):
+        try:
+            t = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return now
+        if now - 30.0 <= t <= now:  # a clock that disagrees with ours: fall back to the arrival time
+            return t
+    return now
 
 
 @dataclass
@@ -51,9 +67,12 @@ class _Job:
 
 class PowerPolicy:
     def __init__(self, settings: PowerSettings, home: Path, db_path: Path, log: Any,
-                 clock: Callable[[], float] = time.monotonic, device: Device | None = None,
+                 clock: Callable[[], float] = time.time, device: Device | None = None,
                  start_threads: bool = True):
+        # `clock` is wall time: heartbeats carry the trainer's wall-clock timestamp. The UPS keeps its own
+        # monotonic clock (resume_after_s must not jump with NTP).
         self.s, self.home, self.log, self.clock = settings, Path(home), log, clock
+        self._energy: dict[int, deque[tuple[float, float]]] = {}
         self._lock = threading.RLock()  # supervisor thread + socket handlers (lorad power)
         self.store = TelemetryStore(db_path, settings.telemetry.raw_retention_s, settings.telemetry.history_days)
         self.device = device if device is not None else open_device(
@@ -63,7 +82,7 @@ class PowerPolicy:
                         if self.device is not None else None)
         sch = settings.schedule
         self.schedule = Schedule(sch, log) if (sch.run_windows or sch.caps or sch.outages_file) else None
-        self.ups = UpsMonitor(settings.ups, log, clock) if settings.ups.enabled else None
+        self.ups = UpsMonitor(settings.ups, log) if settings.ups.enabled else None
         self.jobs: dict[str, _Job] = {}
         self.manual: dict[int, float] = {}  # gpu -> W from `lorad power --limit`
         self._said: set[str] = set()
@@ -160,7 +179,11 @@ class PowerPolicy:
             if j is None:
                 return
             step = int(event.get("step", 0))
-            now, energy = self.clock(), self.device.energy_mj(j.gpu)
+            # The supervisor reads heartbeats once per tick, up to a tick after the step ended. The step's
+            # own timestamp and the energy counter interpolated to it keep the tuner's windows exact.
+            self._read_energy(j.gpu)
+            now = _event_time(event, self.clock())
+            energy = self._energy_at(j.gpu, now)
             if j.last is not None and step > j.last[0]:
                 e, secs, n = j.pending
                 j.pending = (e + (energy - j.last[2]) / 1000.0, secs + now - j.last[1], n + step - j.last[0])
@@ -174,6 +197,22 @@ class PowerPolicy:
                     self._tuned(j)
                 if j.tuner.limit_w != before:
                     self._apply_caps(j.gpu)
+
+    def _read_energy(self, gpu: int) -> None:
+        assert self.device is not None
+        self._energy.setdefault(gpu, deque(maxlen=_HISTORY)).append((self.clock(), self.device.energy_mj(gpu)))
+
+    def _energy_at(self, gpu: int, t: float) -> float:
+        """The energy counter at time t, linear between the two readings around it (power is near constant
+        over a tick while training)."""
+        h = list(self._energy[gpu])
+        i = bisect_left([x[0] for x in h], t)
+        if i >= len(h):
+            return h[-1][1]
+        if i == 0 or h[i][0] == t:
+            return h[i][1]
+        (t0, e0), (t1, e1) = h[i - 1], h[i]
+        return e0 + (e1 - e0) * (t - t0) / (t1 - t0)
 
     def _tuned(self, j: _Job) -> None:
         assert self.device is not None and j.tuner is not None
@@ -230,6 +269,8 @@ class PowerPolicy:
             if self.device is not None:
                 for gpu in range(self.device.count()):
                     self._apply_caps(gpu)
+                for gpu in {j.gpu for j in self.jobs.values()}:
+                    self._read_energy(gpu)  # brackets the next heartbeat's timestamp within one tick
             self.store.maintain()
             self.last_notes = list(d.notes)
             return d
