@@ -48,6 +48,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     return train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    """Encode a Flux job's latents and text embeddings now (training does it too, reusing what is cached)."""
+    from engine.cache import cache_job
+    from engine.config import JobInvalid, load_job
+    from engine.stop import EXIT_INVALID
+
+    try:
+        cfg = load_job(args.job)
+    except JobInvalid as e:
+        print(f"lorad: invalid job: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    workdir = job_dir(Path(args.home) if args.home else default_home(), cfg.name)
+    print(f"lorad: cache of job {cfg.name} in {workdir / 'cache'}", file=sys.stderr)
+    return cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from daemon.service import serve
 
@@ -72,6 +88,12 @@ def cmd_install_service(args: argparse.Namespace) -> int:
         return 1
     dest.write_text(unit)
     print(f"wrote {dest}")
+    conf = Path("/etc/lorad/daemon.yaml")
+    if not conf.exists():
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_text("# lorad daemon config; every key and its default: configs/daemon.yaml in the source tree\n"
+                        "socket_group: lorad\nallowed_roots: [\"{home}\", /srv, /data]\n")
+        print(f"wrote {conf} (socket_group: lorad; add your data directories to allowed_roots)")
     steps = [["getent", "group", "lorad"]]
     if subprocess.run(steps[0], capture_output=True).returncode != 0:
         subprocess.run(["groupadd", "--system", "lorad"], check=True)
@@ -241,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
     p_.set_defaults(fn=cmd_run)
+
+    p_ = sub.add_parser("cache", help="encode a flux job's latents and text embeddings into its cache (idempotent)")
+    p_.add_argument("job", help="job YAML file")
+    p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
+    p_.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_.set_defaults(fn=cmd_cache)
 
     p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
     p_.add_argument("--home", help="lorad home directory")

@@ -1,0 +1,123 @@
+"""The Flux cache encodes each image/bucket and each caption once, re-encodes only what changed or rotted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import main as lorad
+from engine.config import load_job
+from engine.families.flux import Flux
+from tests.flux_helpers import IMAGES, make_images, tiny_flux, write_flux_job  # noqa: F401 (fixture)
+
+N_IMAGES, N_RES = len(IMAGES), 2
+PROMPT = "sks, a tower at night"
+
+
+class Log:
+    def __init__(self):
+        self.events = []
+
+    def info(self, event, **kw):
+        self.events.append((event, kw))
+
+    warning = error = info
+
+    def named(self, event):
+        return [kw for ev, kw in self.events if ev == event]
+
+
+@pytest.fixture
+def job(tmp_path, tiny_flux):
+    data = make_images(tmp_path / "data")
+    return write_flux_job(tmp_path / "job.yaml", tiny_flux, data,
+                          sample={"every_steps": 5, "prompts": [PROMPT], "width": 32, "height": 32})
+
+
+def prepare(job_path: Path, workdir: Path):
+    log = Log()
+    fam = Flux()
+    fam.prepare(load_job(job_path), workdir, log)
+    return fam.report, log, fam
+
+
+def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_path):
+    wd = tmp_path / "work"
+    rep, log, fam = prepare(job, wd)
+    assert len(rep.latents_encoded) == N_IMAGES * N_RES  # every image at every resolution's bucket
+    # distinct captions (the caption-less image is the trigger alone), the empty caption, the sample prompt
+    assert sorted(rep.texts_encoded) == sorted(
+        ["sks, " + c for _, _, _, c in IMAGES if c] + ["sks", "", PROMPT])
+    assert log.named("cache_progress")[-1]["done"] == log.named("cache_progress")[-1]["total"] == 10 + 7
+    manifest = json.loads((wd / "cache" / "manifest.json").read_text())
+    files = sorted(p.name for p in (wd / "cache").iterdir() if p.name != "manifest.json")
+    assert files == sorted(e["file"] for e in manifest["entries"].values())  # nothing half-written left
+    # flip: true caches the mirrored latent next to the plain one
+    lat = fam.cache.load(fam.plan.item_latent[0])
+    assert set(lat) == {"latent", "latent_flip"} and lat["latent"].shape[0] == 4
+
+    rep2, _, _ = prepare(job, wd)
+    assert rep2.latents_encoded == [] and rep2.texts_encoded == [] and rep2.reused == 17
+
+
+def test_changing_one_caption_re_encodes_only_that_caption(job, tmp_path):
+    wd = tmp_path / "work"
+    prepare(job, wd)
+    (tmp_path / "data" / "tall-0.txt").write_text("a green tower, overgrown\n")
+    rep, _, fam = prepare(job, wd)
+    assert rep.texts_encoded == ["sks, a green tower, overgrown"]
+    assert rep.latents_encoded == []
+    # the old caption's embedding is gone from the manifest and the directory
+    sources = [e["source"] for e in json.loads((wd / "cache" / "manifest.json").read_text())["entries"].values()]
+    assert "sks, a green tower" not in sources and "sks, a green tower, overgrown" in sources
+
+
+def test_a_new_image_is_encoded_alone_at_each_resolution(job, tmp_path):
+    wd = tmp_path / "work"
+    prepare(job, wd)
+    make_images(tmp_path / "data", images=[("extra.png", 50, 50, "a yellow sun")], seed=9)
+    rep, _, _ = prepare(job, wd)
+    assert rep.latents_encoded == ["extra.png@48x48", "extra.png@64x64"]
+    assert rep.texts_encoded == []  # same caption text as square-0.png: shared
+
+
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "delete"])
+def test_a_corrupt_cache_file_is_detected_and_re_encoded(job, tmp_path, damage):
+    wd = tmp_path / "work"
+    _, _, fam = prepare(job, wd)
+    key = fam.plan.item_latent[0]
+    entry = fam.cache.entries[key]
+    path = wd / "cache" / entry["file"]
+    good = path.read_bytes()
+    if damage == "flip_byte":
+        data = bytearray(good)
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(good[:-7])
+    else:
+        path.unlink()
+    rep, log, _ = prepare(job, wd)
+    assert rep.corrupt == [entry["file"]]
+    assert log.named("cache_corrupt")[0]["file"] == entry["file"]
+    assert len(rep.latents_encoded) == 1 and rep.texts_encoded == []
+    assert path.read_bytes() == good  # encoding is deterministic: the same bytes come back
+
+
+def test_lorad_cache_verb_fills_the_cache_that_training_then_reuses(job, tmp_path):
+    home = tmp_path / "home"
+    assert lorad(["cache", str(job), "--home", str(home), "--quiet"]) == 0
+    wd = home / "jobs" / "tiny-flux"
+    assert (wd / "cache" / "manifest.json").is_file()
+    rep, _, _ = prepare(job, wd)
+    assert rep.latents_encoded == [] and rep.texts_encoded == []
+
+
+def test_lorad_cache_refuses_a_causal_lm_job(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    shutil.copy(repo / "configs/examples/quickstart.yaml", tmp_path / "q.yaml")
+    shutil.copytree(repo / "configs/examples/data", tmp_path / "data")
+    assert lorad(["cache", str(tmp_path / "q.yaml"), "--home", str(tmp_path / "home"), "--quiet"]) == 65
