@@ -103,17 +103,22 @@ class NvmlDevice:
         # Boards without a total-energy counter (pre-Volta) get power x time integrated here.
         self._integrated: dict[int, tuple[float, float]] = {}  # gpu -> (mJ so far, monotonic time of last read)
         self._said_integrating: set[int] = set()
+        self._info: dict[int, GpuInfo] = {}
 
     def count(self) -> int:
         return len(self._handles)
 
     def info(self, gpu: int) -> GpuInfo:
+        if gpu in self._info:  # constant for the life of the driver; the policy asks every tick
+            return self._info[gpu]
         nv, h = self._nv, self._handles[gpu]
         name = nv.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else name
         lo, hi = nv.nvmlDeviceGetPowerManagementLimitConstraints(h)
         default = nv.nvmlDeviceGetPowerManagementDefaultLimit(h)
-        return GpuInfo(index=gpu, name=name, min_w=lo / 1000.0, max_w=hi / 1000.0, default_w=default / 1000.0)
+        self._info[gpu] = GpuInfo(index=gpu, name=name, min_w=lo / 1000.0, max_w=hi / 1000.0,
+                                  default_w=default / 1000.0)
+        return self._info[gpu]
 
     def limit_w(self, gpu: int) -> float:
         return self._nv.nvmlDeviceGetEnforcedPowerLimit(self._handles[gpu]) / 1000.0
