@@ -161,7 +161,9 @@ class JobConfig(Strict):
         every checkpoint written before it.
         """
         d = self.model_dump(mode="json", exclude_defaults=True)
-        d.get("train", {}).pop("steps", None)
+        # blocks_to_swap and compile trade speed for memory; a job may resume with more swapping after an OOM.
+        for k in ("steps", "blocks_to_swap", "compile"):
+            d.get("train", {}).pop(k, None)
         for k in ("checkpoint", "output", "power", "priority", "sample"):
             d.pop(k, None)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

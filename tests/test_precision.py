@@ -16,7 +16,15 @@ import engine.precision as precision
 from engine.config import parse_job
 from engine.fp8 import FP8Linear
 from engine.precision import apply_base_precision, convert_linears_to_fp8, resolve
-from tests.conftest import QUICKSTART_DATA, Trainer, adapter_bytes, deep_update, read_events, run_engine, tiny_job_dict
+from tests.conftest import (
+    QUICKSTART_DATA,
+    Trainer,
+    adapter_bytes,
+    deep_update,
+    read_events,
+    run_engine,
+    tiny_job_dict,
+)
 
 
 class Log:
@@ -101,7 +109,7 @@ def test_int8_loads_through_bitsandbytes_and_lora_trains_on_top(micro_model, tmp
     model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), log)
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, bnb.nn.Linear8bitLt)
-    assert ("base_precision", ) == (log.events[0][0],) and log.events[0][1]["precision"] == "int8"
+    assert log.events[0][0] == "base_precision" and log.events[0][1]["precision"] == "int8"
     ids = torch.randint(3, 200, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     lora = [p for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,243 @@
+"""Host→device streaming: the batch prefetcher and block swapping (engine/prefetch.py, engine/blockswap.py).
+
+On the CPU the "device" copies are real copies into fresh CPU tensors, so
+the swap logic (which block is where, when copies start, the two-block
+window) runs and is checked here; the GPU tests check the overlap itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as ckpt
+
+from engine.blockswap import BlockSwapper, find_blocks
+from engine.prefetch import Prefetcher
+from engine.speedups import compile_blocks
+
+
+# ----------------------------------------------------------------- prefetcher
+def test_prefetcher_on_cpu_is_a_lazy_passthrough():
+    asked = []
+
+    def make(cursor):
+        asked.append(cursor)
+        return {"input_ids": torch.full((2, 4), cursor), "n": cursor}
+
+    pf = Prefetcher(make, torch.device("cpu"), step_size=2)
+    assert not pf.enabled
+    for c in (0, 2, 4, 10):  # a jump (resume) is served like any other cursor
+        b = pf.get(c)
+        assert b["n"] == c and torch.equal(b["input_ids"], torch.full((2, 4), c))
+    assert asked == [0, 2, 4, 10]  # built exactly when asked, never ahead: CPU runs are unchanged by it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_prefetcher_on_gpu_serves_the_next_batch_from_the_side_stream():
+    pf = Prefetcher(lambda c: {"x": torch.full((1024, 1024), float(c))}, torch.device("cuda"), step_size=1)
+    for c in range(5):
+        b = pf.get(c)
+        assert b["x"].is_cuda and b["x"][0, 0].item() == c
+    assert pf.misses == 1 and pf.hits == 4
+    b = pf.get(42)  # not what was prefetched: built synchronously, still right
+    assert b["x"][0, 0].item() == 42 and pf.misses == 2
+
+
+# ----------------------------------------------------------------- block swapping on a toy stack
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.lora = nn.Linear(width, width, bias=False)
+        nn.init.normal_(self.lora.weight, std=0.02)
+
+    def forward(self, x):
+        return x + torch.tanh(self.base(x)) + self.lora(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 6, width: int = 32, checkpointing: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(n))
+        self.head = nn.Linear(width, 1)
+        self.checkpointing = checkpointing
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = ckpt.checkpoint(b, x, use_reentrant=False) if self.checkpointing else b(x)
+        return self.head(x).sum()
+
+
+def run_steps(model: nn.Module, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(8, 32, generator=g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def make_stack(**kw) -> Stack:
+    torch.manual_seed(1)
+    return Stack(**kw)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_swapping_changes_nothing_in_the_numbers(checkpointing):
+    ref_losses, ref_params = run_steps(make_stack(checkpointing=checkpointing))
+    model = make_stack(checkpointing=checkpointing)
+    swapper = BlockSwapper(list(model.blocks), 4, torch.device("cpu"))
+    losses, params = run_steps(model)
+    assert losses == ref_losses
+    assert all(torch.equal(params[k], ref_params[k]) for k in ref_params)
+    assert swapper.stats.loads > 0 and swapper.stats.max_resident <= 2
+
+
+def test_two_swapped_blocks_at_most_are_resident_and_the_next_one_loads_while_this_one_computes():
+    model = make_stack(n=6)
+    swapper = BlockSwapper(list(model.blocks), 4, torch.device("cpu"), keep_trace=True)
+    assert swapper.swapped == [2, 3, 4, 5]  # the last blocks: backward starts where forward ends
+    seen = []
+    for i, b in enumerate(model.blocks):
+        # what is resident at the moment block i's own code runs
+        b.register_forward_pre_hook(lambda m, a, i=i: seen.append(("fwd", i, swapper.resident())))
+    model(torch.randn(2, 32)).backward()
+    fwd = {i: r for what, i, r in seen if what == "fwd"}
+    assert fwd[2] == [2, 3] and fwd[3] == [3, 4] and fwd[4] == [4, 5] and fwd[5] == [5]
+    trace = swapper.stats.trace
+    # forward: block i+1's copy is started right after waiting for block i
+    assert trace.index(("load", 3)) == trace.index(("wait", 2)) + 1
+    # backward walks down: block 4 is (re)loaded while block 5's backward runs, then 3, then 2
+    back = trace[trace.index(("wait", 5), trace.index(("wait", 5)) + 1):]
+    loads_back = [i for what, i in back if what == "load"]
+    assert loads_back == [4, 3, 2]
+    assert swapper.stats.max_resident == 2
+
+
+def test_swapped_weights_live_on_the_host_between_uses_and_lora_never_moves():
+    model = make_stack(n=4)
+    lora_before = [b.lora.weight for b in model.blocks]
+    swapper = BlockSwapper(list(model.blocks), 2, torch.device("cpu"))
+    host_ptrs = {i: [h.data_ptr() for h in swapper._host[i]] for i in swapper.swapped}
+    model(torch.randn(2, 32)).backward()
+    for i in swapper.swapped:
+        ptrs = [p.data_ptr() for p in swapper._params[i]]
+        if i in swapper.resident():
+            assert all(a != b for a, b in zip(ptrs, host_ptrs[i], strict=True))  # a separate "device" copy
+        else:
+            assert ptrs == host_ptrs[i]
+    assert all(b.lora.weight is w and w.grad is not None for b, w in zip(model.blocks, lora_before, strict=True))
+    assert all(p.requires_grad for i in swapper.swapped for p in model.blocks[i].lora.parameters())
+
+
+def test_blocks_to_swap_is_bounded_by_the_number_of_blocks():
+    with pytest.raises(ValueError, match="blocks_to_swap"):
+        BlockSwapper(list(make_stack(n=3).blocks), 4, torch.device("cpu"))
+
+
+def test_regional_compile_gives_the_same_numbers_with_swapping():
+    ref_losses, _ = run_steps(make_stack(n=4))
+    model = make_stack(n=4)
+    BlockSwapper(list(model.blocks), 2, torch.device("cpu"))
+    assert compile_blocks(list(model.blocks), backend="aot_eager") == 4
+    losses, _ = run_steps(model)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
+# ----------------------------------------------------------------- real models
+def test_find_blocks_on_llama_and_flux_in_forward_order():
+    from diffusers import FluxTransformer2DModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert find_blocks(llama) == list(llama.model.layers)
+    flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=8,
+                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+                                  guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+    assert find_blocks(flux) == list(flux.transformer_blocks) + list(flux.single_transformer_blocks)
+
+
+def test_fp8_llama_with_lora_trains_identically_with_and_without_swapping(micro_model):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from engine.precision import apply_base_precision
+
+    def build():
+        m = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32)
+        apply_base_precision(m, "fp8", torch.device("cpu"), compute_dtype=torch.float32, fp8_compute="scaled_mm")
+        torch.manual_seed(3)
+        return get_peft_model(m, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+                              autocast_adapter_dtype=False)
+
+    ids = torch.randint(3, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def train(model):
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        out = []
+        for _ in range(3):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    ref = train(build())
+    model = build()
+    swapper = BlockSwapper(find_blocks(model), 1, torch.device("cpu"))
+    assert swapper.swapped == [1] and all(p.dtype == torch.float8_e4m3fn or p.ndim == 1 or not p.requires_grad
+                                          for p in swapper._params[1])
+    assert train(model) == ref
+    assert swapper.stats.loads >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_swapped_blocks_free_their_memory_and_the_numbers_match():
+    dev = torch.device("cuda")
+    ref = make_stack(n=8, width=1024).to(dev)
+    ref_losses, _ = run_steps(ref)
+    model = make_stack(n=8, width=1024).to(dev)
+    before = torch.cuda.memory_allocated()
+    swapper = BlockSwapper(list(model.blocks), 6, dev)
+    assert torch.cuda.memory_allocated() < before - 4 * 1024 * 1024 * 4  # 6 base weights (4 MiB each) left
+    losses, _ = run_steps(model)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert swapper.stats.max_resident <= 2
+
+
+def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(micro_model, tmp_path):
+    from engine.config import parse_job
+    from engine.run import train
+    from tests.conftest import QUICKSTART_DATA, adapter_bytes, deep_update, read_events, tiny_job_dict
+
+    out = {}
+    for n in (0, 1):
+        d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
+                        {"train": {"steps": 6, "blocks_to_swap": n}, "checkpoint": {"every_steps": 3}})
+        wd = tmp_path / f"swap{n}"
+        assert train(parse_job(d, tmp_path), wd, progress="none") == 0
+        out[n] = adapter_bytes(wd)
+        swap_events = [e for e in read_events(wd) if e["event"] == "block_swap"]
+        assert len(swap_events) == (1 if n else 0)
+    assert out[0] == out[1]
+
+
+def test_changing_blocks_to_swap_or_compile_keeps_checkpoints_valid(micro_model, tmp_path):
+    # After an OOM a job may come back with more blocks swapped: same weights, so the same identity.
+    from engine.config import parse_job
+    from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
+
+    base = tiny_job_dict(micro_model, QUICKSTART_DATA)
+    h0 = parse_job(base, tmp_path).identity_hash()
+    assert parse_job(deep_update(base, {"train": {"blocks_to_swap": 2, "compile": True}}), tmp_path).identity_hash() == h0
+    assert parse_job(deep_update(base, {"model": {"base_precision": "fp8"}}), tmp_path).identity_hash() != h0
