@@ -98,6 +98,8 @@ def _check_roots(raw: dict, base_dir: Path, roots: list[Path]) -> None:
             cand = base_dir / cand
         if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
             continue  # a hub id (org/name), not a local path
+        if not os.path.lexists(cand):
+            continue  # the engine's validator says "does not exist", which is the clearer message
         real = Path(os.path.realpath(cand))
         if not _under(real, roots):
             raise JobInvalid(f"{section}.{key}: {p} resolves to {real}, outside the allowed roots ({shown}); "

@@ -1,0 +1,148 @@
+"""The socket protocol and server: typed requests, and nothing a client sends can crash or block the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+
+import pytest
+
+from daemon import protocol as p
+from daemon.client import Client, DaemonDown
+from daemon.log import setup
+from daemon.server import SocketInUse, SocketServer, peer_allowed
+
+
+def test_every_verb_round_trips_through_its_typed_request():
+    reqs = [p.Ping(), p.Submit(name="a.yaml", text="x: 1"), p.Status(), p.Status(job="a-1"), p.Logs(job="a"),
+            p.Pause(job="a"), p.Resume(job="a"), p.Cancel(job="a"), p.SetPriority(job="a", priority=3),
+            p.Drain(on=False)]
+    assert {r.verb for r in reqs} == p.VERBS
+    for r in reqs:
+        assert p.parse_request(p.encode(r)) == r
+
+
+@pytest.mark.parametrize("line, code", [
+    (b"\x00\xffnot json", "bad_json"),
+    (b"[1, 2]", "bad_json"),
+    (b'{"verb": "format_disk"}', "unknown_verb"),
+    (b'{"v": 99, "verb": "ping"}', "version"),
+    (b'{"verb": "pause"}', "bad_request"),
+    (b'{"verb": "priority", "job": "a", "priority": 1e9}', "bad_request"),
+    (b'{"verb": "ping", "extra": 1}', "bad_request"),
+])
+def test_bad_requests_get_a_coded_error(line, code):
+    with pytest.raises(p.ProtocolError) as e:
+        p.parse_request(line)
+    assert e.value.code == code
+
+
+def test_submit_hides_the_job_text_from_debug_output():
+    assert "secret-token" not in repr(p.Submit(name="a.yaml", text="hf_token: secret-token"))
+
+
+def test_peer_check_allows_root_and_self_only_without_a_group():
+    assert peer_allowed(0, 0, None)
+    assert peer_allowed(os.geteuid(), 12345, None)
+    assert not peer_allowed(54321, 54321, None)
+    assert not peer_allowed(54321, 54321, "no-such-group-here")
+
+
+@pytest.fixture
+def server(tmp_path):
+    def handle(req):
+        return p.encode(p.Reply(data={"verb": req.verb}))
+
+    s = SocketServer(tmp_path / "t.sock", handle, setup(), max_request_bytes=4096, timeout_s=1.0, max_connections=8)
+    s.start()
+    yield s
+    s.close()
+
+
+def raw(path, payload: bytes, read: bool = True) -> list[dict]:
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(5)
+    c.connect(str(path))
+    c.sendall(payload)
+    out = b""
+    if read:
+        try:
+            while True:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+                if out.count(b"\n") >= payload.count(b"\n") and payload.endswith(b"\n"):
+                    break
+        except (socket.timeout, ConnectionResetError):
+            pass
+    c.close()
+    return [json.loads(x) for x in out.splitlines() if x.strip()]
+
+
+def test_socket_is_0660_from_the_start(server):
+    assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
+
+
+def test_garbage_lines_get_errors_and_the_connection_keeps_working(server):
+    replies = raw(server.path, b"garbage\n{\"verb\": \"nope\"}\n{\"verb\": \"ping\"}\n")
+    assert [r["ok"] for r in replies] == [False, False, True]
+    assert [r.get("error") for r in replies[:2]] == ["bad_json", "unknown_verb"]
+
+
+def test_oversize_request_gets_an_error_and_the_server_keeps_answering(server):
+    replies = raw(server.path, b"x" * 100_000)  # no newline within the cap: answered, then hung up
+    assert replies and replies[0]["error"] == "too_large"
+    assert Client(server.path).call(p.Ping()) == {"verb": "ping"}
+
+
+def test_idle_and_half_sent_clients_do_not_block_others(server):
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    idle.connect(str(server.path))
+    half = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    half.connect(str(server.path))
+    half.sendall(b'{"verb": "pi')
+    t0 = time.monotonic()
+    assert Client(server.path).call(p.Ping()) == {"verb": "ping"}
+    assert time.monotonic() - t0 < 0.9  # answered before the idle clients' 1 s timeout
+    time.sleep(1.3)
+    assert idle.recv(10) == b""  # the server closed the idle connection
+    idle.close()
+    half.close()
+
+
+def test_many_concurrent_clients(server):
+    results = []
+
+    def one():
+        results.append(Client(server.path).call(p.Ping()))
+
+    ts = [threading.Thread(target=one) for _ in range(20)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert len(results) == 20
+
+
+def test_a_live_socket_is_not_stolen_and_a_stale_one_is_replaced(server, tmp_path):
+    with pytest.raises(SocketInUse):
+        SocketServer(server.path, lambda r: b"", setup()).start()
+    stale = tmp_path / "stale.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()  # the file stays, nobody listens
+    s2 = SocketServer(stale, lambda r: p.encode(p.Reply()), setup())
+    s2.start()
+    assert Client(stale).call(p.Ping()) == {}
+    s2.close()
+
+
+def test_cli_says_in_one_line_that_the_daemon_is_down(tmp_path):
+    with pytest.raises(DaemonDown) as e:
+        Client(tmp_path / "none.sock").call(p.Ping())
+    assert str(e.value) == f"lorad: the daemon is not running (no socket at {tmp_path / 'none.sock'})"

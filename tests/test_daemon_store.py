@@ -1,0 +1,115 @@
+"""The job state machine (one table) and the SQLite store that enforces it."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from daemon import states
+from daemon.store import Store, UnknownJob
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state.db")
+    yield s
+    s.close()
+
+
+def add(store: Store, name: str = "j", priority: int = 0) -> str:
+    jid = store.new_id(name)
+    store.add_job(jid, name, store.path.parent / "jobs" / jid, priority, 10, "test")
+    return jid
+
+
+def test_the_lifecycle_of_design_md_is_in_the_table():
+    t = states.TRANSITIONS
+    for edge in [(states.QUEUED, states.RUNNING), (states.RUNNING, states.SUCCEEDED),
+                 (states.RUNNING, states.INTERRUPTED), (states.INTERRUPTED, states.QUEUED),
+                 (states.RUNNING, states.PAUSED), (states.PAUSED, states.QUEUED), (states.RUNNING, states.FAILED)]:
+        assert edge in t
+    for s in states.STATES:
+        if s not in states.FINAL:
+            assert (s, states.CANCELLED) in t, f"{s} must be cancellable"
+
+
+def test_final_states_have_no_way_out():
+    for (src, _dst) in states.TRANSITIONS:
+        assert src not in states.FINAL
+
+
+def test_every_pair_outside_the_table_is_refused_and_leaves_the_row_alone(store):
+    """Walk all 49 (from, to) pairs: the table's edges succeed, all others raise and change nothing."""
+    for src in states.STATES:
+        for dst in states.STATES:
+            jid = add(store)
+            # Put the job into `src` through the store's own columns (setup only; not a transition).
+            store.db.execute("UPDATE jobs SET state=? WHERE id=?", (src, jid))
+            if (src, dst) in states.TRANSITIONS:
+                store.transition(jid, src, dst, "walk")
+                assert store.get(jid)["state"] == dst
+            else:
+                with pytest.raises(states.IllegalTransition):
+                    store.transition(jid, src, dst, "walk")
+                assert store.get(jid)["state"] == src
+
+
+def test_transition_checks_the_current_state_not_the_callers_belief(store):
+    jid = add(store)
+    store.transition(jid, states.QUEUED, states.RUNNING)
+    with pytest.raises(states.IllegalTransition):
+        store.transition(jid, states.QUEUED, states.RUNNING)  # someone else already started it
+    assert [e["data"]["to"] for e in store.events(jid) if e["kind"] == "transition"] == ["running"]
+
+
+def test_a_transition_and_its_fields_are_one_transaction(store):
+    jid = add(store)
+    with pytest.raises(ValueError):
+        store.transition(jid, states.QUEUED, states.RUNNING, pid=1, not_a_column=2)
+    row = store.get(jid)
+    assert row["state"] == states.QUEUED and row["pid"] is None
+
+
+def test_unknown_job(store):
+    with pytest.raises(UnknownJob):
+        store.transition("nope", states.QUEUED, states.RUNNING)
+
+
+def test_queue_order_is_priority_then_arrival_and_respects_backoff(store):
+    a, b, c = add(store, "a"), add(store, "b", priority=5), add(store, "c", priority=5)
+    assert store.next_queued(0)["id"] == b
+    store.update(b, not_before=1e18)
+    assert store.next_queued(1000)["id"] == c
+    store.update(c, priority=-1)
+    assert store.next_queued(1000)["id"] == a
+
+
+def test_ids_are_readable_and_unique(store):
+    ids = {store.new_id("quickstart") for _ in range(50)}
+    assert all(i.startswith("quickstart-") for i in ids)
+    jid = add(store, "quickstart")
+    assert store.find("quickstart")["id"] == jid  # a name finds its newest job
+
+
+def test_wal_and_full_sync_survive_reopen(tmp_path):
+    s = Store(tmp_path / "state.db")
+    jid = add(s)
+    s.transition(jid, states.QUEUED, states.RUNNING)
+    assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert s.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    s.close()
+    raw = sqlite3.connect(tmp_path / "state.db")
+    assert raw.execute("SELECT state FROM jobs WHERE id=?", (jid,)).fetchone()[0] == "running"
+
+
+def test_attempts_record_start_end_exit_and_steps(store):
+    jid = add(store)
+    n = store.start_attempt(jid, 0)
+    store.set_attempt_pid(jid, n, 1234)
+    store.end_attempt(jid, 1, 7, "boom")
+    n2 = store.start_attempt(jid, 4)
+    a = store.attempts(jid)
+    assert (n, n2) == (1, 2)
+    assert a[0]["exit_code"] == 1 and a[0]["end_step"] == 7 and a[0]["error"] == "boom" and a[0]["pid"] == 1234
+    assert a[1]["ended_at"] is None and a[1]["start_step"] == 4
