@@ -27,7 +27,9 @@ from engine.fp8 import FP8Linear, fp8_tensor_cores, scaled_mm_rowwise_supported
 # Never converted: the token embedding / output head (precision-sensitive, and not matmuls LoRA
 # targets in our recipes), and for diffusion transformers the input/output projections and the
 # timestep/text embedders, which are tiny, run once per step and set the scale of everything after.
-DEFAULT_SKIP = r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out|proj_out|norm_out|x_embedder|context_embedder|time_text_embed)(\.|$)"
+# The diffusion names are anchored at the top level: Flux's single blocks have their own (large) proj_out.
+DEFAULT_SKIP = (r"(^|\.)(lm_head|embed_tokens|wte|wpe|embed_out)(\.|$)"
+                r"|^(proj_out|norm_out|x_embedder|context_embedder|time_text_embed)(\.|$)")
 
 
 @dataclass

@@ -91,6 +91,21 @@ def test_fp8_converts_every_block_linear_but_never_the_head_or_embeddings(micro_
     assert ((got - ref).norm() / ref.norm()).item() < 0.10
 
 
+def test_flux_keeps_its_top_level_projections_but_converts_every_block_linear():
+    from diffusers import FluxTransformer2DModel
+
+    flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                                  num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                  guidance_embeds=True, axes_dims_rope=(4, 6, 6)).to(torch.bfloat16)
+    block_linears = {n for n, m in flux.named_modules() if type(m) is nn.Linear and "transformer_blocks." in n}
+    rep = convert_linears_to_fp8(flux)
+    converted = {n for n, m in flux.named_modules() if isinstance(m, FP8Linear)}
+    assert converted == block_linears and rep.converted == len(block_linears)
+    assert "single_transformer_blocks.0.proj_out" in converted  # not confused with the top-level proj_out
+    for top in ("proj_out", "x_embedder", "context_embedder", "norm_out.linear"):
+        assert type(flux.get_submodule(top)) is nn.Linear
+
+
 def test_layers_whose_shapes_do_not_fit_are_reported_and_fall_back():
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40), nn.Linear(40, 32))
     rep = convert_linears_to_fp8(model, compute="scaled_mm")
