@@ -150,6 +150,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     loaded, skipped = store.load_latest()
     for s in skipped:
         log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)
+        # Also on stderr: `lorad run` shows a progress bar, not the event stream, and a skipped save must be seen.
+        _say(progress, f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
     step, consumed, elapsed_before = 0, 0, 0.0
     if loaded is not None:
         state = restore_checkpoint(loaded, params, optimizer, generator)
