@@ -1,0 +1,107 @@
+"""A damaged newest checkpoint is skipped, named, and the one before it loads."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint import CheckpointStore
+from engine.config import load_job
+from engine.run import train
+from tests.conftest import PY, REPO, adapter_bytes, child_env, read_events
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, micro_model):
+    """A finished 12-step job with checkpoints at steps 4, 8 and 12 (in-process, to save a child start-up)."""
+    import yaml
+
+    from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
+
+    root = tmp_path_factory.mktemp("corrupt")
+    job = root / "tiny.yaml"
+    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
+                    {"train": {"steps": 12}, "checkpoint": {"every_steps": 4, "keep": 5}})
+    job.write_text(yaml.safe_dump(d))
+    cfg = load_job(job)
+    workdir = root / "home" / "jobs" / cfg.name  # where `lorad run --home root/home` keeps this job
+    assert train(cfg, workdir, progress="none") == 0
+    names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert names == ["step-00000004", "step-00000008", "step-00000012"]
+    return job, cfg, workdir
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 3])
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated adapter": ("adapter.safetensors", truncate, "truncated"),
+    "bit-flipped optimizer state": ("optimizer.safetensors", flip_bit, "checksum"),
+    "bit-flipped rng state": ("rng.safetensors", flip_bit, "checksum"),
+    "truncated manifest": ("manifest.json", truncate, "manifest.json"),
+    "missing manifest": ("manifest.json", lambda p: p.unlink(), "no manifest"),
+    "missing state file": ("state.json", lambda p: p.unlink(), "missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_is_skipped_with_its_name_and_reason(trained, tmp_path, damage):
+    _, cfg, workdir = trained
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(workdir / "checkpoints", ck)
+    fname, hurt, why = DAMAGE[damage]
+    hurt(ck / "step-00000012" / fname)
+
+    loaded, skipped = CheckpointStore(ck, cfg.identity_hash(), keep=5).load_latest()
+
+    assert loaded is not None and loaded.step == 8 and loaded.state["step"] == 8
+    assert [s.name for s in skipped] == ["step-00000012"]
+    assert why in skipped[0].reason
+    # Set aside, not deleted: the damaged files stay for a post-mortem, and never shadow a new step-12.
+    assert not (ck / "step-00000012").exists()
+    assert [p.name for p in ck.iterdir() if p.name.startswith("step-00000012.invalid-")]
+
+
+def test_walk_back_passes_several_damaged_checkpoints(trained, tmp_path):
+    _, cfg, workdir = trained
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(workdir / "checkpoints", ck)
+    flip_bit(ck / "step-00000012" / "adapter.safetensors")
+    truncate(ck / "step-00000008" / "optimizer.json")
+    loaded, skipped = CheckpointStore(ck, cfg.identity_hash(), keep=5).load_latest()
+    assert loaded.step == 4
+    assert [s.name for s in skipped] == ["step-00000012", "step-00000008"]
+
+
+def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tmp_path):
+    job, cfg, workdir = trained
+    home = tmp_path / "home"
+    shutil.copytree(workdir.parents[1], home)
+    mine = home / "jobs" / cfg.name
+    finished = adapter_bytes(mine)
+    flip_bit(mine / "checkpoints" / "step-00000012" / "adapter.safetensors")
+
+    p = subprocess.run([PY, "-m", "daemon.cli", "run", str(job), "--home", str(home), "--quiet"],
+                       capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+
+    assert p.returncode == 0, p.stderr
+    warnings = [ln for ln in p.stderr.splitlines() if "skipped checkpoint" in ln]
+    assert len(warnings) == 1 and "step-00000012" in warnings[0] and "checksum" in warnings[0]
+    events = read_events(mine)
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert skipped and skipped[-1]["checkpoint"] == "step-00000012" and skipped[-1]["level"] == "warning"
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed[-1]["from_step"] == 8
+    # Retraining steps 9-12 from the good checkpoint reproduces the lost one exactly.
+    assert adapter_bytes(mine) == finished
