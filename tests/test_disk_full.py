@@ -1,0 +1,72 @@
+"""A disk that fills during a save: the previous checkpoint stands, the job exits 74 with one clear line."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint import CheckpointStore
+from engine.config import load_job
+from engine.fsio import RealFs
+from engine.run import train
+from tests.conftest import read_events
+
+
+class FillingFs(RealFs):
+    """Real file operations on a disk that has `free` bytes left once `commits` checkpoints are in place.
+
+    Like a real full disk, the write that crosses the limit stores what fits and then fails with ENOSPC.
+    """
+
+    def __init__(self, commits: int, free: int):
+        self.commits_left = commits
+        self.free = free
+
+    def rename(self, src: Path, dst: Path) -> None:
+        super().rename(src, dst)
+        if Path(dst).name.startswith("step-"):
+            self.commits_left -= 1
+
+    def write(self, path: Path, chunks) -> int:
+        if self.commits_left > 0:
+            return super().write(path, chunks)
+        data = b"".join(bytes(c) for c in chunks)
+        fits = data[: max(0, self.free)]
+        with open(path, "wb") as f:
+            f.write(fits)
+        self.free -= len(fits)
+        if len(fits) < len(data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return len(data)
+
+
+@pytest.mark.parametrize("commits, kept", [(1, "step-00000004"), (0, None)], ids=["after-first-save", "first-save"])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_exits_74(
+    write_job, tmp_path, capfd, commits, kept
+):
+    cfg = load_job(write_job(train={"steps": 12}, checkpoint={"every_steps": 4}))
+    wd = tmp_path / "work"
+    fs = FillingFs(commits=commits, free=3000)
+
+    rc = train(cfg, wd, progress="none", fs=fs)
+
+    err = capfd.readouterr().err
+    assert rc == 74
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
+    assert len(lines) == 1, err
+    assert "disk full" in lines[0] and "MiB free" in lines[0]
+    failed = "step-00000008" if kept else "step-00000004"
+    assert f"saving checkpoint {failed}" in lines[0]
+    assert (f"previous checkpoint {kept} is intact" if kept else "no earlier checkpoint") in lines[0]
+
+    events = read_events(wd)
+    assert events[-1]["event"] == "disk_error" and events[-1]["message"] == lines[0].removeprefix("lorad: ")
+    store = CheckpointStore(wd / "checkpoints", cfg.identity_hash(), keep=3)
+    loaded, skipped = store.load_latest()
+    assert skipped == []
+    assert (loaded.step if loaded else None) == (int(kept[5:]) if kept else None)
+    # The half-written save was cleaned up, not left to be mistaken for a checkpoint.
+    assert not [p for p in (wd / "checkpoints").iterdir() if ".tmp-" in p.name]
