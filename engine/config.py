@@ -239,8 +239,11 @@ def _section_models() -> dict[str, type[BaseModel]]:
     return out
 
 
-def parse_job(raw: Any, base_dir: Path, source: str = "job") -> JobConfig:
-    """Validate a parsed YAML document and resolve its paths; raise JobInvalid naming every problem."""
+def parse_job(raw: Any, base_dir: Path, source: str = "job", check_paths: bool = True) -> JobConfig:
+    """Validate a parsed YAML document and resolve its paths; raise JobInvalid naming every problem.
+
+    check_paths=False validates the schema only (documentation jobs whose model lives on another machine).
+    """
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), got {type(raw).__name__}")
     try:
@@ -255,7 +258,8 @@ def parse_job(raw: Any, base_dir: Path, source: str = "job") -> JobConfig:
                 seen.append(p)
         raise JobInvalid(f"{source}: " + "; ".join(seen)) from None
     _resolve_paths(cfg, base_dir)
-    _check_paths(cfg)
+    if check_paths:
+        _check_paths(cfg)
     return cfg
 
 
@@ -315,7 +319,7 @@ def load_yaml_text(text: str, source: str) -> Any:
         raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
 
 
-def load_job(path: str | Path) -> JobConfig:
+def load_job(path: str | Path, check_paths: bool = True) -> JobConfig:
     """Read, size-check, safely parse and validate a job file."""
     path = Path(path)
     try:
@@ -329,7 +333,7 @@ def load_job(path: str | Path) -> JobConfig:
     except UnicodeDecodeError:
         raise JobInvalid(f"{path}: job file is not UTF-8 text") from None
     raw = load_yaml_text(text, str(path.name))
-    return parse_job(raw, path.parent.resolve(), source=path.name)
+    return parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
 
 
 def dump_job(cfg: JobConfig) -> str:
