@@ -31,9 +31,10 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
@@ -46,7 +47,6 @@ from engine.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durabl
 FORMAT = 1
 MANIFEST = "manifest.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FLUSH_EVERY = 16  # entries encoded between manifest rewrites: bounds the work a crash can lose
 
 
 def model_id(cfg: JobConfig, model_path: str) -> str:
@@ -189,29 +189,25 @@ def _release() -> None:
 
 def encode_latents(cache: Cache, todo: dict[str, tuple[Item, bool]], model_path: str, cfg: JobConfig,
                    tick: Callable[[str], None]) -> None:
-    from diffusers import AutoencoderKL
     import numpy as np
+    from diffusers import AutoencoderKL
 
     device = _device()
     vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae", revision=cfg.model.revision,
                                         dtype=DTYPES[cfg.model.dtype]).to(device).eval()
     shift = vae.config.shift_factor or 0.0
     scale = vae.config.scaling_factor
-    try:
-        for n, (key, (item, flip)) in enumerate(todo.items(), 1):
-            out = {}
-            for name, flipped in [("latent", False)] + ([("latent_flip", True)] if flip else []):
-                im = load_for_bucket(item.record.path, item.bucket, flip=flipped)
-                x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1.0
-                with torch.no_grad():
-                    mean = vae.encode(x[None].to(device, vae.dtype)).latent_dist.mean
-                out[name] = ((mean - shift) * scale)[0].to(DTYPES[cfg.model.dtype])
-            cache.put(key, "latent", f"{item.record.rel}@{item.bucket[0]}x{item.bucket[1]}", out)
-            tick(item.record.rel)
-            if n % FLUSH_EVERY == 0:
-                cache.flush()
-    finally:
-        cache.flush()
+    for key, (item, flip) in todo.items():
+        out = {}
+        for name, flipped in [("latent", False)] + ([("latent_flip", True)] if flip else []):
+            im = load_for_bucket(item.record.path, item.bucket, flip=flipped)
+            x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1.0
+            with torch.no_grad():
+                mean = vae.encode(x[None].to(device, vae.dtype)).latent_dist.mean
+            out[name] = ((mean - shift) * scale)[0].to(DTYPES[cfg.model.dtype])
+        cache.put(key, "latent", f"{item.record.rel}@{item.bucket[0]}x{item.bucket[1]}", out)
+        cache.flush()  # after every entry: a kill loses at most the one being encoded
+        tick(item.record.rel)
 
 
 def encode_texts(cache: Cache, todo: dict[str, str], model_path: str, cfg: JobConfig, max_len: int,
@@ -224,16 +220,12 @@ def encode_texts(cache: Cache, todo: dict[str, str], model_path: str, cfg: JobCo
                                         dtype=DTYPES[cfg.model.dtype])
     pipe.text_encoder.to(device)
     pipe.text_encoder_2.to(device)
-    try:
-        for n, (key, text) in enumerate(todo.items(), 1):
-            with torch.no_grad():
-                embeds, pooled, _ids = pipe.encode_prompt(text, prompt_2=None, device=device, max_sequence_length=max_len)
-            cache.put(key, "text", text[:200], {"prompt_embeds": embeds[0], "pooled": pooled[0]})
-            tick(text[:60])
-            if n % FLUSH_EVERY == 0:
-                cache.flush()
-    finally:
+    for key, text in todo.items():
+        with torch.no_grad():
+            embeds, pooled, _ids = pipe.encode_prompt(text, prompt_2=None, device=device, max_sequence_length=max_len)
+        cache.put(key, "text", text[:200], {"prompt_embeds": embeds[0], "pooled": pooled[0]})
         cache.flush()
+        tick(text[:60])
 
 
 def ensure(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str, log, bar=None,

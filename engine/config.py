@@ -175,7 +175,7 @@ TEXT_DATA_KEYS = ("text_field", "seq_len", "packing")
 FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance")
 
 
-def _family_keys_check(cfg: "JobConfig") -> None:
+def _family_keys_check(cfg: JobConfig) -> None:
     family = cfg.model.family
     builtin_family = {"tiny-flux": "flux"}.get(cfg.model.path.removeprefix(BUILTIN_PREFIX), "causal_lm")
     if cfg.model.path.startswith(BUILTIN_PREFIX) and builtin_family != family:
@@ -222,6 +222,9 @@ def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
         return f"{key}: unknown key" + (f" (allowed here: {allowed})" if allowed else "")
     if typ == "missing":
         return f"{key}: required key is missing"
+    if typ == "value_error" and not key_parts:
+        # Cross-section checks raise at the top level and name their keys in the message themselves.
+        return err["msg"].replace("Value error, ", "")
     if typ == "literal_error":
         return f"{key}: {err['msg'].replace('Input should be', 'must be')} (got {got!r})"
     msg = err["msg"].replace("Value error, ", "").replace("Input should be", "must be")

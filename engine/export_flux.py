@@ -188,7 +188,7 @@ def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float) ->
             sizes = [_out_features(model, prefix + p) for p in parts]
             up = torch.zeros(sum(sizes), k * rank)
             row, col = 0, 0
-            for p, size in zip(parts, sizes):
+            for p, size in zip(parts, sizes, strict=True):
                 if prefix + p in mods:
                     up[row : row + size, col : col + rank] = mods[prefix + p][1]
                     col += rank

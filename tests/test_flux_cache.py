@@ -11,7 +11,10 @@ import pytest
 from daemon.cli import main as lorad
 from engine.config import load_job
 from engine.families.flux import Flux
-from tests.flux_helpers import IMAGES, make_images, tiny_flux, write_flux_job  # noqa: F401 (fixture)
+from tests import flux_helpers as fh
+from tests.flux_helpers import IMAGES, make_images, write_flux_job
+
+tiny_flux = fh.tiny_flux  # shared session fixture
 
 N_IMAGES, N_RES = len(IMAGES), 2
 PROMPT = "sks, a tower at night"

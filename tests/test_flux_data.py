@@ -13,7 +13,10 @@ import yaml
 from engine.config import JobInvalid, load_job, parse_job
 from engine.data.images import BucketOrder, assign_bucket, buckets_for, make_caption, make_items, scan
 from engine.families.flux import DEFAULT_TARGETS, sample_sigmas
-from tests.flux_helpers import IMAGES, flux_job_dict, make_images, tiny_flux  # noqa: F401 (fixture)
+from tests import flux_helpers as fh
+from tests.flux_helpers import IMAGES, flux_job_dict, make_images
+
+tiny_flux = fh.tiny_flux  # shared session fixture
 
 REPO = Path(__file__).resolve().parents[1]
 

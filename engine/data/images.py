@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -180,13 +179,20 @@ class BucketOrder:
             by_bucket.setdefault(it.bucket, []).extend([i] * repeats)
         self.buckets = sorted(by_bucket.items())
         self.n_batches = sum(math.ceil(len(m) / batch_size) for _, m in self.buckets)
+        self._epochs: dict[int, tuple[tuple[int, ...], ...]] = {}  # a memo only: values depend on the epoch alone
 
     def __len__(self) -> int:
         """Samples per epoch (whole batches, so an epoch boundary never splits a batch)."""
         return self.n_batches * self.batch_size
 
-    @lru_cache(maxsize=4)
     def epoch_batches(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        if epoch not in self._epochs:
+            if len(self._epochs) > 4:
+                self._epochs.clear()
+            self._epochs[epoch] = self._build_epoch(epoch)
+        return self._epochs[epoch]
+
+    def _build_epoch(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         batches = []
         for b, (_, members) in enumerate(self.buckets):
             rng = np.random.Generator(np.random.PCG64([self.seed, epoch, b, 1]))
