@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from daemon.log import job_event
 from daemon.settings import DaemonConfig
 from daemon.store import Store
 from engine.config import JobConfig, JobInvalid, dump_job, parse_job
@@ -270,4 +271,5 @@ class Intake:
         write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
         write_file_durable(self.fs, workdir / "job.yaml", normalised(job).encode())
         self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+        job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
         return job_id

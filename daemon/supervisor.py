@@ -332,10 +332,7 @@ class Supervisor:
         if self.inbox is None or self.intake is None:
             return
         for path in self.inbox.poll():
-            out = self.intake.take(path)
-            if out is not None and out.job_id is not None:
-                job = self.store.get(out.job_id)
-                job_event(Path(job["workdir"]), out.job_id, "accepted", source=out.name)
+            self.intake.take(path)
 
     # ---------------------------------------------------------------- policy
     def _policy(self) -> None:
