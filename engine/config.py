@@ -57,7 +57,7 @@ class LoraConfig(Strict):
                 re.compile(v)
             except re.error as e:
                 raise ValueError(f"not a valid regular expression: {e}") from None
-        elif not v:
+        elif v is not None and not v:  # None (written out as null) = the family's defaults
             raise ValueError("must name at least one module")
         return v
 
@@ -340,5 +340,17 @@ def load_job(path: str | Path, check_paths: bool = True) -> JobConfig:
 
 
 def dump_job(cfg: JobConfig) -> str:
-    """The normalised job (absolute paths, defaults filled in) as YAML."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The normalised job (absolute paths, defaults filled in) as YAML; load_job reads it back unchanged."""
+    d = cfg.model_dump(mode="json")
+    # The other family's keys stay out: they only hold defaults here, and written out they would
+    # be refused by _family_keys_check when the trainer reads jobs/ID/job.yaml back.
+    if cfg.model.family == "causal_lm":
+        for k in IMAGE_DATA_KEYS:
+            d["data"].pop(k, None)
+        for k in FLUX_TRAIN_KEYS:
+            d["train"].pop(k, None)
+        d.pop("sample", None)
+    else:
+        for k in TEXT_DATA_KEYS:
+            d["data"].pop(k, None)
+    return yaml.safe_dump(d, sort_keys=False)

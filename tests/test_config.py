@@ -1,0 +1,226 @@
+"""Job files: every mistake is exit 65 with one line that names the key; every shipped example loads."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.config import JobInvalid, dump_job, load_job, parse_job
+from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job_dict
+
+EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """engine.run.main installs SIGTERM/SIGINT/SIGUSR1 handlers; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def _set(d: dict, dotted: str, value) -> dict:
+    *parents, last = dotted.split(".")
+    node = d
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return d
+
+
+# (id, key to set or "-key" to remove, value, words the message must contain)
+BAD_KEYS = [
+    ("wrong type", "train.steps", "ten", ["train.steps", "integer", "'ten'"]),
+    ("wrong type float", "train.lr", "fast", ["train.lr", "number"]),
+    ("below range", "lora.rank", 0, ["lora.rank", "greater than or equal to 1"]),
+    ("above range", "lora.dropout", 1.5, ["lora.dropout", "less than 1"]),
+    ("range seq_len", "data.seq_len", 4, ["data.seq_len", "8"]),
+    ("range keep", "checkpoint.keep", 0, ["checkpoint.keep"]),
+    ("not positive", "train.max_grad_norm", 0, ["train.max_grad_norm", "greater than 0"]),
+    ("closed set", "train.optimizer", "sgd", ["train.optimizer", "'adamw8bit'", "'adamw'", "'sgd'"]),
+    ("closed set dtype", "model.dtype", "int4", ["model.dtype", "'bfloat16'"]),
+    ("closed set family", "model.family", "sd15", ["model.family", "'causal_lm'"]),
+    ("unknown key", "train.learning_rate", 0.1, ["train.learning_rate", "unknown key", "lr"]),
+    ("unknown section", "trainer", {}, ["trainer", "unknown key", "train"]),
+    ("missing section", "-data", None, ["data", "required key is missing"]),
+    ("missing model path", "model.path", "/nonexistent/model-dir", ["model.path", "/nonexistent/model-dir", "does not exist"]),
+    ("unknown builtin", "model.path", "builtin:nope", ["model.path", "nope", "tiny-llama"]),
+    ("missing data path", "data.path", "/nonexistent/data.jsonl", ["data.path", "does not exist"]),
+    ("bad regex", "lora.targets", "([", ["lora.targets", "regular expression"]),
+    ("empty targets", "lora.targets", [], ["lora.targets", "at least one"]),
+    ("bad name", "name", "bad name!", ["name", "letters"]),
+    ("warmup over steps", "train.warmup_steps", 500, ["train.warmup_steps", "train.steps"]),
+]
+
+
+def _bad_job(tmp_path: Path, micro_model: Path, key: str, value) -> Path:
+    d = tiny_job_dict(micro_model, QUICKSTART_DATA)
+    if key.startswith("-"):
+        d.pop(key[1:])
+    else:
+        _set(d, key, value)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return path
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", BAD_KEYS, ids=[c[0] for c in BAD_KEYS])
+def test_each_bad_key_is_exit_65_with_one_line_naming_it(case, tmp_path, micro_model, capsys, keep_signal_handlers):
+    from daemon.cli import main as lorad
+    from engine.run import main as engine_run
+
+    _, key, value, words = case
+    job = _bad_job(tmp_path, micro_model, key, value)
+    with pytest.raises(JobInvalid) as e:
+        load_job(job)
+    assert "\n" not in str(e.value)
+    for w in words:
+        assert w in str(e.value)
+
+    # The same message, once, through both front doors.
+    assert engine_run(["--job", str(job), "--workdir", str(tmp_path / "w")]) == 65
+    line = _one_line(capsys.readouterr().err)
+    assert str(e.value) in line
+    assert lorad(["run", str(job), "--home", str(tmp_path / "home")]) == 65
+    assert str(e.value) in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "home" / "jobs").exists()  # nothing created for a job that can never run
+
+
+def test_all_problems_are_reported_together(tmp_path, micro_model):
+    d = tiny_job_dict(micro_model, QUICKSTART_DATA)
+    d["lora"]["rank"] = -1
+    d["train"]["optimizer"] = "sgd"
+    d["train"]["epochs"] = 3
+    with pytest.raises(JobInvalid) as e:
+        parse_job(d, tmp_path)
+    for key in ("lora.rank", "train.optimizer", "train.epochs"):
+        assert key in str(e.value)
+
+
+FILE_PROBLEMS = [
+    ("bad yaml", "name: [unclosed\nmodel: {", ["not valid YAML", "line"]),
+    ("not a mapping", "- name\n- model\n", ["must be a YAML mapping", "list"]),
+    ("empty file", "", ["must be a YAML mapping", "NoneType"]),
+    ("scalar", "just words", ["must be a YAML mapping", "str"]),
+]
+
+
+@pytest.mark.parametrize("case", FILE_PROBLEMS, ids=[c[0] for c in FILE_PROBLEMS])
+def test_malformed_job_files_are_exit_65(case, tmp_path, capsys, keep_signal_handlers):
+    from engine.run import main as engine_run
+
+    _, text, words = case
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    assert engine_run(["--job", str(job), "--workdir", str(tmp_path / "w")]) == 65
+    line = _one_line(capsys.readouterr().err)
+    for w in words:
+        assert w in line
+
+
+def test_oversized_and_binary_job_files_are_refused(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_text("name: x\n" + "#" * 300_000)
+    with pytest.raises(JobInvalid, match="larger than"):
+        load_job(big)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(JobInvalid, match="not UTF-8"):
+        load_job(binary)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n   \n"], ids=["empty", "blank"])
+def test_an_empty_dataset_is_refused_at_load(tmp_path, micro_model, content):
+    data = tmp_path / "empty.jsonl"
+    data.write_text(content)
+    d = deep_update(tiny_job_dict(micro_model, data), {})
+    with pytest.raises(JobInvalid, match=r"data\.path: .*empty"):
+        parse_job(d, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "lines, words",
+    [(['{"text": "hi"}'], ["data:", "data.seq_len=32", "fewer than one sample"]),
+     (['{"body": "a long enough line of text for one sample of thirty-two tokens"}'], ["data.path", "line 1", "'text'"])],
+    ids=["too few tokens", "missing text field"],
+)
+def test_data_that_cannot_make_one_sample_is_exit_65_at_start(tmp_path, micro_model, capsys, keep_signal_handlers, lines, words):
+    from engine.run import main as engine_run
+
+    data = tmp_path / "small.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tiny_job_dict(micro_model, data)))
+    assert engine_run(["--job", str(job), "--workdir", str(tmp_path / "w"), "--progress", "none"]) == 65
+    line = _one_line(capsys.readouterr().err)
+    for w in words:
+        assert w in line
+
+
+def test_real_processes_exit_65(tmp_path, micro_model):
+    """The exit status as the daemon and a shell see it, for both commands."""
+    job = _bad_job(tmp_path, micro_model, "lora.rank", 0)
+    for argv in ([PY, "-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
+                 [PY, "-m", "daemon.cli", "run", str(job), "--home", str(tmp_path / "home")]):
+        p = subprocess.run(argv, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
+        assert p.returncode == 65, p.stderr
+        assert "lora.rank" in _one_line(p.stderr)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_shipped_example_is_a_valid_job(path):
+    # Some examples document real model paths that do not exist on this machine: schema only for those.
+    cfg = load_job(path, check_paths=False)
+    assert cfg.name
+    again = parse_job(yaml.safe_load(dump_job(cfg)), path.parent, check_paths=False)
+    assert again == cfg  # the normalised job written to jobs/ID/job.yaml means the same thing
+
+
+def test_the_quickstart_validates_with_its_paths():
+    cfg = load_job(REPO / "configs" / "examples" / "quickstart.yaml")
+    assert Path(cfg.data.path).is_absolute() and Path(cfg.data.path).is_file()
+
+
+def test_identity_hash_covers_what_decides_the_weights_and_nothing_else(micro_model, tmp_path):
+    base = tiny_job_dict(micro_model, QUICKSTART_DATA)
+    h = parse_job(base, tmp_path).identity_hash()
+    same = {
+        "more steps": {"train": {"steps": 500}},
+        "checkpoint cadence": {"checkpoint": {"every_steps": 50, "keep": 9}},
+        "priority": {"priority": 5},
+        "a default written out": {"train": {"schedule": "cosine", "gradient_checkpointing": False}},
+    }
+    for why, over in same.items():
+        assert parse_job(deep_update(base, over), tmp_path).identity_hash() == h, why
+    different = {
+        "learning rate": {"train": {"lr": 0.01}},
+        "seed": {"train": {"seed": 12}},
+        "rank": {"lora": {"rank": 8}},
+        "optimizer": {"train": {"optimizer": "adamw"}},
+        "seq_len": {"data": {"seq_len": 64}},
+    }
+    for why, over in different.items():
+        assert parse_job(deep_update(base, over), tmp_path).identity_hash() != h, why
+
+
+def test_the_normalised_job_file_reads_back_as_the_same_job(tmp_path, micro_model):
+    """jobs/ID/job.yaml is what the trainer child reads: defaults (targets: null included) must load."""
+    d = tiny_job_dict(micro_model, QUICKSTART_DATA)
+    del d["lora"]["targets"]  # the family's default targets
+    cfg = parse_job(d, tmp_path)
+    written = tmp_path / "jobs" / "tiny" / "job.yaml"
+    written.parent.mkdir(parents=True)
+    written.write_text(dump_job(cfg))
+    assert load_job(written) == cfg
