@@ -13,8 +13,8 @@ Status → action (ups.status is a space-separated set of flags: OL, OB, LB, FSD
     OB            commit a checkpoint at once (once per outage), then `on_battery`:
                   lowest_cap → every GPU to its minimum limit, jobs keep running;
                   pause      → jobs stop cleanly (checkpoint, exit 75) and wait
-    LB or FSD     final checkpoint and clean stop of every job; start nothing
-    OL            held for `resume_after_s` → caps restored, jobs resume
+    LB or FSD     final checkpoint and clean stop of every job at the lowest cap; start nothing
+    OL            held for `resume_after_s` → caps restored, jobs resume (until then: lowest cap, nothing starts)
     no answer     reported once, not fatal; the last known status stands
 """
 
@@ -185,6 +185,7 @@ class UpsMonitor:
                 a.checkpoint_now, self._checkpoint_pending = True, False
             if self.mode == LOW_BATTERY:
                 a.may_start, a.stop_reason = False, f"UPS low battery ({self.status})"
+                a.lowest_cap = True  # the least power while the final checkpoint is written
                 a.notes.append(a.stop_reason + ": final checkpoint, jobs stopped")
             elif self.mode == ON_BATTERY:
                 a.may_start = False
@@ -196,7 +197,7 @@ class UpsMonitor:
                     a.notes.append(f"UPS on battery ({self.status}): lowest power limit")
             elif self.mode == RECOVERING:
                 a.may_start = False
-                a.lowest_cap = self.s.on_battery == "lowest_cap"
+                a.lowest_cap = True  # caps come back together with the jobs, once OL has held
                 left = self.s.resume_after_s - (now - (self._ol_since or now))
                 a.notes.append(f"UPS back on line; resuming in {max(0.0, left):.0f} s")
             if self.connected is False:
