@@ -52,12 +52,13 @@ def make_images(folder: Path, images=IMAGES, seed: int = 0) -> Path:
     return folder
 
 
-def flux_job_dict(model: Path | str, data: Path | str, **over: Any) -> dict[str, Any]:
+def flux_job_dict(model_path: Path | str, data_path: Path | str, **over: Any) -> dict[str, Any]:
+    """A small Flux job on the tiny pipeline; `over` updates sections (e.g. train={"steps": 4})."""
     d = {
         "name": "tiny-flux",
-        "model": {"family": "flux", "path": str(model), "dtype": "float32"},
+        "model": {"family": "flux", "path": str(model_path), "dtype": "float32"},
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"path": str(data), "resolution": [48, 64], "trigger": "sks", "caption_dropout": 0.2,
+        "data": {"path": str(data_path), "resolution": [48, 64], "trigger": "sks", "caption_dropout": 0.2,
                  "flip": True, "repeats": 2},
         "train": {"steps": 10, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
                   "seed": 3, "timestep_sampling": "shift", "guidance": 1.0, "max_grad_norm": 1.0},
@@ -67,8 +68,8 @@ def flux_job_dict(model: Path | str, data: Path | str, **over: Any) -> dict[str,
     return deep_update(d, over)
 
 
-def write_flux_job(path: Path, model: Path | str, data: Path | str, **over: Any) -> Path:
-    path.write_text(yaml.safe_dump(flux_job_dict(model, data, **over), sort_keys=False))
+def write_flux_job(path: Path, model_path: Path | str, data_path: Path | str, **over: Any) -> Path:
+    path.write_text(yaml.safe_dump(flux_job_dict(model_path, data_path, **over), sort_keys=False))
     return path
 
 

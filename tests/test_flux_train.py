@@ -265,3 +265,29 @@ def test_the_shipped_tiny_flux_job_runs_to_its_outputs(tmp_path):
     assert train(cfg, tmp_path / "work", progress="none") == 0
     assert sorted(p.name for p in (tmp_path / "work" / "output").iterdir()) == sorted(OUTPUTS)
     assert (tmp_path / "work" / "samples" / "step-00000020" / "00.png").is_file()
+
+
+def test_an_fp8_base_trains_and_exports_on_the_cpu(tiny_flux, tmp_path):
+    """base_precision: fp8 swaps the frozen linears for FP8 layers (dequantising matmul on a CPU) under the LoRA."""
+    from engine.run import train
+    from tests.flux_helpers import make_images, write_flux_job
+
+    job = write_flux_job(tmp_path / "job.yaml", tiny_flux, make_images(tmp_path / "data"),
+                         model={"base_precision": "fp8"}, train={"steps": 2})
+    assert train(load_job(job), tmp_path / "work", progress="none") == 0
+    events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    (prec,) = [e for e in events if e["event"] == "base_precision"]
+    assert prec["precision"] == "fp8" and prec["converted_layers"] > 0
+    # the single blocks' large proj_out is FP8 under its LoRA; the top-level proj_out (final layer) is not
+    from engine.families.flux import Flux
+    from engine.fp8 import FP8Linear
+
+    class Quiet:
+        def info(self, *a, **k):
+            pass
+
+    model = Flux().load_model(load_job(job), tmp_path / "work", torch.device("cpu"), Quiet())
+    assert isinstance(model.single_transformer_blocks[0].proj_out.base_layer, FP8Linear)
+    assert type(model.proj_out) is torch.nn.Linear and type(model.x_embedder) is torch.nn.Linear
+    comfy = load_file(str(tmp_path / "work" / "output" / COMFYUI_FILE))
+    assert set(k.split(".")[0].removeprefix("lora_unet_") for k in comfy) == set(EXPECTED_COMFY)
