@@ -191,6 +191,10 @@ def _print_detail(data: dict[str, Any]) -> None:
         rows.append(("requested", j["requested"]))
     if j["last_error"]:
         rows.append(("last error", j["last_error"]))
+    if data.get("power"):
+        from daemon.power.view import job_lines
+
+        rows += [("energy", line) for line in job_lines(data["power"])]
     for k, v in rows:
         print(f"{k:>17}: {v}")
     print("attempts:")
@@ -241,6 +245,19 @@ cmd_cancel = _action(p.Cancel)
 def cmd_priority(args: argparse.Namespace) -> int:
     data = _call(args, p.SetPriority(job=args.job, priority=args.priority))
     return _out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+
+
+def cmd_power(args: argparse.Namespace) -> int:
+    from daemon.power import view
+
+    data = _call(args, p.Power(limit_w=args.limit, gpu=args.gpu, clear=args.clear))
+    if args.watch and not args.json:
+        return view.watch(lambda: _call(args, p.Power()), args.interval)
+    refused = bool(data.get("set")) and not data["set"].get("ok")
+    if refused:
+        print(f"lorad: power limit not set: {data['set'].get('error')}", file=sys.stderr)
+    _out(args, data, view.show)
+    return 1 if refused else 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -307,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_ = sub.add_parser("drain", parents=[common], help="checkpoint and stop running jobs; start no new ones")
     p_.add_argument("--off", action="store_true", help="take jobs again")
     p_.set_defaults(fn=cmd_drain)
+    p_ = sub.add_parser("power", parents=[common], help="GPU power telemetry, caps and the tuned limit")
+    p_.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
+    p_.add_argument("--interval", type=float, default=1.0)
+    p_.add_argument("--limit", type=float, metavar="W", help="set a manual power limit in watts (needs root)")
+    p_.add_argument("--gpu", type=int, metavar="N", help="the GPU for --limit (default: every GPU)")
+    p_.add_argument("--clear", action="store_true", help="drop the manual limit")
+    p_.set_defaults(fn=cmd_power)
     return ap
 
 

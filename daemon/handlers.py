@@ -79,7 +79,10 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     job = _job(ctx, req.job)
     detail = p.JobDetail.model_validate({**job, "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20)})
-    return {"job": detail.model_dump()}
+    from daemon.power import api as power_api  # W, J/step, kWh, steps/kWh (None when nothing was measured)
+
+    policy = getattr(ctx.supervisor, "policy", None)
+    return {"job": detail.model_dump(), "power": power_api.job_power(policy, ctx.home / "state.db", job["id"])}
 
 
 def logs(ctx: Context, req: p.Logs) -> dict[str, Any]:
@@ -173,9 +176,20 @@ def drain(ctx: Context, req: p.Drain) -> dict[str, Any]:
     return {"draining": req.on, "message": msg}
 
 
+def power(ctx: Context, req: p.Power) -> dict[str, Any]:
+    """`lorad power`: telemetry per GPU, caps, tuner, UPS; with limit_w/clear, set or drop a manual limit first."""
+    from daemon.power import api as power_api
+
+    policy = getattr(ctx.supervisor, "policy", None)
+    out: dict[str, Any] = {}
+    if req.limit_w is not None or req.clear:
+        out["set"] = power_api.set_limit(policy, req.gpu, None if req.clear else req.limit_w)
+    return {**out, **power_api.power_report(policy)}
+
+
 HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
-    "cancel": cancel, "priority": priority, "drain": drain,
+    "cancel": cancel, "priority": priority, "drain": drain, "power": power,
 }
 
 

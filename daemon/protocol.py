@@ -74,8 +74,15 @@ class Drain(_Msg):
     on: bool = True  # False: take jobs again
 
 
+class Power(_Msg):
+    verb: Literal["power"] = "power"
+    limit_w: float | None = Field(None, ge=1, le=2000)  # set a manual power limit (W); None: only report
+    gpu: int | None = Field(None, ge=0, le=63)  # the GPU for limit_w; None: every GPU
+    clear: bool = False  # drop the manual limit (back to caps.default_w / the driver's limit)
+
+
 # A new verb: a request class above, added here, and a handler in daemon/handlers.py.
-REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain]
+REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain, Power]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}

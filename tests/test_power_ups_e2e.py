@@ -58,7 +58,9 @@ def test_ups_walk_through_the_real_daemon(tmp_path: Path, micro_model: Path):
         print(f"OB -> SIGUSR1 sent: {signal_latency:.2f} s, -> checkpoint committed: {latency:.2f} s "
               f"(poll interval {POLL_S} s)")
         assert signal_latency <= POLL_S + 0.5  # one poll + a 0.1 s tick, with slack for a loaded machine
-        assert latency <= POLL_S + 3.0, latency  # ... + finishing the step and writing the checkpoint
+        # ... + finishing the step and writing the checkpoint: the engine's save, which on two cores shared by
+        # several test runs has taken from under a second to four; the bound here only catches a lost request.
+        assert latency <= POLL_S + 15.0, latency
         assert d.job(job_id)["state"] == "running"
 
         # LB: final checkpoint and a clean stop; nothing starts while on battery
@@ -81,6 +83,36 @@ def test_ups_walk_through_the_real_daemon(tmp_path: Path, micro_model: Path):
         detail = d.job(job_id)
         assert detail["state"] == "running" and len(detail["attempts"]) == 2
         assert detail["attempts"][1]["start_step"] == stopped_at
+
+        # the CLI: per-job energy in `lorad status ID`, live telemetry and a manual limit in `lorad power`
+        st = json.loads(d.cli("status", job_id, "--json").stdout)
+        assert st["power"]["simulated"] is True and st["power"]["steps"] > 0 and st["power"]["j_per_step"] > 0
+        assert "energy" in d.cli("status", job_id).stdout and "SIMULATED" in d.cli("status", job_id).stdout
+        pw = json.loads(d.cli("power", "--json", "--limit", "200", "--gpu", "0").stdout)
+        assert pw["set"]["ok"] and pw["gpus"][0]["limit_w"] == 200 and pw["ups"]["state"] == "online"
+        assert "SIMULATED" in d.cli("power").stdout
     finally:
         d.cleanup()
         upsd.close()
+
+
+def test_without_nvml_the_daemon_serves_and_says_telemetry_unavailable_once(tmp_path: Path):
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pytest.skip("this machine has NVML")
+    except pytest.skip.Exception:
+        raise
+    except Exception:
+        pass
+    cfg = fast_config(tmp_path, power={})  # the default: telemetry.backend nvml
+    d = Daemon(tmp_path / "home", cfg).start()
+    try:
+        out = d.cli("power")
+        assert "telemetry unavailable" in out.stdout
+        time.sleep(1.0)  # a few ticks
+        assert d.log().count('"telemetry unavailable"') == 1
+        assert d.terminate(60) == 0
+    finally:
+        d.cleanup()

@@ -28,10 +28,15 @@ def set_limit(policy: Any, gpu: int | None, watts: float | None) -> dict[str, An
 
 def job_power(policy: Any, db_path: Path, job_id: str) -> dict[str, Any] | None:
     """Average W, J/step, kWh and steps/kWh of one job, or None when nothing was measured."""
-    if policy is not None and hasattr(policy, "job_power"):
-        return policy.job_power(job_id)
-    if not Path(db_path).exists():
-        return None
-    from daemon.power import job_power_summary
+    import sqlite3
 
-    return job_power_summary(Path(db_path), job_id)
+    try:
+        if policy is not None and hasattr(policy, "job_power"):
+            return policy.job_power(job_id)
+        if not Path(db_path).exists():
+            return None
+        from daemon.power import job_power_summary
+
+        return job_power_summary(Path(db_path), job_id)
+    except sqlite3.Error as e:  # `lorad status ID` must answer even if the power tables cannot be read
+        return {"error": f"power figures unavailable: {e}"}

@@ -66,6 +66,8 @@ def render(rep: dict[str, Any]) -> Group:
 
 def job_lines(e: dict[str, Any]) -> list[str]:
     """Energy of one job: average W, J/step, kWh, steps/kWh (labelled SIMULATED where it is)."""
+    if e.get("error"):
+        return [e["error"]]
     tag = " (SIMULATED)" if e.get("simulated") else ""
     return [f"power{tag}: {_f(e.get('avg_w'), unit=' W')} avg, {_f(e.get('j_per_step'), '{:.1f}', ' J/step')}, "
             f"{_f(e.get('kwh'), '{:.4f}', ' kWh')}, {_f(e.get('steps_per_kwh'), '{:.0f}', ' steps/kWh')}"]
