@@ -1,0 +1,29 @@
+"""The shipped configs/daemon.yaml documents every power key, at its default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from daemon.power.settings import PowerSettings
+from daemon.settings import load_config
+
+DAEMON_YAML = Path(__file__).resolve().parents[1] / "configs" / "daemon.yaml"
+
+
+def _missing(model: type[BaseModel], raw: dict, where: str) -> list[str]:
+    out = []
+    for name, f in model.model_fields.items():
+        if name not in raw:
+            out.append(f"{where}{name}")
+        elif isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out += _missing(f.annotation, raw[name], f"{where}{name}.")
+    return out
+
+
+def test_daemon_yaml_lists_every_power_key_at_its_default():
+    raw = yaml.safe_load(DAEMON_YAML.read_text())["power"]
+    assert _missing(PowerSettings, raw, "power.") == []
+    assert load_config(DAEMON_YAML).power == PowerSettings()
