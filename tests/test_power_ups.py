@@ -45,7 +45,7 @@ class FakeUpsd:
         while not self._stop:
             try:
                 conn, _ = self.srv.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -110,7 +110,7 @@ class TelemetryStore:
         with self._lock:
             cur = self._db.execute(q + " ORDER BY ts", args)
             cols = [c[0] for c in cur.description]
-            return [dict(zip(cols, r)) for r in cur.fetchall()]
+            return [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
 
     # --- per-job energy ------------------------------------------------------------------------------------
 
