@@ -381,6 +381,9 @@ class Supervisor:
         env = {**os.environ, **self.cfg.trainer_env, "PYTHONUNBUFFERED": "1"}
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(dev)
+            # `dev` is an NVML index; CUDA numbers GPUs fastest-first unless told otherwise, which on a mixed
+            # machine puts the trainer on another GPU than the one counted, capped and metered.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env.pop("NOTIFY_SOCKET", None)  # only the daemon talks to systemd
         cmd = [sys.executable, "-m", "engine.run", "--job", str(workdir / "job.yaml"), "--workdir", str(workdir),
                "--progress", "json"]
