@@ -239,3 +239,17 @@ def test_real_nvml_sample():
     s = d.sample(0)
     assert s.power_w > 0 and s.energy_mj > 0 and s.limit_w > 0 and not s.simulated
     d.close()
+
+
+def test_a_job_on_a_gpu_the_device_does_not_know_runs_unmetered_and_said_once(tmp_path: Path):
+    log = RecLog()
+    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log, device=SimulatedDevice(1),
+                      start_threads=False)
+    job = RunningJob(job_id="j1", name="j1", pid=1, gpu=3, started_at=0.0, total=50, power={"limit_w": 200})
+    pol.on_job_start(job)
+    pol.on_heartbeat("j1", {"event": "step", "step": 1})
+    d = pol.tick(datetime.now(timezone.utc), [job])
+    assert d.may_start and pol.device.limit_w(0) == sim.DEFAULT_W
+    pol.on_job_end("j1", 0)
+    assert len(log.named("job's GPU is not among the metered GPUs; it runs unmetered and uncapped")) == 1
+    pol.close()

@@ -179,3 +179,28 @@ def test_heartbeats_read_up_to_a_tick_late_still_measure_exact_joules_per_step(t
         assert p.j_per_step == pytest.approx(sim.joules_per_step(p.limit_w), rel=1e-6)
     assert tuner.limit_w == 330
     pol.close()
+
+
+def test_a_restart_in_the_middle_of_profiling_measures_only_the_remaining_limits(tmp_path: Path):
+    clock = Clock()
+    dev = SimulatedDevice(1, clock=clock)
+    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
+                      start_threads=False)
+    pol.on_job_start(_job())
+    first = _train(pol, dev, clock, 12)  # 400 W and 365 W measured (5 steps each), killed at the third
+    assert [p.limit_w for p in pol.jobs["j1"].tuner.points] == [400, 365]
+    pol.close()
+
+    log2 = RecLog()
+    pol2 = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log2, clock=clock, device=dev,
+                       start_threads=False)
+    pol2.on_job_start(_job())
+    assert dev.limit_w(0) == 330  # straight to the first limit not yet measured
+    second = _train(pol2, dev, clock, 40, start=12)
+    tuner = pol2.jobs["j1"].tuner
+    assert tuner.done and tuner.limit_w == 330
+    assert [p.limit_w for p in tuner.points] == [400, 365, 330, 295]
+    assert log2.named("power profiling")[0]["already_measured_w"] == [400, 365]
+    # the whole profile, over both runs, stayed within the 2% budget
+    assert sum(1 for w in first + second if w != 330) <= 40
+    pol2.close()

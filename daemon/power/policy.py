@@ -31,7 +31,7 @@ from daemon.power.schedule import Schedule
 from daemon.power.settings import PowerSettings
 from daemon.power.telemetry import Device, Sampler, open_device
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.power.tuner import Tuner, candidate_limits, job_shape_key, profiling_steps
+from daemon.power.tuner import Point, Tuner, candidate_limits, choose, job_shape_key, profiling_steps
 from daemon.power.ups import UpsMonitor
 
 _FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
@@ -63,6 +63,7 @@ class _Job:
     last: tuple[int, float, float] | None = None  # (step, monotonic t, energy mJ) of the previous heartbeat
     pending: tuple[float, float, int] = (0.0, 0.0, 0)  # energy J, seconds, steps not yet written
     flushed_at: float = 0.0
+    metered: bool = True  # False: the job's GPU is not one the telemetry device knows
 
 
 class PowerPolicy:
@@ -123,7 +124,7 @@ class PowerPolicy:
         assert self.device is not None
         info = self.device.info(j.gpu)
         prof = self.store.load_profile(info.name, j.shape_key)
-        if prof is not None:
+        if prof is not None and prof["complete"]:
             j.tuner = Tuner.from_profile(prof["points"], j.max_slowdown)
             self.log.info("power profile reused", job=j.job.job_id, gpu_model=info.name, shape=j.shape_key,
                           limit_w=j.tuner.limit_w, simulated=info.simulated)
@@ -131,10 +132,16 @@ class PowerPolicy:
         t = self.s.tuner
         cands = candidate_limits(info.min_w, info.max_w, total, t.warmup_steps, t.measure_steps,
                                  t.max_candidates, t.budget_fraction, t.round_w)
-        j.tuner = Tuner(cands, t.warmup_steps, t.measure_steps, j.max_slowdown)
+        measured = [Point(**p) for p in prof["points"]] if prof is not None else []
+        j.tuner = Tuner(cands, t.warmup_steps, t.measure_steps, j.max_slowdown, measured)
+        if j.tuner.done and measured:  # every candidate was measured before the interruption
+            j.tuner.chosen = choose(j.tuner.points, j.max_slowdown)
+            self._tuned(j)
+            return
         if cands:
-            self.log.info("power profiling", job=j.job.job_id, candidates_w=cands, total_steps=total,
-                          max_profile_steps=profiling_steps(len(cands), t.warmup_steps, t.measure_steps),
+            self.log.info("power profiling", job=j.job.job_id, candidates_w=j.tuner.candidates, total_steps=total,
+                          already_measured_w=[p.limit_w for p in measured],
+                          max_profile_steps=profiling_steps(len(j.tuner.candidates), t.warmup_steps, t.measure_steps),
                           simulated=info.simulated)
         else:
             self.log.info("power profiling skipped: job too short for the profiling budget", job=j.job.job_id,
@@ -165,6 +172,11 @@ class PowerPolicy:
                     self._say_once("nocaps", "power limit requested but telemetry is unavailable; running uncapped",
                                    job=job.job_id, limit_w=lim)
                 return
+            if not 0 <= j.gpu < self.device.count():
+                j.metered = False
+                self._say_once(f"gpu{j.gpu}", "job's GPU is not among the metered GPUs; it runs unmetered and uncapped",
+                               job=job.job_id, gpu=j.gpu, gpus=self.device.count())
+                return
             if getattr(self.device, "simulated", False) and hasattr(self.device, "set_busy"):
                 self.device.set_busy(j.gpu, True)
             if j.auto and job.total:
@@ -176,7 +188,7 @@ class PowerPolicy:
             return
         with self._lock:
             j = self.jobs.get(job_id)
-            if j is None:
+            if j is None or not j.metered:
                 return
             step = int(event.get("step", 0))
             # The supervisor reads heartbeats once per tick, up to a tick after the step ended. The step's
@@ -192,9 +204,11 @@ class PowerPolicy:
             if j.auto and j.tuner is None and event.get("total"):
                 self._make_tuner(j, int(event["total"]))
             if j.tuner is not None and not j.tuner.done:
-                before = j.tuner.limit_w
+                before, n_points = j.tuner.limit_w, len(j.tuner.points)
                 if j.tuner.observe(step, now, energy, self.caps.applied.get(j.gpu) if self.caps else None):
                     self._tuned(j)
+                elif len(j.tuner.points) > n_points:
+                    self._save_partial(j)  # a restart mid-profile measures only the remaining limits
                 if j.tuner.limit_w != before:
                     self._apply_caps(j.gpu)
 
@@ -214,6 +228,12 @@ class PowerPolicy:
         (t0, e0), (t1, e1) = h[i - 1], h[i]
         return e0 + (e1 - e0) * (t - t0) / (t1 - t0)
 
+    def _save_partial(self, j: _Job) -> None:
+        assert self.device is not None and j.tuner is not None
+        info = self.device.info(j.gpu)
+        self.store.save_profile(info.name, j.shape_key, info.default_w, [p.to_dict() for p in j.tuner.points],
+                                info.simulated, complete=False)
+
     def _tuned(self, j: _Job) -> None:
         assert self.device is not None and j.tuner is not None
         info = self.device.info(j.gpu)
@@ -229,7 +249,7 @@ class PowerPolicy:
     def on_job_end(self, job_id: str, exit_code: int | None) -> None:
         with self._lock:
             j = self.jobs.pop(job_id, None)
-            if j is None or self.device is None:
+            if j is None or self.device is None or not j.metered:
                 return
             self._flush(j, self.clock(), force=True)
             if not any(o.gpu == j.gpu for o in self.jobs.values()):
@@ -269,7 +289,7 @@ class PowerPolicy:
             if self.device is not None:
                 for gpu in range(self.device.count()):
                     self._apply_caps(gpu)
-                for gpu in {j.gpu for j in self.jobs.values()}:
+                for gpu in {j.gpu for j in self.jobs.values() if j.metered}:
                     self._read_energy(gpu)  # brackets the next heartbeat's timestamp within one tick
             self.store.maintain()
             self.last_notes = list(d.notes)

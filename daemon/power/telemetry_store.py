@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS power_jobs (
 CREATE TABLE IF NOT EXISTS power_profiles (
     gpu_model TEXT NOT NULL, shape_key TEXT NOT NULL, created REAL NOT NULL, simulated INTEGER NOT NULL,
     default_w REAL NOT NULL, points TEXT NOT NULL,
+    complete INTEGER NOT NULL DEFAULT 1,  -- 0: profiling was interrupted; the next run measures only the rest
     PRIMARY KEY (gpu_model, shape_key)
 );
 """
@@ -158,20 +159,23 @@ class TelemetryStore:
     def load_profile(self, gpu_model: str, shape_key: str) -> dict[str, Any] | None:
         with self._lock:
             r = self._db.execute(
-                "SELECT default_w, points, simulated, created FROM power_profiles WHERE gpu_model = ? AND shape_key = ?",
+                "SELECT default_w, points, simulated, created, complete FROM power_profiles"
+                " WHERE gpu_model = ? AND shape_key = ?",
                 (gpu_model, shape_key),
             ).fetchone()
         if r is None:
             return None
-        return {"default_w": r[0], "points": json.loads(r[1]), "simulated": bool(r[2]), "created": r[3]}
+        return {"default_w": r[0], "points": json.loads(r[1]), "simulated": bool(r[2]), "created": r[3],
+                "complete": bool(r[4])}
 
-    def save_profile(self, gpu_model: str, shape_key: str, default_w: float, points: list[dict], simulated: bool) -> None:
+    def save_profile(self, gpu_model: str, shape_key: str, default_w: float, points: list[dict], simulated: bool,
+                     complete: bool = True) -> None:
         with self._lock:
             self._db.execute("PRAGMA synchronous=FULL")  # a profile costs real GPU time; make it durable
             try:
                 self._db.execute(
-                    "INSERT OR REPLACE INTO power_profiles VALUES (?, ?, ?, ?, ?, ?)",
-                    (gpu_model, shape_key, time.time(), int(simulated), default_w, json.dumps(points)),
+                    "INSERT OR REPLACE INTO power_profiles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (gpu_model, shape_key, time.time(), int(simulated), default_w, json.dumps(points), int(complete)),
                 )
             finally:
                 self._db.execute("PRAGMA synchronous=NORMAL")

@@ -88,10 +88,13 @@ def job_shape_key(job: dict[str, Any]) -> str:
 class Tuner:
     """One job's online profile. Feed it step heartbeats; `limit_w` is what the GPU should be set to now."""
 
-    def __init__(self, candidates: list[float], warmup_steps: int, measure_steps: int, max_slowdown: float):
-        self.candidates = list(candidates)
+    def __init__(self, candidates: list[float], warmup_steps: int, measure_steps: int, max_slowdown: float,
+                 measured: list[Point] | None = None):
+        # `measured`: points of an interrupted profile of the same shape; only the other candidates are run.
+        self.points: list[Point] = list(measured or [])
+        done_w = {p.limit_w for p in self.points}
+        self.candidates = [w for w in candidates if w not in done_w]
         self.warmup_steps, self.measure_steps, self.max_slowdown = warmup_steps, measure_steps, max_slowdown
-        self.points: list[Point] = []
         self.chosen: Point | None = None
         self._i = 0
         self._switch_step: int | None = None  # first step seen at the current candidate
