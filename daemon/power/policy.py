@@ -60,7 +60,7 @@ class _Job:
     auto: bool = False
     max_slowdown: float = 0.10
     tuner: Tuner | None = None
-    last: tuple[int, float, float] | None = None  # (step, monotonic t, energy mJ) of the previous heartbeat
+    last: tuple[int, float, float] | None = None  # (step, wall time, energy mJ) at the previous heartbeat
     pending: tuple[float, float, int] = (0.0, 0.0, 0)  # energy J, seconds, steps not yet written
     flushed_at: float = 0.0
     metered: bool = True  # False: the job's GPU is not one the telemetry device knows
@@ -107,8 +107,11 @@ class PowerPolicy:
         self.store.add_samples(rows, by_gpu)
 
     def _gpu_of(self, job: RunningJob) -> int:
-        # A CPU-only machine reports gpu=None; the simulated device stands in with its GPU 0.
-        return job.gpu if job.gpu is not None else 0
+        # A CPU-only machine reports gpu=None: the simulated device stands in with its GPU 0 (demos, tests);
+        # a real one has nothing to meter for a CPU job (-1: unmetered).
+        if job.gpu is None:
+            return 0 if self.device is not None and self.device.simulated else -1
+        return job.gpu
 
     def _shape_key(self, job: RunningJob) -> str:
         p = self.home / "jobs" / job.job_id / "job.yaml"
