@@ -194,7 +194,7 @@ def materialise(model: nn.Module, device: torch.device, dtype: torch.dtype, seed
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, FP8Linear.from_linear(mod, compute_dtype=dtype, compute=fp8_compute,
                                                          transposed_copy=transposed_copy))
-            del mod
+            mod.to("meta")  # free the bf16 original now (the module list above still references it)
 
 
 def build_model(shape: Shape, cfg: Config, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
@@ -361,6 +361,14 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = add_lora(model, shape, cfg, rank, args.seed)
+    host = make_batches(shape, args.data_batches, args.seed)
+    ids = flux_ids(shape, device) if shape.kind == "flux" else None
+    # N·T for MFU from one no-grad forward, before swap hooks and compilation (counting hooks left inside a
+    # compiled region would force a recompile when removed).
+    counter = MatmulCounter(model)
+    with torch.no_grad():
+        loss_fn(model, shape, {k: v.to(device) for k, v in host[0].items()}, dtype, ids)
+    counter.remove()
     blocks = find_blocks(model)
     swapper = None
     if cfg.swap:
@@ -375,10 +383,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         row.weights_gib = torch.cuda.memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
 
-    host = make_batches(shape, args.data_batches, args.seed)
     prefetcher = Prefetcher(lambda i: host[i % len(host)], device, step_size=1)
-    ids = flux_ids(shape, device) if shape.kind == "flux" else None
-    counter = MatmulCounter(model)
     total_steps = max(args.warmup + args.steps, args.loss_steps)
     times: list[float] = []
     model.train()
@@ -388,8 +393,6 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         t0 = time.perf_counter()
         batch = prefetcher.get(step)
         loss = loss_fn(model, shape, batch, dtype, ids)
-        if step == 0:
-            counter.remove()  # forward only: recomputation under checkpointing is not model work
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
