@@ -69,7 +69,13 @@ class TelemetryStore:
             for s in rows
         ]
         with self._lock:
-            self._db.executemany(f"INSERT INTO power_samples VALUES ({','.join('?' * 15)})", vals)
+            self._db.execute("BEGIN")  # one transaction per sampling round, not one per GPU
+            try:
+                self._db.executemany(f"INSERT INTO power_samples VALUES ({','.join('?' * 15)})", vals)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def maintain(self, now: float | None = None) -> None:
         """Fold old full-rate rows into minute rows and drop history past retention (at most once a minute)."""
