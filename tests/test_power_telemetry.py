@@ -253,3 +253,17 @@ def test_a_job_on_a_gpu_the_device_does_not_know_runs_unmetered_and_said_once(tm
     pol.on_job_end("j1", 0)
     assert len(log.named("job's GPU is not among the metered GPUs; it runs unmetered and uncapped")) == 1
     pol.close()
+
+
+def test_the_sampler_thread_writes_at_its_interval_and_close_is_prompt(tmp_path: Path):
+    import time
+
+    pol = PowerPolicy(PowerSettings(telemetry={"backend": "simulated", "interval_s": 0.05}), tmp_path,
+                      tmp_path / "state.db", RecLog())  # real threads
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    pol.close()
+    assert time.monotonic() - t0 < 1.0
+    st = TelemetryStore(tmp_path / "state.db")
+    assert 4 <= len(st.samples(gpu=0)) <= 12
+    st.close()

@@ -299,11 +299,12 @@ class PowerPolicy:
             return d
 
     def close(self) -> None:
+        # Threads first and outside the lock: the sampler takes the lock to write its last round.
+        if self.ups is not None:
+            self.ups.stop()
+        if self.sampler is not None:
+            self.sampler.stop()
         with self._lock:
-            if self.ups is not None:
-                self.ups.stop()
-            if self.sampler is not None:
-                self.sampler.stop()
             for j in self.jobs.values():
                 self._flush(j, self.clock(), force=True)
             if self.caps is not None and self.s.caps.restore_on_exit:
