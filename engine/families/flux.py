@@ -143,6 +143,7 @@ class Flux:
         self.plan = None
         self.items = None
         self.records = None
+        self.report = None
         self.sched = dict(SCHEDULER_DEFAULTS)
         self.sampler = None
 
