@@ -267,3 +267,15 @@ def test_the_sampler_thread_writes_at_its_interval_and_close_is_prompt(tmp_path:
     st = TelemetryStore(tmp_path / "state.db")
     assert 4 <= len(st.samples(gpu=0)) <= 12
     st.close()
+
+
+def test_a_job_that_vanished_without_on_job_end_releases_its_cap_on_the_next_tick(tmp_path: Path):
+    dev = SimulatedDevice(1)
+    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), device=dev, start_threads=False)
+    job = _job(limit=220)
+    pol.on_job_start(job)
+    pol.tick(datetime.now(timezone.utc), [job])
+    assert dev.limit_w(0) == 220
+    pol.tick(datetime.now(timezone.utc), [])
+    assert dev.limit_w(0) == sim.DEFAULT_W and pol.jobs == {}
+    pol.close()

@@ -268,6 +268,8 @@ class PowerPolicy:
                     self.on_job_start(r)
                 else:
                     self.jobs[r.job_id].job = r
+            for gone in set(self.jobs) - {r.job_id for r in running}:
+                self.on_job_end(gone, None)  # its end was not reported (a hook that failed): caps must not stay
             sched = self.schedule.state(now) if self.schedule is not None else None
             ups = self.ups.advice() if self.ups is not None else None
             self._sched_cap = sched.cap_w if sched else None
