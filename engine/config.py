@@ -309,6 +309,8 @@ def _check_paths(cfg: JobConfig) -> None:
     elif cfg.model.family == "flux":
         from engine.data.images import check_image_folder
 
+        if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
+            raise JobInvalid(f"model.path: {mp} is not a FLUX.1 diffusers directory (no transformer/config.json)")
         check_image_folder(dp)
 
 

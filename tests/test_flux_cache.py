@@ -66,6 +66,18 @@ def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_pat
     assert rep2.latents_encoded == [] and rep2.texts_encoded == [] and rep2.reused == 17
 
 
+def test_the_encoders_are_freed_after_caching(job, tmp_path):
+    import gc
+
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, T5EncoderModel
+
+    prepare(job, tmp_path / "work")
+    gc.collect()
+    alive = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (AutoencoderKL, CLIPTextModel, T5EncoderModel))]
+    assert alive == []
+
+
 def test_changing_one_caption_re_encodes_only_that_caption(job, tmp_path):
     wd = tmp_path / "work"
     prepare(job, wd)

@@ -177,6 +177,14 @@ def test_the_data_folder_must_exist_and_hold_images(tmp_path, tiny_flux):
         assert "data.path" in str(e.value) and needle in str(e.value)
 
 
+def test_a_flux_model_directory_must_hold_a_transformer(tmp_path):
+    make_images(tmp_path / "img")
+    (tmp_path / "not-flux").mkdir()
+    with pytest.raises(JobInvalid) as e:
+        parse_job(flux_job_dict(tmp_path / "not-flux", tmp_path / "img"), tmp_path)
+    assert "model.path" in str(e.value) and "transformer/config.json" in str(e.value)
+
+
 def test_sample_prompts_are_required_when_sampling_is_on(tmp_path, tiny_flux):
     make_images(tmp_path / "img")
     with pytest.raises(JobInvalid) as e:
