@@ -50,3 +50,16 @@ def test_job_energy_line_has_w_j_per_step_kwh_and_steps_per_kwh():
     line = view.job_lines({"avg_w": 310.0, "j_per_step": 333.3, "kwh": 0.1852, "steps_per_kwh": 10800,
                            "simulated": True})[0]
     assert line == "power (SIMULATED): 310 W avg, 333.3 J/step, 0.1852 kWh, 10800 steps/kWh"
+
+
+def test_watch_redraws_until_ctrl_c():
+    calls = []
+
+    def fetch():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return api.power_report(None)
+
+    assert view.watch(fetch, interval_s=0.01) == 0
+    assert len(calls) == 3
