@@ -67,7 +67,8 @@ from safetensors.torch import save_file
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 COMFYUI_FILE = "flux_lora_comfyui.safetensors"
 
-# (diffusers regex, BFL name template, part index within the fused BFL linear or None, parts in that linear)
+# Per block kind: diffusers sub-path -> (BFL name template, the sub-paths fused into that BFL linear in row order,
+# or None for a one-to-one module).
 _DOUBLE_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
 _DOUBLE_TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
 _SINGLE_LINEAR1 = ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
@@ -132,7 +133,7 @@ def lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.
 
 
 def _metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
-    d = {
+    return {
         "format": "pt",
         "lorad_version": str(meta.get("lorad_version", "")),
         "base_model": str(meta.get("base_model", cfg.model.path)),
@@ -144,7 +145,6 @@ def _metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
         "lorad_config_hash": str(meta.get("config_hash", "")),
         "lorad_targets": json.dumps(cfg.lora.targets) if cfg.lora.targets is not None else "flux-default",
     }
-    return d
 
 
 def diffusers_state_dict(mods, alpha: float) -> dict[str, torch.Tensor]:

@@ -125,7 +125,8 @@ def make_caption(raw: str | None, trigger: str | None) -> str:
 
 
 def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[ImageRecord]:
-    from PIL import Image, UnidentifiedImageError
+    """Every image with its content hash, its upright size (EXIF orientation applied) and its final caption."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     folder = Path(folder)
     records = []
@@ -133,8 +134,7 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
         data = p.read_bytes()
         try:
             with Image.open(p) as im:
-                im = _oriented(im)
-                size = im.size
+                size = ImageOps.exif_transpose(im).size
         except (UnidentifiedImageError, OSError) as e:
             raise JobInvalid(f"data.path: {p.relative_to(folder)} is not a readable image ({e})") from None
         cap_path = p.with_suffix("." + caption_ext)
@@ -148,12 +148,6 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
     if not records:
         raise JobInvalid(f"data.path: {folder} contains no images")
     return records
-
-
-def _oriented(im):
-    from PIL import ImageOps
-
-    return ImageOps.exif_transpose(im)
 
 
 def make_items(records: list[ImageRecord], resolutions: list[int]) -> list[Item]:
