@@ -77,6 +77,9 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
         return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
                 "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else []}
     job = _job(ctx, req.job)
+    src = job["source"] or ""
+    if src[:1].isdigit() and "-" in src:
+        job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
     detail = p.JobDetail.model_validate({**job, "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20)})
     from daemon.power import api as power_api  # W, J/step, kWh, steps/kWh (None when nothing was measured)
