@@ -127,7 +127,7 @@ def main() -> int:
     for k in range(args.kills):
         hi = min(total - 5, lo + max(10, total // (args.kills + 1)))
         at = rng.randint(lo + 1, max(lo + 1, hi))
-        wait(lambda: last_step() >= at, 900, f"step {at}")
+        wait(lambda at=at: last_step() >= at, 900, f"step {at}")
         d.send_signal(signal.SIGKILL)
         for t in find_trainers(jobs):
             os.kill(t.pid, signal.SIGKILL)
@@ -141,7 +141,7 @@ def main() -> int:
         wait(lambda: answers(home / "lorad.sock"), 300, "the daemon")
         t_ready = time.time()
 
-        def first_step_after_resume():
+        def first_step_after_resume(n_events=n_events):
             new = events(workdir)[n_events:]
             start = next((e for e in new if e.get("event") == "start"), None)
             res = next((e for e in new if e.get("event") == "resumed"), None)

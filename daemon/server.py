@@ -16,8 +16,8 @@ import select
 import socket
 import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from daemon import protocol as p
 
@@ -150,7 +150,7 @@ class SocketServer:
                         return
                     try:
                         chunk = conn.recv(65536)
-                    except (TimeoutError, socket.timeout):
+                    except TimeoutError:
                         return
                     if not chunk:
                         return

@@ -32,6 +32,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from daemon import proc, states
 from daemon.log import job_event
 from daemon.policy import NullPolicy, Policy, RunningJob
@@ -403,12 +405,13 @@ class Supervisor:
         started = proc.start_time(popen.pid)
         self.store.update(job_id, pid=popen.pid, pid_start=started)
         self.store.set_attempt_pid(job_id, n, popen.pid)
-        power = {}
+        power: dict[str, Any] = {}
         try:
-            from engine.config import load_job
-
-            power = load_job(workdir / "job.yaml").power.model_dump()
-        except Exception:  # noqa: BLE001 — the trainer reports an invalid job itself (exit 65)
+            # Only the `power` section, for the policy; no full validation here (it would import torch, and
+            # the trainer validates the job itself: exit 65).
+            raw = yaml.safe_load((workdir / "job.yaml").read_text(encoding="utf-8"))
+            power = dict(raw.get("power") or {}) if isinstance(raw, dict) else {}
+        except (OSError, yaml.YAMLError):
             pass
         c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid, pid_start=started,
                   gpu=dev, attempt=n, start_step=job["step"], total=job["total"], power=power, step=job["step"],

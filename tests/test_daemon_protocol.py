@@ -78,7 +78,7 @@ def raw(path, payload: bytes, read: bool = True) -> list[dict]:
                 out += chunk
                 if out.count(b"\n") >= payload.count(b"\n") and payload.endswith(b"\n"):
                     break
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             pass
     c.close()
     return [json.loads(x) for x in out.splitlines() if x.strip()]
