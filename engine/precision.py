@@ -67,11 +67,14 @@ def resolve(choice: str, device: torch.device) -> tuple[str, str]:
     return "bf16", f"auto: {where}"
 
 
-def quantization_config(precision: str, compute_dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig for the load-time precisions (nf4, int8); None for the others."""
+def quantization_config(precision: str, compute_dtype: torch.dtype, library: str = "transformers"):
+    """The BitsAndBytesConfig (transformers' or diffusers') for the load-time precisions (nf4, int8); else None."""
     if precision not in ("nf4", "int8"):
         return None
-    from transformers import BitsAndBytesConfig
+    if library == "diffusers":
+        from diffusers import BitsAndBytesConfig
+    else:
+        from transformers import BitsAndBytesConfig
 
     if precision == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)

@@ -113,6 +113,20 @@ def test_layers_whose_shapes_do_not_fit_are_reported_and_fall_back():
     assert [m.compute for m in model] == ["scaled_mm", "dequant", "dequant"]
 
 
+@pytest.mark.parametrize("library", ["transformers", "diffusers"])
+def test_load_time_precisions_get_a_bitsandbytes_config_for_either_library(library):
+    from engine.precision import quantization_config
+
+    assert quantization_config("fp8", torch.bfloat16, library) is None
+    assert quantization_config("bf16", torch.bfloat16, library) is None
+    q8 = quantization_config("int8", torch.bfloat16, library)
+    q4 = quantization_config("nf4", torch.bfloat16, library)
+    assert q8.load_in_8bit and not q8.load_in_4bit
+    assert q4.load_in_4bit and q4.bnb_4bit_quant_type == "nf4" and q4.bnb_4bit_use_double_quant
+    assert q4.bnb_4bit_compute_dtype == torch.bfloat16
+    assert type(q4).__module__.startswith(library)
+
+
 def test_int8_loads_through_bitsandbytes_and_lora_trains_on_top(micro_model, tmp_path):
     import bitsandbytes as bnb
 
