@@ -48,7 +48,9 @@ thousands of tokens) instead of keeping a persistent copy: a persistent copy
 would double the base weight's memory to 2 bytes/param — as much as bf16 —
 and throw away the memory saving that is half the point of FP8. The
 `transposed_copy=True` option keeps the copy for those who have the memory
-and want the last few percent; bench/engine_speed.py can measure both.
+and want the last few percent; bench/engine_speed.py can measure both. (The
+kept copy lives on the GPU and is not streamed by block swapping: do not
+combine the two.)
 We quantise gradients to e4m3 (not e5m2): per-token scaling already gives
 the range, and e4m3's extra mantissa bit halves the rounding error.
 

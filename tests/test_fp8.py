@@ -196,6 +196,25 @@ def test_peft_lora_wraps_the_fp8_layer_trains_and_keeps_bf16_adapters():
         assert layer.weight.grad is None and torch.equal(layer.weight.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_activation_checkpointing_recomputes_the_fp8_layer_to_the_same_gradients():
+    import torch.utils.checkpoint as ckpt
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    for i in (0, 2):
+        base[i] = FP8Linear.from_linear(base[i], compute_dtype=torch.float32, compute="scaled_mm")
+    lora = nn.Linear(64, 64, bias=False)  # a trainable layer before the frozen FP8 block
+    x = torch.randn(32, 64)
+    grads = []
+    for use_ckpt in (False, True):
+        lora.zero_grad()
+        h = lora(x)
+        y = ckpt.checkpoint(base, h, use_reentrant=False) if use_ckpt else base(h)
+        y.square().mean().backward()
+        grads.append(lora.weight.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+
+
 # ----------------------------------------------------------------- CUDA's rules, checked on the CPU
 def _ops(m=32, k=64, n=48):
     a = torch.zeros(m, k, dtype=E4M3)
