@@ -234,7 +234,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 cfg.checkpoint.every_seconds is not None and time.monotonic() - last_save_t >= cfg.checkpoint.every_seconds
             )
             if due and not saver.busy() and step < cfg.train.steps:
-                saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+                saver.submit(snapshot(step, params, optimizer, generator, state_now()), background=True)
                 last_save_t = time.monotonic()
 
         # -- final or stop checkpoint, written synchronously
@@ -280,12 +280,6 @@ def _raise_save_error(r, store: CheckpointStore) -> None:
         what = "disk full" if is_disk_full(e) else f"cannot write ({e.strerror or e})"
         raise DiskError(f"{what} while saving checkpoint step-{r.step:08d} in {store.root}{free}; {kept}") from None
     raise e
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    if device.type == "cpu":
-        return batch
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
