@@ -247,6 +247,28 @@ class SaveResult:
     error: BaseException | None = None
 
 
+def writer_nice() -> int:
+    """Niceness of the periodic-save writer thread ($LORAD_CKPT_WRITER_NICE, default 10; 0 = same as training)."""
+    try:
+        return max(0, min(19, int(os.environ.get("LORAD_CKPT_WRITER_NICE", "10"))))
+    except ValueError:
+        return 10
+
+
+def _lower_thread_priority() -> None:
+    # When training keeps every core busy (CPU training, a busy data pipeline) a writer at the same
+    # priority takes its slices from the training threads, and a descheduled intra-op thread stalls
+    # the whole step. Niced, it runs in the gaps and still finishes (nice 10 keeps ~1/10 of a core's
+    # weight). Only periodic saves: a stop or final save is waited on, and an unprivileged thread
+    # could never raise its priority back. Linux applies setpriority to one thread given its TID.
+    nice = writer_nice()
+    if nice and hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError:
+            pass
+
+
 @dataclass
 class AsyncCheckpointer:
     """Writes snapshots on a background thread so training does not wait for the disk; one save at a time."""
@@ -260,14 +282,17 @@ class AsyncCheckpointer:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, snap: Snapshot) -> None:
+    def submit(self, snap: Snapshot, background: bool = False) -> None:
+        """Start writing `snap`. background=True (periodic saves) runs the writer at a lower CPU priority."""
         if self.busy():
             raise RuntimeError("a checkpoint save is already in flight")
         self.in_flight_step = snap.step
-        self._thread = threading.Thread(target=self._write, args=(snap,), name=f"ckpt-{snap.step}", daemon=True)
+        self._thread = threading.Thread(target=self._write, args=(snap, background), name=f"ckpt-{snap.step}", daemon=True)
         self._thread.start()
 
-    def _write(self, snap: Snapshot) -> None:
+    def _write(self, snap: Snapshot, background: bool = False) -> None:
+        if background:
+            _lower_thread_priority()
         t0 = time.monotonic()
         try:
             path = self.store.commit(snap)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_exits_74(
     lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
     assert len(lines) == 1, err
     assert "disk full" in lines[0] and "MiB free" in lines[0]
-    failed = "step-00000008" if kept else "step-00000004"
-    assert f"saving checkpoint {failed}" in lines[0]
+    # Which step's save hits the full disk depends on when the background writer finished the one before.
+    failed = re.search(r"saving checkpoint step-(\d{8})", lines[0])
+    assert failed and int(failed.group(1)) > (int(kept[5:]) if kept else 0)
     assert (f"previous checkpoint {kept} is intact" if kept else "no earlier checkpoint") in lines[0]
 
     events = read_events(wd)
