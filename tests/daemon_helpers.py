@@ -38,13 +38,14 @@ def fast_config(tmp_root: Path, **over: Any) -> dict[str, Any]:
     return cfg
 
 
-def daemon_job(model: Path, steps: int = 40, every: int = 4, name: str = "svc", **train: Any) -> dict[str, Any]:
-    """A tiny job for the service tests (micro model, seq_len 32): a few seconds of compute."""
+def daemon_job(model: Path, steps: int = 40, every: int = 4, name: str = "svc", seq_len: int = 32,
+               **train: Any) -> dict[str, Any]:
+    """A tiny job for the service tests (micro model, short sequences): a few seconds of compute."""
     return {
         "name": name,
         "model": {"family": "causal_lm", "path": str(model), "dtype": "float32"},
         "lora": {"rank": 8, "alpha": 16, "dropout": 0.1, "targets": ["q_proj", "v_proj"]},
-        "data": {"path": str(QUICKSTART_DATA), "text_field": "text", "seq_len": 32},
+        "data": {"path": str(QUICKSTART_DATA), "text_field": "text", "seq_len": seq_len},
         "train": {"steps": steps, "batch_size": 2, "lr": 0.002, "warmup_steps": 2, "optimizer": "adamw",
                   "seed": 5, **train},
         "checkpoint": {"every_steps": every, "every_seconds": None, "keep": 2},

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon import proc
 from daemon import protocol as p
 from daemon.store import Store
 from tests.daemon_helpers import (
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def svc_job(tmp_path_factory, micro_model) -> Path:
     d = tmp_path_factory.mktemp("svc-job")
-    return write_yaml(d / "svc.yaml", daemon_job(micro_model, steps=40, every=4))
+    return write_yaml(d / "svc.yaml", daemon_job(micro_model, steps=40, every=4, seq_len=128, batch_size=4))
 
 
 @pytest.fixture(scope="session")
@@ -133,43 +134,62 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
     (jid,) = accepted(d)
     workdir = home / "jobs" / jid
     ckpts = workdir / "checkpoints"
-    losses = []
+    rounds = []  # (step at the kill, newest checkpoint logged as committed before it, step resumed from)
 
-    def resumed_steps() -> list[int]:
-        return [e["from_step"] for e in job_events(workdir) if e.get("event") == "resumed"]
+    def committed() -> int:
+        c = [e["step"] for e in job_events(workdir) if e.get("event") == "checkpoint_committed"]
+        return max(c) if c else 0
 
-    def restart() -> Daemon:
-        n = len(resumed_steps())
+    def restart() -> tuple[Daemon, int]:
+        """Start `lorad serve` again; wait for the new trainer's first step; return the step it resumed from."""
+        n = len(job_events(workdir))
         nd = daemons(home, env=env)
         counter.d = nd
-        wait_until(lambda: len(resumed_steps()) > n or last_step(workdir) >= 40, 180, "the job to resume by itself")
-        return nd
 
-    # Kill 1: daemon and trainer, at a random step.
-    at = rng.randint(2, 12)
-    wait_until(lambda: last_step(workdir) >= at, 180, f"step {at}")
-    kill_all(d)
-    losses.append(last_step(workdir))
-    d = restart()
-    losses[-1] -= resumed_steps()[-1]
+        def first_step():
+            new = job_events(workdir)[n:]
+            starts = [i for i, e in enumerate(new) if e.get("event") == "start"]
+            if not starts:
+                return None
+            after = new[starts[-1]:]
+            if not any(e.get("event") in ("step", "done") for e in after):
+                return None
+            return [next((e["from_step"] for e in after if e.get("event") == "resumed"), 0)]
+
+        (res,) = wait_until(first_step, 240, "the job to resume by itself")
+        return nd, res
+
+    def kill(d: Daemon, trainer_too: bool = True) -> tuple[int, int]:
+        if trainer_too:
+            kill_all(d)
+        else:
+            d.sigkill()
+        return last_step(workdir), committed()
+
+    # Kill 1: daemon and trainer, a random number of steps after the first checkpoint.
+    wait_until(lambda: committed() > 0, 240, "the first checkpoint")
+    at = committed() + rng.randint(1, 3)
+    wait_until(lambda: last_step(workdir) >= at, 240, f"step {at}")
+    k = kill(d)
+    d, res = restart()
+    rounds.append((*k, res))
 
     # Kill 2: daemon and trainer while a checkpoint directory is half written.
     def mid_save():
         return any(".tmp-" in c.name for c in ckpts.iterdir()) if ckpts.exists() else False
 
-    wait_until(mid_save, 180, "a checkpoint write in progress", poll=0.005)
-    kill_all(d)
+    wait_until(mid_save, 240, "a checkpoint write in progress", poll=0.005)
+    k = kill(d)
     assert any(".tmp-" in c.name for c in ckpts.iterdir())  # we really killed it mid-write
-    losses.append(last_step(workdir))
-    d = restart()
-    losses[-1] -= resumed_steps()[-1]
+    d, res = restart()
+    rounds.append((*k, res))
 
     # Kill 3: the daemon only, at a random later step; its trainer lives on as an orphan that the
     # next daemon must stop (SIGTERM, final checkpoint) before it starts a new one.
-    at = min(39, resumed_steps()[-1] + rng.randint(1, 6))
-    wait_until(lambda: last_step(workdir) >= at, 180, f"step {at}")
+    at = res + rng.randint(1, 3)
+    wait_until(lambda: last_step(workdir) >= at, 240, f"step {at}")
     orphan = d.trainers()
-    d.sigkill()
+    kill(d, trainer_too=False)
     d = daemons(home, env=env)
     counter.d = d
     final = d.wait_state(jid, {"succeeded", "failed"}, 300)
@@ -179,10 +199,13 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
     assert final["state"] == "succeeded", final
     assert adapter_file(workdir) == reference
     assert counter.most <= 1, "two trainers ran at once"
-    assert not any(__import__("daemon.proc").proc.alive(t.pid, t.start) for t in orphan)
-    assert len(resumed_steps()) >= 2
-    print(f"steps lost per SIGKILL: {losses} (checkpoint every 4 steps)")
-    assert all(0 <= x <= 4 + 4 for x in losses)  # at most the checkpoint interval (+ the save in flight)
+    assert orphan and not any(proc.alive(t.pid, t.start) for t in orphan)
+    assert any(e.get("event") == "stopped" and e.get("reason") == "SIGTERM" for e in job_events(workdir)), \
+        "the orphan was asked to checkpoint and stop"
+    for kill_step, last_committed, resumed in rounds:
+        # Resumed from the newest committed checkpoint (never an older one, never a half-written one).
+        assert last_committed <= resumed <= kill_step
+    print(f"steps lost per SIGKILL: {[k - r for k, _, r in rounds]} (checkpoint every 4 steps, saves in background)")
 
 
 # ================================================================ 3. hung and crashing trainers
@@ -200,7 +223,7 @@ def test_a_hung_trainer_is_killed_and_the_job_retried(tmp_path, daemons, micro_m
     a = d.job(jid)["attempts"]
     assert len(a) == 2 and a[0]["pid"] == t.pid and "hung: no heartbeat" in a[0]["error"]
     assert a[0]["exit_code"] == -signal.SIGKILL
-    assert not __import__("daemon.proc").proc.alive(t.pid, t.start)
+    assert not proc.alive(t.pid, t.start)
 
 
 def test_a_crashing_trainer_is_retried_with_backoff_then_failed_with_its_error(tmp_path, daemons, micro_model):
