@@ -202,4 +202,7 @@ def dispatch(ctx: Context, req: Any) -> bytes:
         data = HANDLERS[req.verb](ctx, req)
     except HandlerError as e:
         return p.error(e.code, e.message)
+    except states.IllegalTransition as e:
+        # The supervisor moved the job between our read and our write (it just started, say).
+        return p.error("conflict", f"{e}; try again")
     return p.encode(p.Reply(data=data))

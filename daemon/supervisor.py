@@ -160,24 +160,27 @@ class Supervisor:
 
     # ================================================================ the tick
     def tick(self) -> None:
-        self._step("reap", self._reap)
-        self._step("heartbeats", self._heartbeats)
-        self._step("requests", self._requests)
-        self._step("inbox", self._inbox)
-        self._step("policy", self._policy)
-        self._step("spawn", self._spawn)
-        self._notify()
+        ok = all([
+            self._step("reap", self._reap),
+            self._step("heartbeats", self._heartbeats),
+            self._step("requests", self._requests),
+            self._step("inbox", self._inbox),
+            self._step("policy", self._policy),
+            self._step("spawn", self._spawn),
+        ])
+        # The systemd watchdog is fed only after a tick whose steps all worked.
+        self.healthy = ok
+        self._step("notify", self._notify)
 
-    def _step(self, name: str, fn) -> None:
-        # One failing step must not stop the others (or the loop); it marks the loop unhealthy,
-        # so the systemd watchdog stops being fed only if it keeps failing.
+    def _step(self, name: str, fn) -> bool:
+        # One failing step must not stop the others (or the loop); a loop that keeps failing stops feeding
+        # the watchdog, and systemd restarts the daemon.
         try:
             fn()
+            return True
         except Exception as e:  # noqa: BLE001
-            self.healthy = False
             self.log.error("tick_step_failed", exc_info=True, step=name, error=f"{type(e).__name__}: {e}")
-            return
-        self.healthy = True
+            return False
 
     # ---------------------------------------------------------------- reap
     def _reap(self) -> None:
@@ -378,8 +381,12 @@ class Supervisor:
                     proc.signal_group(t.pid, signal.SIGTERM)
             self.log.warning("trainer_still_running", job=job_id, message="an earlier trainer holds the job; waiting")
             return
+        try:
+            self.store.transition(job_id, states.QUEUED, states.RUNNING, "trainer starting", gpu=dev, not_before=0)
+        except states.IllegalTransition:
+            os.close(lock_fd)  # paused or cancelled over the socket in the meantime
+            return
         n = self.store.start_attempt(job_id, job["step"])
-        self.store.transition(job_id, states.QUEUED, states.RUNNING, f"attempt {n}", gpu=dev, not_before=0)
         env = {**os.environ, **self.cfg.trainer_env, "PYTHONUNBUFFERED": "1"}
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(dev)
