@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -94,3 +95,33 @@ def test_a_second_lock_on_the_same_home_is_refused_with_the_holder(tmp_path):
         HomeLock(tmp_path).acquire()
     a.release()
     HomeLock(tmp_path).acquire()  # released with the process (or here, explicitly)
+
+
+def test_lorad_serve_speaks_notify_ready_after_reconciliation_watchdog_and_stopping(tmp_path, notify_socket):
+    from tests.daemon_helpers import Daemon, fast_config
+
+    s, path = notify_socket
+    d = Daemon(tmp_path / "home", fast_config(tmp_path), NOTIFY_SOCKET=path, WATCHDOG_USEC="600000")
+    try:
+        d.start()
+        got: list[str] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not ("READY=1" in got and got.count("WATCHDOG=1") >= 2):
+            try:
+                got += s.recv(4096).decode().split("\n")
+            except TimeoutError:
+                pass
+        assert got[0] == "STATUS=reconciling"  # before READY: reconciliation runs first
+        assert "READY=1" in got and f"MAINPID={d.proc.pid}" in got
+        assert got.index("READY=1") < got.index("WATCHDOG=1")
+        assert any(x.startswith("STATUS=idle; 0 queued") for x in got)
+        assert d.terminate(30) == 0
+        rest = []
+        while True:
+            try:
+                rest += s.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+        assert "STOPPING=1" in rest
+    finally:
+        d.cleanup()
