@@ -118,6 +118,30 @@ def write_job(tmp_path, micro_model) -> Callable[..., Path]:
     return _write
 
 
+@pytest.fixture(scope="session")
+def finished_tiny_job(tmp_path_factory, micro_model):
+    """A finished 12-step tiny job trained in-process, laid out as `lorad run --home ROOT/home` keeps it.
+
+    Returns (job file, config, workdir, [checkpoint names, oldest first]); at least three checkpoints,
+    the last at step 12. Which middle steps were saved depends on when the background writer was free.
+    Shared read-only: copy it before changing anything.
+    """
+    from engine.config import load_job
+    from engine.run import train
+
+    root = tmp_path_factory.mktemp("finished")
+    job = root / "tiny.yaml"
+    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
+                    {"train": {"steps": 12}, "checkpoint": {"every_steps": 3, "keep": 10}})
+    job.write_text(yaml.safe_dump(d))
+    cfg = load_job(job)
+    workdir = root / "home" / "jobs" / cfg.name
+    assert train(cfg, workdir, progress="none") == 0
+    names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    assert len(names) >= 3 and names[-1] == "step-00000012", names
+    return job, cfg, workdir, names
+
+
 # --------------------------------------------------------------------- subprocess trainer
 class Trainer:
     """`python -m engine.run` (or any command) as a child whose JSON events we read as they come."""

@@ -9,33 +9,12 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint import CheckpointStore
-from engine.config import load_job
-from engine.run import train
 from tests.conftest import PY, REPO, adapter_bytes, child_env, read_events
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, micro_model):
-    """A finished 12-step job with at least three checkpoints, the last at step 12 (in-process: no child start-up).
-
-    Returns (job file, config, workdir, [checkpoint names, oldest first]). Which middle steps were saved
-    depends on when the background writer was free, so tests take the names from here.
-    """
-    import yaml
-
-    from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
-
-    root = tmp_path_factory.mktemp("corrupt")
-    job = root / "tiny.yaml"
-    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
-                    {"train": {"steps": 12}, "checkpoint": {"every_steps": 3, "keep": 10}})
-    job.write_text(yaml.safe_dump(d))
-    cfg = load_job(job)
-    workdir = root / "home" / "jobs" / cfg.name  # where `lorad run --home root/home` keeps this job
-    assert train(cfg, workdir, progress="none") == 0
-    names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
-    assert len(names) >= 3 and names[-1] == "step-00000012", names
-    return job, cfg, workdir, names
+@pytest.fixture
+def trained(finished_tiny_job):
+    return finished_tiny_job
 
 
 def truncate(path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 from engine.checkpoint import CheckpointStore
 from engine.config import load_job
 from engine.families.causal_lm import CausalLM
-from engine.run import restore_checkpoint, train, trainable
+from engine.run import restore_checkpoint, trainable
 
 
 class _Quiet:
@@ -17,13 +17,11 @@ class _Quiet:
     def warning(self, *a, **k): ...
 
 
-def test_peft_from_pretrained_reproduces_the_trained_logits(write_job, micro_model, tmp_path):
+def test_peft_from_pretrained_reproduces_the_trained_logits(finished_tiny_job, micro_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = load_job(write_job(train={"steps": 10}, checkpoint={"every_steps": 5}))
-    wd = tmp_path / "work"
-    assert train(cfg, wd, progress="none") == 0
+    _, cfg, wd, _ = finished_tiny_job
     out = wd / "output"
     assert (out / "adapter_model.safetensors").is_file()
     adapter_cfg = json.loads((out / "adapter_config.json").read_text())
@@ -43,7 +41,8 @@ def test_peft_from_pretrained_reproduces_the_trained_logits(write_job, micro_mod
     family = CausalLM()
     trained = family.load_model(cfg, wd, torch.device("cpu"), _Quiet())
     params = trainable(trained)
-    loaded, _ = CheckpointStore(wd / "checkpoints", cfg.identity_hash(), keep=3).load_latest()
+    # set_aside_invalid=False: the shared run is read-only here.
+    loaded, _ = CheckpointStore(wd / "checkpoints", cfg.identity_hash(), keep=10).load_latest(set_aside_invalid=False)
     assert loaded.step == cfg.train.steps
     with torch.no_grad():
         for n, p in params.items():
