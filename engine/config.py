@@ -192,8 +192,6 @@ def _family_keys_check(cfg: JobConfig) -> None:
             raise ValueError(f"{', '.join(wrong)}: only for model.family causal_lm (flux reads images and captions)")
         if cfg.model.quantize is not None:
             raise ValueError("model.quantize: nf4 is for causal_lm; for flux use model.base_precision")
-        if cfg.model.base_precision in ("nf4", "int8"):
-            raise ValueError(f"model.base_precision: {cfg.model.base_precision} is for causal_lm; flux takes auto, bf16 or fp8")
         if "formats" not in cfg.output.model_fields_set:
             cfg.output.formats = ["diffusers"]  # the family-aware default
         if "peft" in cfg.output.formats:

@@ -143,7 +143,6 @@ def test_default_targets_follow_diffusers_and_skip_the_top_level_proj_out(tiny_f
     ("data", "seq_len", 128, "flux", "data.seq_len: only for model.family causal_lm"),
     ("data", "packing", False, "flux", "data.packing: only for model.family causal_lm"),
     ("output", "formats", ["peft"], "flux", "output.formats: 'peft' is for causal_lm"),
-    ("model", "base_precision", "nf4", "flux", "model.base_precision: nf4 is for causal_lm"),
 ])
 def test_keys_of_the_other_family_are_rejected_by_name(tmp_path, tiny_flux, section, key, value, family, needle):
     make_images(tmp_path / "img")

@@ -299,3 +299,16 @@ def test_an_fp8_base_with_activation_checkpointing_trains_and_exports_on_the_cpu
     assert type(model.proj_out) is torch.nn.Linear and type(model.x_embedder) is torch.nn.Linear
     comfy = load_file(str(tmp_path / "work" / "output" / COMFYUI_FILE))
     assert set(k.split(".")[0].removeprefix("lora_unet_") for k in comfy) == set(EXPECTED_COMFY)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal; on a GPU nf4 loads")
+def test_nf4_on_a_machine_without_a_gpu_is_an_invalid_job_naming_the_key(tiny_flux, tmp_path):
+    from engine.run import train
+    from tests.flux_helpers import make_images, write_flux_job
+
+    job = write_flux_job(tmp_path / "job.yaml", tiny_flux, make_images(tmp_path / "data"),
+                         model={"base_precision": "nf4"}, train={"steps": 1})
+    assert train(load_job(job), tmp_path / "work", progress="none") == 65
+    (err,) = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()
+              if '"invalid_job"' in line]
+    assert err["message"].startswith("model.base_precision: nf4 needs a CUDA GPU")

@@ -42,7 +42,8 @@ from typing import Any
 import torch
 
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
-from engine.precision import apply_base_precision
+from engine.precision import apply_base_precision, quantization_config
+from engine.precision import resolve as resolve_precision
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -181,11 +182,26 @@ class Flux:
 
         self.cfg = cfg
         path = resolve_model_path(cfg, workdir)
-        transformer = FluxTransformer2DModel.from_pretrained(
-            path, subfolder="transformer", revision=cfg.model.revision, dtype=DTYPES[cfg.model.dtype]
-        )
+        precision, _ = resolve_precision(cfg.model.base_precision, device)
+        # nf4/int8: bitsandbytes quantises while loading (diffusers' BitsAndBytesConfig; it needs a CUDA GPU).
+        qconf = quantization_config(precision, DTYPES[cfg.model.dtype], library="diffusers")
+        kwargs = {"quantization_config": qconf} if qconf is not None else {}
+        try:
+            transformer = FluxTransformer2DModel.from_pretrained(
+                path, subfolder="transformer", revision=cfg.model.revision, dtype=DTYPES[cfg.model.dtype], **kwargs
+            )
+        except RuntimeError as e:
+            if qconf is None or "GPU" not in str(e):
+                raise
+            raise JobInvalid(f"model.base_precision: {precision} needs a CUDA GPU (bitsandbytes); "
+                             "use fp8 or bf16 on this machine") from None
         self.sched = _scheduler_settings(path, cfg.model.revision)
-        transformer.to(device)
+        if qconf is None:
+            transformer.to(device)
+        else:
+            from peft import prepare_model_for_kbit_training
+
+            transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
         # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py); logs the choice.
         apply_base_precision(transformer, cfg.model.base_precision, device, log,
                              compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP)
