@@ -62,7 +62,7 @@ FAKE_TRAINER = textwrap.dedent("""
         print(json.dumps({"event": "stopped", "step": 3}), flush=True)
         sys.exit(75)
     signal.signal(signal.SIGUSR1, usr1)
-    signal.signal(signal.SIGTERM, term)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2:] == ["stubborn"] else term)
     step = 0
     while True:
         step += 1
@@ -121,7 +121,7 @@ def sup(tmp_path):
     store.close()
 
 
-def adopt_fake(sup: Supervisor, tmp_path: Path) -> Child:
+def adopt_fake(sup: Supervisor, tmp_path: Path, *flags: str) -> Child:
     """A running job whose 'trainer' is the fake script, wired in the way start() wires a real one."""
     jid = sup.store.new_id("fake")
     wd = tmp_path / "jobs" / jid
@@ -129,7 +129,7 @@ def adopt_fake(sup: Supervisor, tmp_path: Path) -> Child:
     sup.store.add_job(jid, "fake", wd, 0, 1000, "test")
     sup.store.transition(jid, states.QUEUED, states.RUNNING)
     sup.store.start_attempt(jid, 0)
-    popen = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "marks")], stdout=subprocess.PIPE,
+    popen = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "marks"), *flags], stdout=subprocess.PIPE,
                              start_new_session=True)
     c = Child(job_id=jid, name="fake", workdir=wd, popen=popen, pid=popen.pid, pid_start=None, gpu=None, attempt=1,
               start_step=0, total=1000, power={})
@@ -202,3 +202,16 @@ def test_the_watchdog_is_fed_only_while_every_step_works(sup, tmp_path):
     for _ in range(3):
         sup.tick()
     assert "WATCHDOG=1" not in sup.notifier.sent and not sup.healthy
+
+
+def test_pause_sends_sigterm_and_sigkill_after_the_grace(sup, tmp_path):
+    sup.cfg = DaemonConfig(stop_grace_s=0.5)
+    c = adopt_fake(sup, tmp_path, "stubborn")
+    run_ticks(sup, lambda: sup.store.get(c.job_id)["step"] > 0)
+    sup.store.update(c.job_id, requested="pause")  # what the pause handler writes
+    t0 = time.monotonic()
+    run_ticks(sup, lambda: not sup.children)
+    assert time.monotonic() - t0 >= 0.5
+    job = sup.store.get(c.job_id)
+    assert job["state"] == states.PAUSED and job["requested"] is None
+    assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
