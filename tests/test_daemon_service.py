@@ -316,6 +316,10 @@ def test_queue_verbs_through_the_cli(tmp_path, daemons, micro_model):
     assert all(col in table for col in ("ID", "STATE", "STEP", "LOSS", "S/STEP", "ETA")) and a in table
     logs = d.cli("logs", a).stdout
     assert "accepted" in logs
+    followed = d.cli("logs", "-f", b).stdout  # a finished job: -f prints what there is and returns
+    assert "accepted" in followed
+    r = d.cli("status", "no-such-job", check=False)
+    assert r.returncode == 1 and "no job 'no-such-job'" in r.stderr
     assert "up" in d.cli("ping").stdout
 
 
