@@ -54,6 +54,8 @@ class Client:
                 raise DaemonDown(f"lorad: the daemon is not running (no socket at {self.path})") from None
             except PermissionError:
                 raise DaemonDown(f"lorad: permission denied on {self.path} (join the daemon's group)") from None
+            except OSError as e:
+                raise DaemonDown(f"lorad: cannot reach the daemon at {self.path}: {e}") from None
             s.sendall(p.encode(req))
             buf = b""
             while not buf.endswith(b"\n"):

@@ -90,6 +90,11 @@ def serve(home: Path, config_path: str | None) -> int:
         print(f"lorad: {e}", file=sys.stderr)
         lock.release()
         return 1
+    except OSError as e:  # a path longer than AF_UNIX allows (107 bytes), a read-only directory, ...
+        print(f"lorad: cannot create the socket at {sock_path}: {e}; set `socket:` in the daemon config",
+              file=sys.stderr)
+        lock.release()
+        return 1
     inbox.start()
     log.info("ready", socket=str(sock_path), devices=[d for d in devs], seconds=round(time.time() - t0, 3))
     notifier.ready(sup.status_line())

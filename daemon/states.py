@@ -22,6 +22,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (QUEUED, RUNNING): "a device is free and the job is first in line (priority, then arrival)",
     (QUEUED, PAUSED): "lorad pause on a job that has not started",
     (QUEUED, CANCELLED): "lorad cancel",
+    (QUEUED, FAILED): "its job directory is gone or unreadable: no trainer can start",
     (RUNNING, SUCCEEDED): "the trainer exited 0 with its adapter written",
     (RUNNING, FAILED): "exit 65 (invalid job), or the retry budget is spent",
     (RUNNING, QUEUED): "the trainer crashed or hung; retried after a backoff",

@@ -370,7 +370,13 @@ class Supervisor:
 
     def start(self, job: dict[str, Any], dev: int | None) -> None:
         job_id, workdir = job["id"], Path(job["workdir"])
-        lock_fd = os.open(workdir / "trainer.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            lock_fd = os.open(workdir / "trainer.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            msg = f"cannot use the job directory {workdir}: {e.strerror or e}"
+            self.store.transition(job_id, states.QUEUED, states.FAILED, msg, last_error=msg)
+            self.log.error("job_dir_unusable", job=job_id, error=msg)
+            return
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -215,3 +215,12 @@ def test_pause_sends_sigterm_and_sigkill_after_the_grace(sup, tmp_path):
     job = sup.store.get(c.job_id)
     assert job["state"] == states.PAUSED and job["requested"] is None
     assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
+
+
+def test_a_queued_job_whose_directory_vanished_fails_instead_of_jamming_the_loop(sup, tmp_path):
+    jid = sup.store.new_id("lost")
+    sup.store.add_job(jid, "lost", tmp_path / "jobs" / jid, 0, 10, "test")  # the directory never existed
+    sup.tick()
+    job = sup.store.get(jid)
+    assert job["state"] == states.FAILED and "cannot use the job directory" in job["last_error"]
+    assert sup.healthy and not sup.children
