@@ -4,7 +4,7 @@
     .venv/bin/python bench/resume_latency.py --kills 5 --job configs/examples/quickstart.yaml
 
 It starts `lorad serve` in a temporary home, drops the job into the inbox,
-and then, --kills times: waits for a random step, SIGKILLs the daemon and
+and then, --kills times: waits for a random step after the newest checkpoint, SIGKILLs the daemon and
 its trainer together (a power cut, as far as lorad can tell), starts
 `lorad serve` again and waits for the first training step after the
 automatic resume. Per kill it prints:
@@ -122,11 +122,17 @@ def main() -> int:
         s = [e["step"] for e in events(workdir) if e.get("event") == "step"]
         return s[-1] if s else 0
 
+    def committed() -> int:
+        c = [e["step"] for e in events(workdir) if e.get("event") == "checkpoint_committed"]
+        return max(c) if c else 0
+
+    every = ck.get("every_steps") or 25
     rows = []
-    lo = 1
+    resumed_from = 0
     for k in range(args.kills):
-        hi = min(total - 5, lo + max(10, total // (args.kills + 1)))
-        at = rng.randint(lo + 1, max(lo + 1, hi))
+        # A kill lands a random number of steps after the newest checkpoint: what a power cut does.
+        wait(lambda rf=resumed_from: committed() > rf, 900, "a new checkpoint")
+        at = min(total - 2, committed() + rng.randint(1, max(1, every - 1)))
         wait(lambda at=at: last_step() >= at, 900, f"step {at}")
         d.send_signal(signal.SIGKILL)
         for t in find_trainers(jobs):
@@ -145,16 +151,16 @@ def main() -> int:
             new = events(workdir)[n_events:]
             start = next((e for e in new if e.get("event") == "start"), None)
             res = next((e for e in new if e.get("event") == "resumed"), None)
-            if res is None:
+            if start is None or res is None:
                 return None
             after = [e for e in new if e.get("event") == "step" and ts(e) >= ts(res)]
             return (start, res, after[0]) if after else None
 
         start, res, step = wait(first_step_after_resume, 600, "the first resumed step")
-        rows.append({"kill_step": killed_at, "resumed_from": res["from_step"], "lost": killed_at - res["from_step"],
+        resumed_from = res["from_step"]
+        rows.append({"kill_step": killed_at, "resumed_from": resumed_from, "lost": killed_at - resumed_from,
                      "serve_ready_s": t_ready - t0, "serve_spawn_s": ts(start) - t0,
                      "load_s": ts(res) - ts(start), "serve_step_s": ts(step) - t0})
-        lo = res["from_step"] + 1
         r = rows[-1]
         print(f"kill {k + 1}: at step {r['kill_step']:>4}, resumed from {r['resumed_from']:>4} (lost {r['lost']:>3}); "
               f"serve→ready {r['serve_ready_s']:.2f} s, serve→spawn {r['serve_spawn_s']:.2f} s, "
