@@ -1,7 +1,7 @@
 """Resume is exact: kills at any point, signals, and re-running a finished or changed job.
 
-Every run here is a real `python -m engine.run` child on a micro Llama, so
-the test exercises the same process boundary the daemon uses.
+The kills and signals hit real `python -m engine.run` children on a micro
+Llama, the same process boundary the daemon uses.
 """
 
 from __future__ import annotations
@@ -10,14 +10,24 @@ import random
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
 from engine.checkpoint import CheckpointStore
-from engine.config import load_job
-from tests.conftest import QUICKSTART_DATA, Trainer, adapter_bytes, deep_update, run_engine, tiny_job_dict
+from engine.config import load_job, parse_job
+from engine.run import train
+from tests.conftest import (
+    QUICKSTART_DATA,
+    Trainer,
+    adapter_bytes,
+    deep_update,
+    read_events,
+    run_engine,
+    tiny_job_dict,
+)
 
 OPTIMIZERS = ["adamw8bit", "adamw"]
 
@@ -35,55 +45,43 @@ def jobs(tmp_path_factory, micro_model) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, jobs):
-    """uninterrupted(optimizer) -> workdir of a run that was never interrupted (run once per module)."""
-    root = tmp_path_factory.mktemp("uninterrupted")
-    done: dict[str, Path] = {}
-
-    def get(opt: str) -> Path:
-        if opt not in done:
-            wd = root / opt
-            t = run_engine(jobs[opt], wd)
-            assert t.proc.returncode == 0, t.stderr
-            done[opt] = wd
-        return done[opt]
-
-    return get
-
-
 def _tmp_dirs(workdir: Path) -> list[Path]:
     ck = workdir / "checkpoints"
     return [p for p in ck.iterdir() if ".tmp-" in p.name] if ck.is_dir() else []
 
 
-@pytest.mark.parametrize("opt", OPTIMIZERS)
-def test_three_sigkills_then_resume_is_bit_identical(opt, jobs, uninterrupted, tmp_path):
+def run_uninterrupted(job: Path, wd: Path) -> Path:
+    t = run_engine(job, wd)
+    assert t.proc.returncode == 0, t.stderr
+    return wd
+
+
+def run_with_three_sigkills(job: Path, wd: Path) -> tuple[Path, list[str]]:
+    """SIGKILL at a random step, then in the middle of a save, then at another random step; resume to the end."""
     rnd = random.Random()
-    wd = tmp_path / "work"
-    story: list[str] = []  # what happened, for the failure message
+    story: list[str] = []  # what happened, for failure messages
 
     # 1. killed at a random step after the first checkpoint is committed (the writer may lag under load)
     k1 = rnd.randint(6, 10)
-    t = Trainer.engine(jobs[opt], wd)
+    t = Trainer.engine(job, wd)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     t.wait_step(k1)
     t.kill()
     story.append(f"run1 SIGKILL after step {k1} (last step seen {t.named('step')[-1]['step']})")
 
     # 2. resumed, then killed while a checkpoint is half-written
-    t = Trainer.engine(jobs[opt], wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
+    t = Trainer.engine(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
     t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)))
     t.kill()
     torn = _tmp_dirs(wd)
-    resumed2 = t.named("resumed")
-    story.append(f"run2 resumed {[e['from_step'] for e in resumed2]}, SIGKILL with {[d.name for d in torn]} half-written")
+    story.append(f"run2 resumed {[e['from_step'] for e in t.named('resumed')]}, "
+                 f"SIGKILL with {[d.name for d in torn]} half-written")
     assert torn, story
     torn_step = int(torn[0].name.split(".")[0].split("-")[1])
     assert not (wd / "checkpoints" / f"step-{torn_step:08d}").exists(), story
 
     # 3. resumed from before the torn save, then killed at another random step
-    t = Trainer.engine(jobs[opt], wd)
+    t = Trainer.engine(job, wd)
     t.wait_for(lambda: bool(t.named("resumed")) or bool(t.named("step")))
     resumed3 = t.named("resumed")
     assert resumed3 and resumed3[0]["from_step"] < torn_step, story + [f"run3 events {t.events[:3]}"]
@@ -93,14 +91,39 @@ def test_three_sigkills_then_resume_is_bit_identical(opt, jobs, uninterrupted, t
     story.append(f"run3 resumed from {resumed3[0]['from_step']}, SIGKILL after step {k3}")
 
     # 4. resumed and run to the end
-    t = run_engine(jobs[opt], wd)
+    t = run_engine(job, wd)
     assert t.proc.returncode == 0, t.stderr
     resumed4 = t.named("resumed")
     story.append(f"run4 resumed from {[e['from_step'] for e in resumed4]}")
     assert resumed4 and resumed4[0]["from_step"] > 0, story
     assert not _tmp_dirs(wd), "the stale half-written checkpoint was not cleaned up"
+    return wd, story
 
-    ref, got = adapter_bytes(uninterrupted(opt)), adapter_bytes(wd)
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, jobs):
+    """Both optimizers' uninterrupted and interrupted runs, started together.
+
+    Each child spends most of its life importing torch/transformers/peft on one
+    core; running the four chains side by side keeps the test's wall time near
+    that of one chain. Each test waits for its own futures.
+    """
+    root = tmp_path_factory.mktemp("runs")
+    pool = ThreadPoolExecutor(max_workers=2 * len(OPTIMIZERS))
+    futures = {
+        opt: (pool.submit(run_uninterrupted, jobs[opt], root / f"{opt}-uninterrupted"),
+              pool.submit(run_with_three_sigkills, jobs[opt], root / f"{opt}-interrupted"))
+        for opt in OPTIMIZERS
+    }
+    yield futures
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS)
+def test_three_sigkills_then_resume_is_bit_identical(opt, runs):
+    reference, interrupted = runs[opt]
+    wd, story = interrupted.result(timeout=600)
+    ref, got = adapter_bytes(reference.result(timeout=600)), adapter_bytes(wd)
     assert sorted(ref) == sorted(got)
     differing = [k for k in ref if ref[k] != got[k]]
     assert not differing, f"{len(differing)} tensors differ, e.g. {differing[:2]}; {story}"
@@ -142,28 +165,31 @@ def test_second_sigint_exits_at_once_and_the_last_checkpoint_stands(tmp_path, wr
     assert loaded is not None and loaded.step == committed
 
 
-def test_rerunning_a_finished_job_reports_done_without_training(uninterrupted, jobs, tmp_path):
+def test_rerunning_a_finished_job_reports_done_without_training(finished_tiny_job, tmp_path):
+    _, cfg, workdir, _ = finished_tiny_job
     wd = tmp_path / "finished"
-    shutil.copytree(uninterrupted("adamw8bit"), wd)
+    shutil.copytree(workdir, wd)
     before = adapter_bytes(wd)
-    t = run_engine(jobs["adamw8bit"], wd)
-    assert t.proc.returncode == 0, t.stderr
-    assert not t.named("step")
-    done = t.named("done")
+    n_events = len(read_events(wd))
+    assert train(cfg, wd, progress="none") == 0
+    new = read_events(wd)[n_events:]
+    assert not [e for e in new if e["event"] == "step"]
+    done = [e for e in new if e["event"] == "done"]
     assert done and done[0].get("already") is True
     assert adapter_bytes(wd) == before
 
 
-def test_changed_training_settings_refuse_to_resume_with_a_clear_message(uninterrupted, jobs, tmp_path):
+def test_changed_training_settings_refuse_to_resume_with_a_clear_message(finished_tiny_job, tmp_path, capfd):
+    job, cfg, workdir, _ = finished_tiny_job
     wd = tmp_path / "changed"
-    shutil.copytree(uninterrupted("adamw8bit"), wd)
-    raw = yaml.safe_load(jobs["adamw8bit"].read_text())
+    shutil.copytree(workdir, wd)
+    raw = yaml.safe_load(job.read_text())
     raw["train"]["lr"] = 0.005
-    job = tmp_path / "changed.yaml"
-    job.write_text(yaml.safe_dump(raw))
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 65
-    lines = [ln for ln in t.stderr.splitlines() if ln.startswith("lorad:")]
-    assert len(lines) == 1 and "different" in lines[0] and "config hash" in lines[0], t.stderr
-    assert "Traceback" not in t.stderr
-    assert t.named("invalid_job")
+    changed = parse_job(raw, job.parent)
+    assert train(changed, wd, progress="none") == 65
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
+    assert len(lines) == 1 and "different" in lines[0] and "config hash" in lines[0], err
+    assert cfg.identity_hash() in lines[0] and changed.identity_hash() in lines[0]
+    assert "Traceback" not in err
+    assert read_events(wd)[-1]["event"] == "invalid_job"
