@@ -28,12 +28,11 @@ sed "s#path: data/#path: $REPO/configs/examples/data/#" configs/examples/quickst
 mv "$HOME_DIR/quickstart.yaml" "$HOME_DIR/inbox/quickstart.yaml"
 echo "== dropped configs/examples/quickstart.yaml into $HOME_DIR/inbox/"
 
-state() { $LORAD status --home "$HOME_DIR" --json | .venv/bin/python -c \
-  'import json,sys; j=json.load(sys.stdin)["jobs"]; print(j[0]["state"] if j else "waiting")'; }
 while true; do
-  s=$(state)
   echo "== lorad status   ($(date +%T))"
-  $LORAD status --home "$HOME_DIR"
+  table=$($LORAD status --home "$HOME_DIR")
+  echo "$table"
+  s=$(echo "$table" | awk 'NR==2 {print $3}')
   case $s in succeeded|failed|cancelled) break ;; esac
   sleep 3
 done
