@@ -194,3 +194,17 @@ def test_changed_training_settings_refuse_to_resume_with_a_clear_message(finishe
     assert cfg.identity_hash() in lines[0] and changed.identity_hash() in lines[0]
     assert "Traceback" not in err
     assert read_events(wd)[-1]["event"] == "invalid_job"
+
+
+def test_sigusr1_commits_now_and_training_continues_unchanged(jobs, runs, tmp_path):
+    """The UPS-on-battery save: a checkpoint of the current step at once, then the run goes on as if untouched."""
+    wd = tmp_path / "work"
+    t = Trainer.engine(jobs["adamw8bit"], wd)
+    t.wait_step(2)
+    t.send(signal.SIGUSR1)
+    assert t.wait() == 0, t.stderr
+    urgent = [e["step"] for e in t.events if e.get("phase") == "urgent_checkpoint"]
+    assert len(urgent) == 1
+    assert urgent[0] in [e["step"] for e in t.named("checkpoint_committed")]
+    reference, _ = runs["adamw8bit"]
+    assert adapter_bytes(wd) == adapter_bytes(reference.result(timeout=600))
