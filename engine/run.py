@@ -102,8 +102,13 @@ def train(
     fs = fs or RealFs()
     stop = stop or StopFlag()
     workdir = Path(workdir).resolve()
-    ensure_dir_durable(fs, workdir)
-    log = EventLog(workdir / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
+    try:
+        ensure_dir_durable(fs, workdir)
+        log = EventLog(workdir / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
+    except OSError as e:
+        # No events file to write to yet: the one line on stderr is the whole report.
+        _say(progress, f"lorad: cannot create the job directory {workdir} ({e.strerror or e})")
+        return EXIT_IO
     try:
         return _train(cfg, workdir, progress, fs, stop, log)
     except JobInvalid as e:

@@ -72,3 +72,14 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint_and_exits_74(
     assert (loaded.step if loaded else None) == (int(kept[5:]) if kept else None)
     # The half-written save was cleaned up, not left to be mistaken for a checkpoint.
     assert not [p for p in (wd / "checkpoints").iterdir() if ".tmp-" in p.name]
+
+
+def test_an_unusable_job_directory_is_exit_74_with_one_line(write_job, tmp_path, capfd):
+    cfg = load_job(write_job())
+    (tmp_path / "not-a-dir").write_text("a file where the job directory's parent should be")
+    rc = train(cfg, tmp_path / "not-a-dir" / "work", progress="none")
+    err = capfd.readouterr().err
+    assert rc == 74
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
+    assert len(lines) == 1 and "cannot create the job directory" in lines[0] and "not-a-dir" in lines[0]
