@@ -210,7 +210,7 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
 
 # ================================================================ 3. hung and crashing trainers
 def test_a_hung_trainer_is_killed_and_the_job_retried(tmp_path, daemons, micro_model):
-    d = daemons(tmp_path / "home", hang_timeout_s=4.0, hang_step_multiple=1.0)
+    d = daemons(tmp_path / "home", hang_timeout_s=6.0, hang_step_multiple=1.0)
     write_yaml(tmp_path / "hang.yaml", daemon_job(micro_model, steps=30, every=5, name="hang"))
     shutil.copy(tmp_path / "hang.yaml", d.home / "inbox")
     (jid,) = accepted(d)
