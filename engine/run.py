@@ -75,9 +75,10 @@ def restore_checkpoint(loaded, params, optimizer, generator) -> dict[str, Any]:
 def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any]) -> Path:
     """Write the final adapter to output.tmp-*, make it durable, and rename it to output/."""
     out = workdir / "output"
+    # Leftovers of exports killed half-way (one trainer per job directory, so none is in use).
+    for stale in workdir.glob("output.tmp-*"):
+        fs.rmtree(stale)
     tmp = workdir / f"output.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     fs.mkdir(tmp)
     names = family.export(model, cfg, tmp, meta)
     for name in names:

@@ -208,3 +208,17 @@ def test_sigusr1_commits_now_and_training_continues_unchanged(jobs, runs, tmp_pa
     assert urgent[0] in [e["step"] for e in t.named("checkpoint_committed")]
     reference, _ = runs["adamw8bit"]
     assert adapter_bytes(wd) == adapter_bytes(reference.result(timeout=600))
+
+
+def test_an_export_killed_half_way_is_redone_and_its_leftovers_removed(finished_tiny_job, tmp_path):
+    """Killed between the final checkpoint and output/: the rerun exports again from that checkpoint."""
+    _, cfg, workdir, _ = finished_tiny_job
+    wd = tmp_path / "half-exported"
+    shutil.copytree(workdir, wd)
+    want = adapter_bytes(wd)
+    shutil.rmtree(wd / "output")
+    (wd / "output.tmp-99999").mkdir()
+    (wd / "output.tmp-99999" / "adapter_model.safetensors").write_bytes(b"torn")
+    assert train(cfg, wd, progress="none") == 0
+    assert adapter_bytes(wd) == want
+    assert not list(wd.glob("output.tmp-*"))
