@@ -139,15 +139,14 @@ def cmd_ping(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from daemon.intake import normalised
-    from engine.config import JobInvalid, load_job
+    from engine.config import JobInvalid, dump_job, load_job
 
     try:
         cfg = load_job(args.job)  # locally first: the mistake is shown here, not in rejected/
     except JobInvalid as e:
         print(f"lorad: invalid job: {e}", file=sys.stderr)
         return 65
-    data = _call(args, p.Submit(name=Path(args.job).name, text=normalised(cfg)))
+    data = _call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
     return _out(args, data, lambda d: print(d["job"]))
 
 

@@ -158,21 +158,6 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
         raise JobInvalid(f"{display}: job file is not UTF-8 text") from None
 
 
-def normalised(cfg: JobConfig) -> str:
-    """The job as jobs/ID/job.yaml: engine.config.dump_job, checked to load back to the same job.
-
-    If the engine's full dump does not load back (defaults of another family's keys, say), the keys the
-    user set are written instead (paths already absolute): the trainer must be able to read what we accept.
-    """
-    text = dump_job(cfg)
-    try:
-        if parse_job(yaml.safe_load(text), Path("/"), source="job.yaml") == cfg:
-            return text
-    except JobInvalid:
-        pass
-    return yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True), sort_keys=False)
-
-
 class Intake:
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, log):
         self.home = Path(home)
@@ -269,7 +254,7 @@ class Intake:
         workdir = self.home / "jobs" / job_id
         ensure_dir_durable(self.fs, workdir)
         write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
-        write_file_durable(self.fs, workdir / "job.yaml", normalised(job).encode())
+        write_file_durable(self.fs, workdir / "job.yaml", dump_job(job).encode())
         self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
         job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
         return job_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,15 @@ def test_the_normalised_job_file_reads_back_as_the_same_job(tmp_path, micro_mode
     written.parent.mkdir(parents=True)
     written.write_text(dump_job(cfg))
     assert load_job(written) == cfg
+
+
+def test_validating_a_job_does_not_import_torch():
+    """The daemon validates every inbox file on its service loop; that must stay cheap."""
+    code = (
+        "import sys; from engine.config import load_job; "
+        "[load_job(p) for p in sys.argv[1:]]; "
+        "sys.exit(3 if 'torch' in sys.modules else 0)"
+    )
+    root = Path(__file__).resolve().parents[1] / "configs" / "examples"
+    jobs = [str(root / "quickstart.yaml"), str(root / "flux-lora-tiny.yaml")]
+    assert subprocess.run([sys.executable, "-c", code, *jobs], cwd=root.parents[1]).returncode == 0

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import JobInvalid
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _txt_files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*.txt") if p.is_file())
+
+
+def _has_text(path: Path, chunk: int = 1 << 16) -> bool:
+    # Validation runs in the daemon's service loop too: read only until the first non-blank byte.
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return True
+    return False
 
 
 def check_text_source(path: Path, text_field: str) -> None:
@@ -25,7 +36,7 @@ def check_text_source(path: Path, text_field: str) -> None:
         return
     if path.suffix not in (".jsonl", ".txt"):
         raise JobInvalid(f"data.path: {path} must be a .jsonl file, a .txt file or a directory of .txt files")
-    if path.stat().st_size == 0 or not path.read_text(encoding="utf-8", errors="replace").strip():
+    if not _has_text(path):
         raise JobInvalid(f"data.path: {path} is empty")
 
 
@@ -91,6 +102,8 @@ class TokenDataset:
         return len(self.samples)
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        import torch  # lazily: job validation (daemon, CLI) imports this module without needing torch
+
         ids = torch.tensor([self.samples[i][0] for i in indices], dtype=torch.long)
         mask = torch.tensor([self.samples[i][1] for i in indices], dtype=torch.long)
         labels = ids.masked_fill(mask == 0, -100)
