@@ -190,6 +190,9 @@ def _print_detail(data: dict[str, Any]) -> None:
         rows.append(("requested", j["requested"]))
     if j["last_error"]:
         rows.append(("last error", j["last_error"]))
+    if j.get("samples"):
+        rows.append((f"samples (step {j['samples_step']})", j["samples"][0]))
+        rows += [("", path) for path in j["samples"][1:]]
     if data.get("power"):
         from daemon.power.view import job_lines
 

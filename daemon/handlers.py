@@ -73,6 +73,16 @@ def submit(ctx: Context, req: p.Submit) -> dict[str, Any]:
     return {"job": out.job_id}
 
 
+def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:
+    """The newest samples/step-N/ the trainer rendered, and its PNGs (read from disk: it outlives restarts)."""
+    steps = sorted(workdir.glob("samples/step-*"), reverse=True)
+    for d in steps:
+        pngs = sorted(str(f) for f in d.glob("*.png"))
+        if pngs:
+            return int(d.name.split("-")[1]), pngs
+    return None, []
+
+
 def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     if req.job is None:
         return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
@@ -81,8 +91,10 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     src = job["source"] or ""
     if src[:1].isdigit() and "-" in src:
         job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
+    samples_step, samples = latest_samples(Path(job["workdir"]))
     detail = p.JobDetail.model_validate({**job, "attempts": ctx.store.attempts(job["id"]),
-                                         "events": ctx.store.events(job["id"], limit=20)})
+                                         "events": ctx.store.events(job["id"], limit=20),
+                                         "samples_step": samples_step, "samples": samples})
     from daemon.power import api as power_api  # W, J/step, kWh, steps/kWh (None when nothing was measured)
 
     policy = getattr(ctx.supervisor, "policy", None)

@@ -126,6 +126,8 @@ class JobDetail(JobRow):
     not_before: float = 0
     attempts: list[Attempt] = []
     events: list[dict[str, Any]] = []
+    samples_step: int | None = None  # the newest step with rendered sample images (Flux jobs)
+    samples: list[str] = []  # their PNG paths
 
 
 class Reply(_Msg):
