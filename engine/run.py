@@ -132,8 +132,22 @@ def _say(progress: str, line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def quiet_libraries() -> None:
+    """Our events and bar report progress; the libraries' own bars and deprecation chatter only clutter them."""
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for lib in (transformers_logging, diffusers_logging):
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers|peft)\.")
+
+
 def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: StopFlag, log: EventLog) -> int:
     t_start = time.monotonic()
+    quiet_libraries()
     device = pick_device()
     family = get_family(cfg.model.family)
     log.info("start", version=VERSION, pid=os.getpid(), device=str(device), family=cfg.model.family,
