@@ -16,19 +16,9 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.schedule import Schedule
 from daemon.power.settings import PowerSettings, ScheduleSettings
 from daemon.power.simulated import SimulatedDevice
+from tests.power_helpers import RecLog
 
 BERLIN = ZoneInfo("Europe/Berlin")
-
-
-class RecLog:
-    def __init__(self):
-        self.events: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def named(self, event):
-        return [kw for _, e, kw in self.events if e == event]
 
 
 def at(s: str) -> datetime:

@@ -17,25 +17,7 @@ from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.telemetry import NvmlDevice, Sample, decode_throttle, open_device
 from daemon.power.telemetry_store import TelemetryStore
-
-
-class RecLog:
-    def __init__(self):
-        self.events: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def named(self, event):
-        return [kw for _, e, kw in self.events if e == event]
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.power_helpers import Clock, RecLog
 
 
 def _job(limit=None):

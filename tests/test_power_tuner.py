@@ -12,28 +12,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, TunerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.tuner import Point, candidate_limits, choose, profiling_steps
-
-
-class RecLog:
-    def __init__(self):
-        self.events: list[tuple[str, str, dict]] = []
-
-    def _rec(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def __getattr__(self, level):
-        return self._rec(level)
-
-    def named(self, event):
-        return [kw for _, e, kw in self.events if e == event]
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.power_helpers import Clock, RecLog
 
 
 def test_profiling_costs_at_most_two_percent_of_a_2000_step_job():

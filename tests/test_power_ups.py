@@ -16,17 +16,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, UpsSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.ups import NutClient, NutError, UpsMonitor
-
-
-class RecLog:
-    def __init__(self):
-        self.events: list[tuple[str, str, dict]] = []
-
-    def __getattr__(self, level):
-        return lambda event, **kw: self.events.append((level, event, kw))
-
-    def named(self, event):
-        return [kw for _, e, kw in self.events if e == event]
+from tests.power_helpers import RecLog
 
 
 class FakeUpsd:
