@@ -30,9 +30,8 @@ echo "== dropped configs/examples/quickstart.yaml into $HOME_DIR/inbox/"
 
 while true; do
   echo "== lorad status   ($(date +%T))"
-  table=$($LORAD status --home "$HOME_DIR")
-  echo "$table"
-  s=$(echo "$table" | awk 'NR==2 {print $3}')
+  $LORAD status --home "$HOME_DIR"
+  s=$($LORAD status --home "$HOME_DIR" --json | .venv/bin/python -c 'import json,sys; j=json.load(sys.stdin)["jobs"]; print(j[0]["state"] if j else "queued")')
   case $s in succeeded|failed|cancelled) break ;; esac
   sleep 3
 done
