@@ -25,20 +25,28 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 
 # ================================================================ verbs without the daemon
-def cmd_run(args: argparse.Namespace) -> int:
-    """Train a job in the foreground (no daemon). Running it again resumes."""
-    from engine.config import JobInvalid, dump_job, load_job
-    from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
-    from engine.run import train
-    from engine.stop import EXIT_INVALID, StopFlag
+def _local_job(args: argparse.Namespace):
+    """(job config, its workdir under --home) for the verbs that work without a daemon; None after saying why."""
+    from engine.config import JobInvalid, load_job
 
     try:
         cfg = load_job(args.job)
     except JobInvalid as e:
         print(f"lorad: invalid job: {e}", file=sys.stderr)
+        return None
+    return cfg, job_dir(Path(args.home) if args.home else default_home(), cfg.name)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Train a job in the foreground (no daemon). Running it again resumes."""
+    from engine.config import dump_job
+    from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
+    from engine.run import train
+    from engine.stop import EXIT_INVALID, StopFlag
+
+    if (job := _local_job(args)) is None:
         return EXIT_INVALID
-    home = Path(args.home) if args.home else default_home()
-    workdir = job_dir(home, cfg.name)
+    cfg, workdir = job
     fs = RealFs()
     ensure_dir_durable(fs, workdir)
     write_file_durable(fs, workdir / "job.yaml", dump_job(cfg).encode())
@@ -51,15 +59,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cache(args: argparse.Namespace) -> int:
     """Encode a Flux job's latents and text embeddings now (training does it too, reusing what is cached)."""
     from engine.cache import cache_job
-    from engine.config import JobInvalid, load_job
     from engine.stop import EXIT_INVALID
 
-    try:
-        cfg = load_job(args.job)
-    except JobInvalid as e:
-        print(f"lorad: invalid job: {e}", file=sys.stderr)
+    if (job := _local_job(args)) is None:
         return EXIT_INVALID
-    workdir = job_dir(Path(args.home) if args.home else default_home(), cfg.name)
+    cfg, workdir = job
     print(f"lorad: cache of job {cfg.name} in {workdir / 'cache'}", file=sys.stderr)
     return cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
 
