@@ -37,6 +37,7 @@ from engine.fsio import FileLayer, RealFs, ensure_dir_durable
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
+KEEP_INVALID = 2  # newest set-aside invalid checkpoint directories kept for inspection
 
 
 def step_dir_name(step: int) -> str:
@@ -238,7 +239,21 @@ class CheckpointStore:
                 if ".tmp-" in p.name and not p.name.split(".tmp-")[1].startswith(f"{os.getpid()}-"):
                     self.fs.rmtree(p)
                     removed.append(p.name)
+            # Set-aside invalid directories are kept for a look at what went wrong, but not forever:
+            # a disk that keeps corrupting saves must not fill up with them.
+            aside = sorted(self.root.glob("step-*.invalid-*"), key=_set_aside_time)
+            for p in aside[: max(0, len(aside) - KEEP_INVALID)]:
+                self.fs.rmtree(p)
+                removed.append(p.name)
         return removed
+
+
+def _set_aside_time(path: Path) -> int:
+    """The time_ns suffix _set_aside gave the directory (0 for a name it did not make)."""
+    try:
+        return int(path.name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
 
 
 @dataclass

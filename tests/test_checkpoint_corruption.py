@@ -89,3 +89,18 @@ def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tm
     assert resumed[-1]["from_step"] == int(names[-2][5:])
     # Retraining steps 9-12 from the good checkpoint reproduces the lost one exactly.
     assert adapter_bytes(mine) == finished
+
+
+def test_only_the_newest_set_aside_invalid_checkpoints_are_kept(tmp_path):
+    """Invalid checkpoints are renamed aside for inspection; pruning keeps the newest few, never valid ones."""
+    from engine.checkpoint import KEEP_INVALID, CheckpointStore
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    for i in range(KEEP_INVALID + 3):
+        (root / f"step-{i:08d}.invalid-skipped-{1000 + i}").mkdir()
+    (root / "step-00000007").mkdir()  # named like a checkpoint: pruning of checkpoints is by `keep`, not here
+    CheckpointStore(root, "h", keep=3).prune()
+    left = sorted(p.name for p in root.iterdir())
+    want_aside = [f"step-{i:08d}.invalid-skipped-{1000 + i}" for i in range(3, KEEP_INVALID + 3)]
+    assert left == sorted(want_aside + ["step-00000007"])
