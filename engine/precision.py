@@ -84,11 +84,14 @@ def quantization_config(precision: str, compute_dtype: torch.dtype, library: str
 
 def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str | None = None,
                            compute: str = "auto", compute_dtype: torch.dtype | None = None,
-                           transposed_copy: bool = False, report: PrecisionReport | None = None) -> PrecisionReport:
+                           transposed_copy: bool = False, report: PrecisionReport | None = None,
+                           device: torch.device | None = None) -> PrecisionReport:
     """Replace every frozen nn.Linear (except `skip`; only those matching `only`, if given) by an FP8Linear, in place.
 
     Runs before peft wraps the model: peft then wraps our layers like any Linear.
-    Layers are converted one at a time, so the extra memory is one layer's copy.
+    Layers are converted one at a time, so the extra memory is one layer's copy. With `device`, each layer
+    is moved there just before it is quantised: a model loaded on the host streams onto the GPU as FP8,
+    so a 12B transformer whose bf16 weights (24 GB) would not fit on a 24 GB card never has them there.
     """
     report = report or PrecisionReport("fp8", "")
     skip_re = re.compile(skip) if skip else None
@@ -104,7 +107,10 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = FP8Linear.from_linear(getattr(parent, child), compute_dtype=compute_dtype, compute=compute,
+        linear = getattr(parent, child)
+        if device is not None:
+            linear = linear.to(device)
+        layer = FP8Linear.from_linear(linear, compute_dtype=compute_dtype, compute=compute,
                                       transposed_copy=transposed_copy)
         setattr(parent, child, layer)
         report.converted += 1
@@ -118,7 +124,10 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
 def apply_base_precision(model: nn.Module, choice: str, device: torch.device, log=None,
                          compute_dtype: torch.dtype = torch.bfloat16, skip: str = DEFAULT_SKIP,
                          fp8_compute: str | None = None) -> PrecisionReport:
-    """Apply `model.base_precision` to a loaded (not yet peft-wrapped) model on `device`; log the choice.
+    """Apply `model.base_precision` to a loaded (not yet peft-wrapped) model for `device`; log the choice.
+
+    The model may still be on the host: FP8 layers are created on `device` one by one, and the caller
+    moves the rest of the model there afterwards.
 
     For fp8 this converts the frozen linears in place; for bf16, nf4 and int8 the
     work was done at load time and this only records it. `fp8_compute` (default:
@@ -129,7 +138,8 @@ def apply_base_precision(model: nn.Module, choice: str, device: torch.device, lo
     precision, reason = resolve(choice, device)
     report = PrecisionReport(precision, reason)
     if precision == "fp8":
-        convert_linears_to_fp8(model, skip=skip, compute=fp8_compute, compute_dtype=compute_dtype, report=report)
+        convert_linears_to_fp8(model, skip=skip, compute=fp8_compute, compute_dtype=compute_dtype, report=report,
+                               device=device)
         if report.compute == "n/a":
             report.rowwise = scaled_mm_rowwise_supported(device)
         if fp8_compute != "auto":

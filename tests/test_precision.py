@@ -260,3 +260,17 @@ def test_optimizer_state_round_trips_a_checkpoint_bit_exactly(opt, tmp_path):
 def test_precision_module_does_not_import_the_daemon():
     for mod in (precision, fp8):
         assert "daemon" not in Path(mod.__file__).read_text()
+
+
+def test_fp8_conversion_streams_each_layer_onto_the_device_as_it_is_quantised():
+    """A base loaded on the host reaches the GPU as FP8 layer by layer; its bf16 copy never sits there whole.
+
+    'meta' stands in for the GPU: the converted layers land there, everything else stays on the host
+    until the family moves the rest of the model.
+    """
+    model = nn.Sequential(nn.Embedding(10, 32), nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 32))
+    report = convert_linears_to_fp8(model, skip="", device=torch.device("meta"))
+    assert report.converted == 2
+    assert [type(m).__name__ for m in model] == ["Embedding", "FP8Linear", "LayerNorm", "FP8Linear"]
+    assert {m.weight.device.type for m in model if type(m).__name__ == "FP8Linear"} == {"meta"}
+    assert {m.weight.device.type for m in model if type(m).__name__ != "FP8Linear"} == {"cpu"}

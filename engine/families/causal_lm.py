@@ -60,11 +60,12 @@ class CausalLM:
         if qconf is not None:
             kwargs["quantization_config"] = qconf
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model.config.use_cache = False
+        # fp8: swap the frozen linears for FP8 layers before peft wraps them, quantising each on the device
+        # as it moves there (the bf16 base never sits on the GPU whole); logs the choice either way.
+        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype])
         if quantize is None:
             model.to(device)
-        model.config.use_cache = False
-        # fp8: swap the frozen linears for FP8 layers before peft wraps them; logs the choice either way.
-        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype])
         if quantize is not None:
             from peft import prepare_model_for_kbit_training
 

@@ -196,15 +196,16 @@ class Flux:
             raise JobInvalid(f"model.base_precision: {precision} needs a CUDA GPU (bitsandbytes); "
                              "use fp8 or bf16 on this machine") from None
         self.sched = _scheduler_settings(path, cfg.model.revision)
-        if qconf is None:
-            transformer.to(device)
-        else:
+        if qconf is not None:
             from peft import prepare_model_for_kbit_training
 
             transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
-        # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py); logs the choice.
+        # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py), each quantised
+        # on the device as it moves there, so the 24 GB bf16 transformer is never on the GPU whole.
         apply_base_precision(transformer, cfg.model.base_precision, device, log,
                              compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP)
+        if qconf is None:
+            transformer.to(device)
         if cfg.train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         apply_lora(transformer, cfg)
