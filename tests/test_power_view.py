@@ -63,3 +63,16 @@ def test_watch_redraws_until_ctrl_c():
 
     assert view.watch(fetch, interval_s=0.01) == 0
     assert len(calls) == 3
+
+
+def test_without_a_gpu_the_view_says_why_instead_of_an_empty_table():
+    from rich.console import Console
+
+    from daemon.power.view import render
+
+    c = Console(record=True, width=100)
+    c.print(render({"backend": "nvml", "available": False, "simulated": False, "gpus": [], "jobs": {},
+                    "notes": ["telemetry unavailable"]}))
+    out = c.export_text()
+    assert "telemetry unavailable" in out
+    assert "limit W" not in out

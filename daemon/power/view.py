@@ -39,7 +39,7 @@ def render(rep: dict[str, Any]) -> Group:
         t.add_row(str(g["index"]), _f(s.get("power_w")), _f(g.get("limit_w")),
                   f"{_f(s.get('sm_mhz'))}/{_f(s.get('mem_mhz'))}", _f(s.get("temp_c")), _f(s.get("util_gpu")),
                   _f((s.get("energy_mj") or 0) / 1e6, "{:.1f}"), ",".join(s.get("throttle") or []) or "-", cap)
-    parts: list[Any] = [t, *names]
+    parts: list[Any] = [t, *names] if names else []  # no GPU: the notes below say why, no empty table
     for jid, j in (rep.get("jobs") or {}).items():
         line = f"job {jid} on GPU {j['gpu']}: "
         tu = j.get("tuner")
