@@ -22,7 +22,6 @@ The relative `data.path` of the job is made absolute before the job is dropped i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -41,18 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from daemon.proc import find_trainers  # noqa: E402
-
-
-def events(workdir: Path) -> list[dict]:
-    p = workdir / "events.jsonl"
-    out = []
-    if p.exists():
-        for line in p.read_text(errors="replace").splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
+from engine.events import read_events as events  # noqa: E402
 
 
 def ts(e: dict) -> float:

@@ -7,6 +7,7 @@ heartbeats; the schema is documented in README.md ("Events").
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -67,3 +68,17 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def read_events(workdir: Path) -> list[dict[str, Any]]:
+    """The job's events so far, skipping a line torn by a kill mid-write (readers of a live or killed job)."""
+    path = Path(workdir) / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out

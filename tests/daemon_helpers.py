@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import yaml
 from daemon import proc
 from daemon import protocol as p
 from daemon.client import Client, DaemonDown
+from engine.events import read_events as job_events
 from tests.conftest import QUICKSTART_DATA, REPO, child_env
 
 PY = sys.executable
@@ -155,19 +155,6 @@ class Daemon:
         self.sigkill()
         for t in self.trainers():
             proc.signal_group(t.pid, signal.SIGKILL)
-
-
-def job_events(workdir: Path) -> list[dict[str, Any]]:
-    path = Path(workdir) / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
 
 
 def last_step(workdir: Path) -> int:

@@ -12,25 +12,13 @@ from daemon.cli import main as lorad
 from engine.config import load_job
 from engine.families.flux import Flux
 from tests import flux_helpers as fh
+from tests.fakes import RecLog
 from tests.flux_helpers import IMAGES, make_images, write_flux_job
 
 tiny_flux = fh.tiny_flux  # shared session fixture
 
 N_IMAGES, N_RES = len(IMAGES), 2
 PROMPT = "sks, a tower at night"
-
-
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def info(self, event, **kw):
-        self.events.append((event, kw))
-
-    warning = error = info
-
-    def named(self, event):
-        return [kw for ev, kw in self.events if ev == event]
 
 
 @pytest.fixture
@@ -41,7 +29,7 @@ def job(tmp_path, tiny_flux):
 
 
 def prepare(job_path: Path, workdir: Path):
-    log = Log()
+    log = RecLog()
     fam = Flux()
     fam.prepare(load_job(job_path), workdir, log)
     return fam.report, log, fam

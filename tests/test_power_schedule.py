@@ -16,7 +16,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.schedule import Schedule
 from daemon.power.settings import PowerSettings, ScheduleSettings
 from daemon.power.simulated import SimulatedDevice
-from tests.power_helpers import RecLog
+from tests.fakes import RecLog
 
 BERLIN = ZoneInfo("Europe/Berlin")
 

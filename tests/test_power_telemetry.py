@@ -17,7 +17,7 @@ from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.telemetry import NvmlDevice, Sample, decode_throttle, open_device
 from daemon.power.telemetry_store import TelemetryStore
-from tests.power_helpers import Clock, RecLog
+from tests.fakes import Clock, RecLog
 
 
 def _job(limit=None):

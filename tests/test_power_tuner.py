@@ -12,7 +12,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, TunerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.tuner import Point, candidate_limits, choose, profiling_steps
-from tests.power_helpers import Clock, RecLog
+from tests.fakes import Clock, RecLog
 
 
 def test_profiling_costs_at_most_two_percent_of_a_2000_step_job():

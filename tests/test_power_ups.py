@@ -16,7 +16,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, UpsSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.ups import NutClient, NutError, UpsMonitor
-from tests.power_helpers import RecLog
+from tests.fakes import RecLog
 
 
 class FakeUpsd:

@@ -25,16 +25,7 @@ from tests.conftest import (
     run_engine,
     tiny_job_dict,
 )
-
-
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def info(self, event, **kw):
-        self.events.append((event, kw))
-
-    warning = error = info
+from tests.fakes import RecLog
 
 
 # ----------------------------------------------------------------- the choice
@@ -59,10 +50,10 @@ def test_auto_on_cpu_is_bf16_and_explicit_choices_are_kept():
 
 
 def test_the_choice_and_reason_are_logged_as_one_event(micro_llama):
-    log = Log()
+    log = RecLog()
     rep = apply_base_precision(micro_llama, "auto", torch.device("cpu"), log)
     assert rep.precision == "bf16" and rep.converted == 0
-    [(name, kw)] = log.events
+    [(_, name, kw)] = log.events
     assert name == "base_precision" and kw["precision"] == "bf16" and kw["reason"].startswith("auto")
 
 
@@ -134,11 +125,11 @@ def test_int8_loads_through_bitsandbytes_and_lora_trains_on_top(micro_model, tmp
 
     cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
                                 {"model": {"base_precision": "int8", "dtype": "bfloat16"}}), tmp_path)
-    log = Log()
+    log = RecLog()
     model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), log)
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, bnb.nn.Linear8bitLt)
-    assert log.events[0][0] == "base_precision" and log.events[0][1]["precision"] == "int8"
+    assert log.events[0][1] == "base_precision" and log.events[0][2]["precision"] == "int8"
     ids = torch.randint(3, 200, (2, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     lora = [p for n, p in model.named_parameters() if p.requires_grad]
@@ -150,7 +141,7 @@ def test_fp8_family_load_gives_bf16_adapters_over_fp8_layers(micro_model, tmp_pa
 
     cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
                                 {"model": {"base_precision": "fp8", "dtype": "bfloat16"}}), tmp_path)
-    model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), Log())
+    model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), RecLog())
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, FP8Linear)
     trainable = [p for p in model.parameters() if p.requires_grad]

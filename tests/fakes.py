@@ -1,4 +1,4 @@
-"""Test doubles shared by the power tests: a recording event log and a clock the test moves by hand."""
+"""Test doubles shared by the tests: a recording event log and a clock the test moves by hand."""
 
 from __future__ import annotations
 
