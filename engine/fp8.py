@@ -312,8 +312,10 @@ class FP8Linear(nn.Linear):
         if self.weight.dtype != E4M3:
             raise TypeError("FP8Linear's weight must stay float8_e4m3fn; move it with .to(device) only")
         self._weight_t = None
-        self.compute = self._resolve_compute(self.requested_compute, self.weight.device)
-        self.rowwise = scaled_mm_rowwise_supported(self.weight.device)
+        # The scale buffer, not the weight, says where this layer computes: block swapping parks the weight in
+        # host memory between uses (engine/blockswap.py) while the scale stays on the GPU.
+        self.compute = self._resolve_compute(self.requested_compute, self.weight_scale.device)
+        self.rowwise = scaled_mm_rowwise_supported(self.weight_scale.device)
         return out
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
