@@ -148,6 +148,13 @@ class JobConfig(Strict):
     def _cross_checks(self):
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
+        quantized = "nf4" if self.model.quantize == "nf4" else self.model.base_precision
+        if self.train.blocks_to_swap and quantized in ("nf4", "int8"):
+            # bitsandbytes places nf4/int8 weights on the GPU itself while loading, with state tied to that
+            # placement; streaming them is untested territory, so say so instead of failing mid-run.
+            raise ValueError(f"train.blocks_to_swap: block swapping streams bf16 or fp8 base weights, not "
+                             f"bitsandbytes {quantized}; use model.base_precision: fp8 with it, or set "
+                             f"train.blocks_to_swap: 0")
         _family_keys_check(self)
         return self
 
