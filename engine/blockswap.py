@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from engine.config import JobInvalid
+
 
 @dataclass
 class SwapStats:
@@ -85,7 +87,8 @@ class BlockSwapper:
             torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        host = t.detach().to("cpu", copy=True)
+        # place_model() left swapped weights on the host already: pin them (one copy), or on CPU use them as they are.
+        host = t.detach() if t.device.type == "cpu" else t.detach().to("cpu", copy=True)
         return host.pin_memory() if self.cuda else host
 
     # -- residency
@@ -201,3 +204,42 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     # keep lists holding at least a tenth of the largest one's parameters (drops small helper lists)
     chosen = [m for m in top if sum(p.numel() for p in m.parameters()) * 10 >= biggest]
     return [b for m in chosen for b in m]
+
+
+def swapped_blocks(model: nn.Module, blocks_to_swap: int) -> list[nn.Module]:
+    """The blocks `train.blocks_to_swap: N` streams: the last N of find_blocks (all of them if N is larger)."""
+    if not blocks_to_swap:
+        return []
+    blocks = find_blocks(model)
+    if not blocks:
+        raise JobInvalid("train.blocks_to_swap: this model has no repeated transformer blocks to swap")
+    return blocks[len(blocks) - min(blocks_to_swap, len(blocks)):]
+
+
+def host_weights(model: nn.Module, blocks_to_swap: int) -> set[int]:
+    """ids of the frozen parameters block swapping streams (what must never be moved to the GPU whole)."""
+    return {id(p) for b in swapped_blocks(model, blocks_to_swap) for p in b.parameters() if not p.requires_grad}
+
+
+def place_model(model: nn.Module, device: torch.device, blocks_to_swap: int = 0,
+                host: torch.device = torch.device("cpu")) -> int:
+    """`model.to(device)`, except the frozen weights of the blocks that will be swapped: those go to `host`.
+
+    Loading the whole model onto the GPU and then moving the swapped blocks out (what BlockSwapper alone
+    would do) needs the whole base on the GPU once: a 24 GB bf16 Flux could never load on a 24 GB card,
+    whatever N. Placed this way the load peak is the resident part only. LoRA weights, buffers (FP8
+    scales included) and everything outside the swapped blocks go to `device`. `host` is the CPU; tests
+    pass another device to tell the two apart. Returns the bytes left on the host.
+    """
+    keep = host_weights(model, blocks_to_swap)
+    if not keep:
+        model.to(device)
+        return 0
+    device, host = torch.device(device), torch.device(host)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(host if id(t) in keep else device)
+
+    for mod in model.modules():
+        mod._apply(move, recurse=False)  # per module, so FP8Linear's _apply re-resolves its compute path
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) in keep)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from engine.blockswap import swapped_blocks
 from engine.fp8 import FP8Linear, fp8_tensor_cores, scaled_mm_rowwise_supported
 
 # Never converted: the token embedding / output head (precision-sensitive, and not matmuls LoRA
@@ -85,13 +86,16 @@ def quantization_config(precision: str, compute_dtype: torch.dtype, library: str
 def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str | None = None,
                            compute: str = "auto", compute_dtype: torch.dtype | None = None,
                            transposed_copy: bool = False, report: PrecisionReport | None = None,
-                           device: torch.device | None = None) -> PrecisionReport:
+                           device: torch.device | None = None, keep_on_host: set[int] = frozenset(),
+                           host: torch.device = torch.device("cpu")) -> PrecisionReport:
     """Replace every frozen nn.Linear (except `skip`; only those matching `only`, if given) by an FP8Linear, in place.
 
     Runs before peft wraps the model: peft then wraps our layers like any Linear.
     Layers are converted one at a time, so the extra memory is one layer's copy. With `device`, each layer
     is moved there just before it is quantised: a model loaded on the host streams onto the GPU as FP8,
     so a 12B transformer whose bf16 weights (24 GB) would not fit on a 24 GB card never has them there.
+    A linear whose weight is in `keep_on_host` (ids; the blocks block swapping will stream) is quantised on
+    the device too, and its FP8 weight goes straight back to `host`: only one layer is ever on the GPU.
     """
     report = report or PrecisionReport("fp8", "")
     skip_re = re.compile(skip) if skip else None
@@ -108,10 +112,13 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, child)
+        swapped = id(linear.weight) in keep_on_host
         if device is not None:
             linear = linear.to(device)
         layer = FP8Linear.from_linear(linear, compute_dtype=compute_dtype, compute=compute,
                                       transposed_copy=transposed_copy)
+        if swapped:
+            park_weights(layer, host)
         setattr(parent, child, layer)
         report.converted += 1
         if layer.compute == "dequant" and compute != "dequant" and report.compute != "dequant":
@@ -121,13 +128,20 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
     return report
 
 
+def park_weights(layer: FP8Linear, host: torch.device) -> None:
+    """Move the layer's weight (and bias) to `host`; its scale buffer stays where the layer computes."""
+    params = {id(p) for p in layer.parameters()}
+    layer._apply(lambda t: t.to(host) if id(t) in params else t, recurse=False)
+
+
 def apply_base_precision(model: nn.Module, choice: str, device: torch.device, log=None,
                          compute_dtype: torch.dtype = torch.bfloat16, skip: str = DEFAULT_SKIP,
-                         fp8_compute: str | None = None) -> PrecisionReport:
+                         fp8_compute: str | None = None, blocks_to_swap: int = 0) -> PrecisionReport:
     """Apply `model.base_precision` to a loaded (not yet peft-wrapped) model for `device`; log the choice.
 
-    The model may still be on the host: FP8 layers are created on `device` one by one, and the caller
-    moves the rest of the model there afterwards.
+    The model may still be on the host: FP8 layers are created on `device` one by one (those of the last
+    `blocks_to_swap` blocks return to the host at once), and the caller then places the rest of the model
+    with engine.blockswap.place_model.
 
     For fp8 this converts the frozen linears in place; for bf16, nf4 and int8 the
     work was done at load time and this only records it. `fp8_compute` (default:
@@ -139,7 +153,7 @@ def apply_base_precision(model: nn.Module, choice: str, device: torch.device, lo
     report = PrecisionReport(precision, reason)
     if precision == "fp8":
         convert_linears_to_fp8(model, skip=skip, compute=fp8_compute, compute_dtype=compute_dtype, report=report,
-                               device=device)
+                               device=device, keep_on_host=swapped_linear_weights(model, blocks_to_swap))
         if report.compute == "n/a":
             report.rowwise = scaled_mm_rowwise_supported(device)
         if fp8_compute != "auto":
@@ -147,6 +161,11 @@ def apply_base_precision(model: nn.Module, choice: str, device: torch.device, lo
     if log is not None:
         log.info("base_precision", **report.event())
     return report
+
+
+def swapped_linear_weights(model: nn.Module, blocks_to_swap: int) -> set[int]:
+    """ids of the linear weights inside the blocks block swapping will stream (not yet frozen at load time)."""
+    return {id(m.weight) for b in swapped_blocks(model, blocks_to_swap) for m in b.modules() if type(m) is nn.Linear}
 
 
 def fp8_layers(model: nn.Module) -> list[FP8Linear]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from engine.blockswap import BlockSwapper, find_blocks
+from engine.blockswap import BlockSwapper, find_blocks, swapped_blocks
 
 
 def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> int:
@@ -30,9 +30,7 @@ def apply_train_speedups(model: nn.Module, train, device: torch.device, log=None
     blocks = find_blocks(model) if (train.blocks_to_swap or train.compile) else []
     swapper = None
     if train.blocks_to_swap:
-        if not blocks:
-            raise ValueError("train.blocks_to_swap: this model has no repeated transformer blocks to swap")
-        n = min(train.blocks_to_swap, len(blocks))
+        n = len(swapped_blocks(model, train.blocks_to_swap))
         swapper = BlockSwapper(blocks, n, device)
         if log is not None:
             log.info("block_swap", blocks=len(blocks), swapped=n,

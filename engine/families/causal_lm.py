@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.blockswap import place_model
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.data.text import TokenDataset, read_documents
 from engine.precision import apply_base_precision, quantization_config
@@ -63,9 +64,8 @@ class CausalLM:
         model.config.use_cache = False
         # fp8: swap the frozen linears for FP8 layers before peft wraps them, quantising each on the device
         # as it moves there (the bf16 base never sits on the GPU whole); logs the choice either way.
-        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype])
-        if quantize is None:
-            model.to(device)
+        swap = cfg.train.blocks_to_swap
+        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype], blocks_to_swap=swap)
         if quantize is not None:
             from peft import prepare_model_for_kbit_training
 
@@ -86,6 +86,10 @@ class CausalLM:
             model = get_peft_model(model, lcfg, autocast_adapter_dtype=quantize is not None)
         except ValueError as e:
             raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+        if quantize is None:
+            # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
+            # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
+            place_model(model, device, swap)
         return model
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> TokenDataset:

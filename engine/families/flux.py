@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from engine.blockswap import place_model
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
@@ -202,13 +203,16 @@ class Flux:
             transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
         # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py), each quantised
         # on the device as it moves there, so the 24 GB bf16 transformer is never on the GPU whole.
+        swap = cfg.train.blocks_to_swap
         apply_base_precision(transformer, cfg.model.base_precision, device, log,
-                             compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP)
-        if qconf is None:
-            transformer.to(device)
+                             compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP, blocks_to_swap=swap)
         if cfg.train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         apply_lora(transformer, cfg)
+        if qconf is None:
+            # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
+            # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
+            place_model(transformer, device, swap)
         n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         log.info("lora", trainable_params=n, modules=sum(1 for m in transformer.modules() if hasattr(m, "lora_A")))
         return transformer
