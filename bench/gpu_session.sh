@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Run on a bare GPU box (the device tool's machines) after bench/gpu_wheels.sh filled .whl/ here:
+#
+#   run(command="bash bench/gpu_session.sh STAGE", carry=[".whl"], timeout_s=600)
+#
+# Each stage fits in one 10-minute call and writes its log and tables to $OUT (or bench/out/ without one):
+#   tests      the GPU-marked tests (pytest -m gpu)
+#   flux-a     FLUX.1-dev r16: baseline, bf16-8bit, fp8-8bit, fp8-8bit-dequant, fp8-8bit-wT
+#   flux-b     FLUX.1-dev r16: baseline, fp8-8bit, fp8-8bit-swap, fp8-8bit-ckpt, fp8-8bit-compile
+#   flux-r128  FLUX.1-dev r128: baseline, bf16-8bit, fp8-8bit, fp8-8bit-swap
+#   llama      Llama-3-8B shape r16: baseline, bf16-8bit, fp8-8bit, fp8-8bit-ckpt, fp8-8bit-compile, bf16-8bit-eager
+#   loss-bf16  FLUX.1-dev r16, 200 steps: bf16-8bit (the loss@200 reference)
+#   loss-fp8   FLUX.1-dev r16, 200 steps: fp8-8bit
+# Every speed ratio is within one stage (each stage has its own baseline row); the two loss stages
+# compare losses only, on the same data and seed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+PY=${PY:-python3}
+stage=${1:?usage: gpu_session.sh tests|flux-a|flux-b|flux-r128|llama|loss-bf16|loss-fp8}
+{
+  echo "# stage $stage on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+  $PY -c 'import torch, transformers, peft, diffusers, bitsandbytes as b; print("torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__, "peft", peft.__version__, "diffusers", diffusers.__version__, "bitsandbytes", b.__version__)'
+} 2>&1 | tee "$OUT/$stage.log"
+
+speed() {  # speed NAME ARGS... : one engine_speed run, table to $OUT/NAME.md
+  local name=$1; shift
+  timeout 560 $PY bench/engine_speed.py "$@" --out "$OUT/$name.md" 2>&1 | tee -a "$OUT/$stage.log"
+}
+
+case $stage in
+  tests)
+    timeout 560 $PY -m pytest -q -m gpu --timeout=300 tests -p no:cacheprovider 2>&1 | tee -a "$OUT/$stage.log" ;;
+  flux-a) speed flux-r16-a --shape flux-dev --rank 16 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-dequant,fp8-8bit-wT ;;
+  flux-b) speed flux-r16-b --shape flux-dev --rank 16 --configs baseline,fp8-8bit,fp8-8bit-swap,fp8-8bit-ckpt,fp8-8bit-compile ;;
+  flux-r128) speed flux-r128 --shape flux-dev --rank 128 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-swap ;;
+  llama) speed llama3-8b --shape llama3-8b --rank 16 \
+           --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-ckpt,fp8-8bit-compile,bf16-8bit-eager ;;
+  loss-bf16) speed flux-loss200-bf16 --shape flux-dev --rank 16 --configs bf16-8bit --warmup 3 --steps 10 --loss-steps 200 ;;
+  loss-fp8) speed flux-loss200-fp8 --shape flux-dev --rank 16 --configs fp8-8bit --warmup 3 --steps 10 --loss-steps 200 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
