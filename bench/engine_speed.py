@@ -383,7 +383,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         row.weights_gib = torch.cuda.memory_allocated(device) / GiB
         torch.cuda.reset_peak_memory_stats(device)
 
-    prefetcher = Prefetcher(lambda i: host[i % len(host)], device, step_size=1)
+    prefetcher = Prefetcher(lambda i: host[i % len(host)], device)
     total_steps = max(args.warmup + args.steps, args.loss_steps)
     times: list[float] = []
     model.train()
@@ -394,6 +394,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         batch = prefetcher.get(step)
         loss = loss_fn(model, shape, batch, dtype, ids)
         loss.backward()
+        prefetcher.prefetch(step + 1)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

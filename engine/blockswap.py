@@ -15,15 +15,26 @@ blocks need no copy at the start of the next step.
 
 Only frozen parameters move (the base weights, FP8 or bf16); LoRA parameters,
 their gradients and optimizer state stay on the GPU. Parameters move by
-swapping `param.data`, which keeps the same Parameter object: tensors that
-autograd saved for backward are those Parameters, so by the time a block's
-backward runs its weights are back on the GPU (our FP8 layer reads its
-weight from the module at backward time for the same reason).
+swapping `param.data`, which keeps the same Parameter object. Autograd must
+not keep the device copy alive behind our back: a plain `nn.Linear` saves
+`weight.t()` — a view of the device copy that eviction cannot reach — so an
+evicted block would hold its GPU memory until backward and the forward would
+save nothing. The frozen linears of swapped blocks therefore run through
+`_FrozenLinear`, which saves nothing and reads the weight from the module at
+backward time, when the swapper has loaded it again (our FP8 layer does the
+same by design).
 
-Backward is detected with a gradient hook on each block's output. Under
-activation checkpointing, a block's forward runs again during backward; the
-forward hook sees it (torch reports a current graph task) and only makes
-sure the block is resident.
+Each block's frozen weights live in one pinned host buffer and are copied in
+one transfer into one device buffer (views carve out the parameters): per-
+parameter pinned allocations would be rounded up to powers of two by torch's
+host allocator, up to 1.5-2x the weights' size in host RAM.
+
+Backward is detected with gradient hooks on every output of a block that
+needs a gradient (whichever arrives first acts; Flux's last single block
+never receives a gradient for its context output). Under activation
+checkpointing, a block's forward runs again during backward; the forward hook
+sees it (torch reports a current graph task) and only makes sure the block is
+resident.
 
 On the CPU the "device" copy is a fresh CPU tensor: every step of the logic
 (which block is resident, when copies start and end) runs and is tested, and
@@ -69,27 +80,37 @@ class BlockSwapper:
         self.swapped = list(range(first, len(blocks)))
         self.stats = SwapStats(keep_trace=keep_trace)
         self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
-        # Per swapped block: its frozen params, their host copies, and (when resident) a ready event.
+        # Per swapped block: its frozen params, one flat host buffer with a view per param, and (when
+        # resident) a ready event.
         self._params: dict[int, list[nn.Parameter]] = {}
+        self._flat: dict[int, torch.Tensor] = {}
         self._host: dict[int, list[torch.Tensor]] = {}
         self._resident: dict[int, object] = {}
         self._hooks = []
+        self._frozen_linears: list[nn.Linear] = []
         for i in self.swapped:
             params = [p for p in blocks[i].parameters() if not p.requires_grad]
             self._params[i] = params
-            self._host[i] = [self._to_host(p.data) for p in params]
+            self._flat[i] = self._pack_host(params)
+            self._host[i] = _views(self._flat[i], params)
             for p, h in zip(params, self._host[i], strict=True):
                 p.data = h
+            for m in blocks[i].modules():
+                if type(m) is nn.Linear and not m.weight.requires_grad:
+                    m.forward = _FrozenLinear.forward_of(m)
+                    self._frozen_linears.append(m)
         for i, block in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(i)))
             self._hooks.append(block.register_forward_hook(self._make_post_hook(i)))
         if self.cuda:
             torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
 
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
-        # place_model() left swapped weights on the host already: pin them (one copy), or on CPU use them as they are.
-        host = t.detach() if t.device.type == "cpu" else t.detach().to("cpu", copy=True)
-        return host.pin_memory() if self.cuda else host
+    def _pack_host(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """One (pinned, on CUDA) byte buffer holding every param's bytes at ALIGN-aligned offsets."""
+        flat = torch.empty(_layout(params)[-1], dtype=torch.uint8, pin_memory=self.cuda)
+        for p, v in zip(params, _views(flat, params), strict=True):
+            v.copy_(p.data)  # from the host (place_model left it there) or from the GPU
+        return flat
 
     # -- residency
     def _load(self, i: int) -> None:
@@ -100,15 +121,15 @@ class BlockSwapper:
         self.stats.note("load", i)
         if self.cuda:
             with torch.cuda.stream(self._stream):
-                for p, h in zip(self._params[i], self._host[i], strict=True):
-                    p.data = h.to(self.device, non_blocking=True)
+                dev = self._flat[i].to(self.device, non_blocking=True)  # one DMA for the whole block
                 ev = torch.cuda.Event()
                 ev.record(self._stream)
-            self._resident[i] = ev
+            self._resident[i] = (ev, dev)
         else:
-            for p, h in zip(self._params[i], self._host[i], strict=True):
-                p.data = h.clone()
-            self._resident[i] = None
+            dev = self._flat[i].clone()
+            self._resident[i] = (None, dev)
+        for p, v in zip(self._params[i], _views(dev, self._params[i]), strict=True):
+            p.data = v
         self.stats.max_resident = max(self.stats.max_resident, len(self._resident))
 
     def _wait(self, i: int) -> None:
@@ -118,13 +139,12 @@ class BlockSwapper:
         if i not in self._resident:
             self._load(i)
         self.stats.note("wait", i)
-        ev = self._resident[i]
+        ev, dev = self._resident[i]
         if self.cuda and ev is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(ev)
-            for p in self._params[i]:
-                p.data.record_stream(current)  # allocated on the side stream, used on the compute stream
-            self._resident[i] = None
+            dev.record_stream(current)  # allocated on the side stream, used on the compute stream
+            self._resident[i] = (None, dev)
 
     def _evict_except(self, keep: set[int]) -> None:
         for i in [j for j in self._resident if j not in keep]:
@@ -149,9 +169,9 @@ class BlockSwapper:
         def post_hook(module, args, output):
             if _in_backward() or not torch.is_grad_enabled():
                 return
-            t = _first_grad_tensor(output)
-            if t is not None:
-                t.register_hook(self._make_grad_hook(i))
+            hook = self._make_grad_hook(i)
+            for t in _grad_tensors(output):
+                t.register_hook(hook)  # idempotent: the first gradient to arrive does the work
         return post_hook
 
     def _make_grad_hook(self, i: int):
@@ -169,22 +189,63 @@ class BlockSwapper:
         """Detach the hooks and bring every swapped block back to the device."""
         for h in self._hooks:
             h.remove()
+        for m in self._frozen_linears:
+            del m.forward  # back to nn.Linear.forward
         for i in self.swapped:
             self._wait(i)
         self._resident.clear()
 
 
-def _first_grad_tensor(output):
+class _FrozenLinear(torch.autograd.Function):
+    """y = x Wᵀ + b for a frozen linear that saves nothing; backward reads W from the module.
+
+    nn.Linear would save a view of the weight's device copy (see the module docstring); this reads the
+    weight again at backward time, after the swapper loaded the block back.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+        ctx.module = module
+        return nn.functional.linear(x, module.weight, module.bias)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        w = ctx.module.weight
+        return dy @ w.to(dy.dtype), None
+
+    @staticmethod
+    def forward_of(module: nn.Linear):
+        return lambda x: _FrozenLinear.apply(x, module)
+
+
+ALIGN = 256  # bytes: every view in a flat buffer starts aligned (FP8 matmuls need 16)
+
+
+def _layout(params: list[nn.Parameter]) -> list[int]:
+    """Byte offsets of each param in a flat buffer, and the total size as the last entry."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    return offsets + [at]
+
+
+def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    out = []
+    for p, off in zip(params, _layout(params), strict=False):
+        n = p.numel() * p.element_size()
+        out.append(flat[off:off + n].view(p.dtype).view(p.shape))
+    return out
+
+
+def _grad_tensors(output) -> list[torch.Tensor]:
     if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    if isinstance(output, (tuple, list)):
-        for o in output:
-            t = _first_grad_tensor(o)
-            if t is not None:
-                return t
+        return [output] if output.requires_grad else []
     if isinstance(output, dict):
-        return _first_grad_tensor(list(output.values()))
-    return None
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for o in output for t in _grad_tensors(o)]
+    return []
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:

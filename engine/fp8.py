@@ -105,7 +105,8 @@ def check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sca
     a's inner dim and both of b's dims multiples of 16; 16-byte aligned
     storage; scales fp32 and either single-element (tensor-wise) or a
     contiguous (M, 1) and (1, N) pair (row-wise); row-wise output bf16 (the
-    only dtype every torch release since 2.4 accepts); a bias bf16/fp16 and
+    only dtype every torch release since 2.4 accepts) and second operand e4m3
+    (CUTLASS's row-wise kernel); a bias of the output's dtype (bf16/fp16),
     never with an fp32 output.
     """
     def no(msg: str) -> None:
@@ -149,11 +150,14 @@ def check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sca
         no(f"_scaled_mm output dtype must be bf16, fp16 or fp32 here, got {out_dtype}")
     if kind == "rowwise" and out_dtype != torch.bfloat16:
         no(f"row-wise _scaled_mm needs a bf16 output, got {out_dtype}")
+    if kind == "rowwise" and b.dtype != torch.float8_e4m3fn:
+        no(f"row-wise _scaled_mm needs the second operand float8_e4m3fn, got {b.dtype}")
     if bias is not None:
         if out_dtype == torch.float32:
             no("_scaled_mm cannot add a bias with a float32 output")
-        if bias.dtype not in (torch.bfloat16, torch.float16) or bias.numel() != n:
-            no(f"_scaled_mm bias must be bf16/fp16 of size {n}, got {bias.dtype} of size {bias.numel()}")
+        if bias.dtype != out_dtype or bias.numel() != n:
+            no(f"_scaled_mm bias must be {out_dtype} (the output dtype) of size {n}, "
+               f"got {bias.dtype} of size {bias.numel()}")
     devs = {t.device for t in (a, b, scale_a, scale_b)}
     if len(devs) != 1:
         no(f"_scaled_mm operands and scales must be on one device, got {sorted(map(str, devs))}")

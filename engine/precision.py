@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from engine.blockswap import swapped_blocks
-from engine.fp8 import FP8Linear, fp8_tensor_cores, scaled_mm_rowwise_supported
+from engine.fp8 import FP8Linear, fp8_tensor_cores, scaled_mm_rowwise_supported, shape_fits
 
 # Never converted: the token embedding / output head (precision-sensitive, and not matmuls LoRA
 # targets in our recipes), and for diffusion transformers the input/output projections and the
@@ -121,7 +121,9 @@ def convert_linears_to_fp8(model: nn.Module, skip: str = DEFAULT_SKIP, only: str
             park_weights(layer, host)
         setattr(parent, child, layer)
         report.converted += 1
-        if layer.compute == "dequant" and compute != "dequant" and report.compute != "dequant":
+        # A shape fallback: FP8 tensor cores would run here (forced, or auto on an sm_89+ device) but the dims don't fit.
+        if not shape_fits(layer.in_features, layer.out_features) and (
+                compute == "scaled_mm" or (compute == "auto" and fp8_tensor_cores(layer.weight_scale.device))):
             report.fallback_layers.append(name)
         report.compute = layer.compute if report.compute in ("n/a", layer.compute) else "mixed"
         report.rowwise = layer.rowwise

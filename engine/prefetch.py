@@ -1,9 +1,12 @@
 """Double-buffered host→device batch prefetch.
 
-While step k computes on the default CUDA stream, batch k+1 is collated on
-the host, pinned, and copied to the GPU on a side stream; step k+1 then only
-waits on an event that has usually fired long before. Two batches are alive
-on the GPU at most (the one in use and the one in flight).
+The loop asks for batch k (`get`), queues step k's forward and backward on
+the GPU, and only then calls `prefetch(k+1)`: batch k+1 is collated on the
+host, pinned, and copied to the GPU on a side stream while the GPU is still
+busy with step k's kernels (the host waits for the GPU only afterwards, when
+it reads the loss). Step k+1 then only waits on an event that has usually
+fired long before. Two batches are alive on the GPU at most (the one in use
+and the one in flight).
 
 Batches are addressed by their sample cursor (`consumed`), the same number
 the recipe checkpoints, so prefetching never changes which samples a step
@@ -26,19 +29,18 @@ Batch = dict[str, Any]
 
 
 class Prefetcher:
-    def __init__(self, make_batch: Callable[[int], Batch], device: torch.device, step_size: int):
-        """make_batch(cursor) builds the host batch that starts at sample `cursor`; step_size is the cursor stride."""
+    def __init__(self, make_batch: Callable[[int], Batch], device: torch.device):
+        """make_batch(cursor) builds the host batch that starts at sample `cursor`."""
         self.make_batch = make_batch
         self.device = torch.device(device)
-        self.step_size = step_size
         self.enabled = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self.enabled else None
         self._pending: tuple[int, Batch, Any] | None = None  # (cursor, device batch, ready event)
         self.hits = 0
         self.misses = 0
 
-    def get(self, cursor: int, prefetch_next: bool = True) -> Batch:
-        """The device batch for `cursor`; starts copying the batch at cursor + step_size before returning."""
+    def get(self, cursor: int) -> Batch:
+        """The device batch for `cursor`: the prefetched one if `prefetch(cursor)` ran, else built now."""
         if not self.enabled:
             return self.make_batch(cursor)
         if self._pending is not None and self._pending[0] == cursor:
@@ -54,10 +56,12 @@ class Prefetcher:
             if isinstance(v, torch.Tensor):
                 # The tensor was allocated on the side stream; tell the allocator the compute stream uses it too.
                 v.record_stream(current)
-        if prefetch_next:
-            nxt = cursor + self.step_size
-            self._pending = (nxt, *self._copy(nxt))
         return batch
+
+    def prefetch(self, cursor: int) -> None:
+        """Start building and copying the batch at `cursor`; call it once this step's GPU work is queued."""
+        if self.enabled and (self._pending is None or self._pending[0] != cursor):
+            self._pending = (cursor, *self._copy(cursor))
 
     def _copy(self, cursor: int) -> tuple[Batch, Any]:
         host = self.make_batch(cursor)

@@ -196,8 +196,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     model.train()
     # A dataset may own its order (Flux: one aspect-ratio bucket per batch); both are pure in (seed, position).
     pick = getattr(dataset, "indices_at", None) or (lambda seed, start, count: sample_indices(seed, n, start, count))
-    # On a GPU the batch at the next cursor is copied on a side stream while this step computes; on CPU a passthrough.
-    prefetcher = Prefetcher(lambda cursor: dataset.collate(pick(cfg.train.seed, cursor, micro)), device, micro)
+    # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels run;
+    # on the CPU a passthrough.
+    prefetcher = Prefetcher(lambda cursor: dataset.collate(pick(cfg.train.seed, cursor, micro)), device)
 
     def state_now() -> dict[str, Any]:
         c = Cursor(consumed, n)
@@ -226,6 +227,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 consumed += micro
                 loss = family.loss(model, batch, generator) / cfg.train.grad_accum
                 loss.backward()
+                prefetcher.prefetch(consumed)  # the next batch is collated and copied while the GPU works
                 loss_sum += float(loss.detach())
             if cfg.train.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.train.max_grad_norm)

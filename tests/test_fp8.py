@@ -122,13 +122,23 @@ def test_no_gradient_ever_reaches_the_frozen_base(lin, compute):
     assert all(not p.requires_grad for p in layer.parameters())
 
 
-def test_the_backward_keeps_no_activation_alive(lin):
-    # The input gradient needs only W: the autograd node must not hold the (large) activation.
-    layer = FP8Linear.from_linear(lin, compute="scaled_mm")
-    x = torch.randn(64, 256, requires_grad=True)
-    y = layer(x)
-    saved = [t for t in getattr(y.grad_fn, "saved_tensors", ())]
+@pytest.mark.parametrize("compute", ["scaled_mm", "dequant"])
+def test_the_backward_keeps_no_activation_alive(lin, compute):
+    # The input gradient needs only W: autograd must save nothing at all for the layer — not the (large)
+    # activation, not its FP8 copy, not the weight (block swapping moves it between forward and backward).
+    layer = FP8Linear.from_linear(lin, compute=compute)
+    x = torch.randn(4, 16, 256, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
     assert saved == []
+    y.sum().backward()
+    assert x.grad is not None
 
 
 def test_shapes_that_do_not_fit_fall_back_per_layer():
@@ -244,6 +254,8 @@ def test_validator_accepts_the_layouts_cuda_runs():
     ("both_e5m2", "two float8_e5m2"),
     ("bf16_operand", "must be float8"),
     ("bias_with_fp32_out", "bias"),
+    ("bias_not_output_dtype", "output dtype"),
+    ("rowwise_e5m2_second", "second operand float8_e4m3fn"),
     ("inner_mismatch", "cannot be multiplied"),
     ("unaligned_storage", "aligned"),
 ])
@@ -277,6 +289,10 @@ def test_validator_rejects_what_cuda_rejects(case, match):
     elif case == "bias_with_fp32_out":
         sa = sb = torch.ones((), dtype=torch.float32)
         out, bias = torch.float32, torch.zeros(48, dtype=torch.bfloat16)
+    elif case == "bias_not_output_dtype":
+        bias = torch.zeros(48, dtype=torch.float16)  # with the bf16 output
+    elif case == "rowwise_e5m2_second":
+        b = b.to(torch.float8_e5m2)
     elif case == "inner_mismatch":
         b = torch.zeros(48, 80, dtype=E4M3).t()
     elif case == "unaligned_storage":

@@ -102,6 +102,16 @@ def test_layers_whose_shapes_do_not_fit_are_reported_and_fall_back():
     rep = convert_linears_to_fp8(model, compute="scaled_mm")
     assert rep.converted == 3 and rep.fallback_layers == ["1", "2"]
     assert [m.compute for m in model] == ["scaled_mm", "dequant", "dequant"]
+    # misfits at the start count too, and fitting layers never do
+    model = nn.Sequential(nn.Linear(40, 32), nn.Linear(48, 40), nn.Linear(64, 48))
+    assert convert_linears_to_fp8(model, compute="scaled_mm").fallback_layers == ["0", "1"]
+
+
+def test_on_a_device_without_fp8_tensor_cores_nothing_is_a_shape_fallback():
+    # auto on the CPU: every layer dequantises anyway, so none is reported as falling back for its shape
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 40))
+    rep = convert_linears_to_fp8(model, compute="auto")
+    assert rep.compute == "dequant" and rep.fallback_layers == []
 
 
 @pytest.mark.parametrize("library", ["transformers", "diffusers"])

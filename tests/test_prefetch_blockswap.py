@@ -25,10 +25,11 @@ def test_prefetcher_on_cpu_is_a_lazy_passthrough():
         asked.append(cursor)
         return {"input_ids": torch.full((2, 4), cursor), "n": cursor}
 
-    pf = Prefetcher(make, torch.device("cpu"), step_size=2)
+    pf = Prefetcher(make, torch.device("cpu"))
     assert not pf.enabled
     for c in (0, 2, 4, 10):  # a jump (resume) is served like any other cursor
         b = pf.get(c)
+        pf.prefetch(c + 2)
         assert b["n"] == c and torch.equal(b["input_ids"], torch.full((2, 4), c))
     assert asked == [0, 2, 4, 10]  # built exactly when asked, never ahead: CPU runs are unchanged by it
 
@@ -36,11 +37,19 @@ def test_prefetcher_on_cpu_is_a_lazy_passthrough():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_prefetcher_on_gpu_serves_the_next_batch_from_the_side_stream():
-    pf = Prefetcher(lambda c: {"x": torch.full((1024, 1024), float(c))}, torch.device("cuda"), step_size=1)
+    asked = []
+
+    def make(c):
+        asked.append(c)
+        return {"x": torch.full((1024, 1024), float(c))}
+
+    pf = Prefetcher(make, torch.device("cuda"))
     for c in range(5):
         b = pf.get(c)
+        pf.prefetch(c + 1)  # after this step's work is queued
+        pf.prefetch(c + 1)  # asking twice builds once
         assert b["x"].is_cuda and b["x"][0, 0].item() == c
-    assert pf.misses == 1 and pf.hits == 4
+    assert pf.misses == 1 and pf.hits == 4 and asked == [0, 1, 2, 3, 4, 5]
     b = pf.get(42)  # not what was prefetched: built synchronously, still right
     assert b["x"][0, 0].item() == 42 and pf.misses == 2
 
@@ -119,6 +128,66 @@ def test_two_swapped_blocks_at_most_are_resident_and_the_next_one_loads_while_th
     loads_back = [i for what, i in back if what == "load"]
     assert loads_back == [4, 3, 2]
     assert swapper.stats.max_resident == 2
+
+
+class TwoOutputs(nn.Module):
+    """Like Flux's blocks: (context, hidden) in and out. The last block's context output is never used."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.base.requires_grad_(False)
+        self.lora = nn.Linear(width, width, bias=False)
+
+    def forward(self, ctx, x):
+        return ctx + self.base(ctx), x + torch.tanh(self.base(x)) + self.lora(x)
+
+
+def test_backward_prefetches_from_the_last_block_even_when_its_first_output_is_unused():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(TwoOutputs() for _ in range(6))
+    swapper = BlockSwapper(list(blocks), 4, torch.device("cpu"), keep_trace=True)
+    ctx, x = torch.randn(2, 32, requires_grad=True), torch.randn(2, 32)  # both outputs need gradients
+    for b in blocks:
+        ctx, x = b(ctx, x)
+    swapper.stats.trace.clear()
+    x.sum().backward()
+    # the last block's gradient arrives through its second output: block 4 starts copying right away,
+    # instead of being loaded on demand when its own gradient arrives
+    assert swapper.stats.trace[:2] == [("wait", 5), ("load", 4)]
+
+
+def saved_views_of(params: list[nn.Parameter]):
+    """A saved-tensor hook that records every tensor autograd saves which aliases one of `params` without being it.
+
+    Such a tensor (e.g. the `weight.t()` that a plain linear saves for its input gradient) keeps the
+    device copy of a swapped block alive after eviction: the swap would free no memory until backward.
+    """
+    found: list[tuple[int, ...]] = []
+
+    def pack(t):
+        for p in params:
+            if t is not p and t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+                found.append(tuple(t.shape))
+        return t
+
+    return found, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_autograd_never_holds_a_swapped_weight_so_eviction_really_frees_it(fp8):
+    from engine.precision import convert_linears_to_fp8
+
+    model = make_stack(n=6)
+    if fp8:
+        convert_linears_to_fp8(model, skip="", only=r"\.base$", compute="scaled_mm")
+    swapper = BlockSwapper(list(model.blocks), 4, torch.device("cpu"))
+    found, hooks = saved_views_of([p for i in swapper.swapped for p in swapper._params[i]])
+    with hooks:
+        loss = model(torch.randn(8, 32))
+    assert found == []
+    loss.backward()  # and the gradients still flow: the input gradient reads the weight at backward time
+    assert all(b.lora.weight.grad is not None for b in model.blocks)
 
 
 def test_swapped_weights_live_on_the_host_between_uses_and_lora_never_moves():
@@ -213,6 +282,22 @@ def test_on_gpu_swapped_blocks_free_their_memory_and_the_numbers_match():
     losses, _ = run_steps(model)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert swapper.stats.max_resident <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_evicted_blocks_give_their_memory_back_during_the_forward():
+    dev = torch.device("cuda")
+    model = make_stack(n=8, width=1024).to(dev)
+    BlockSwapper(list(model.blocks), 6, dev)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = model(torch.randn(8, 1024, device=dev))
+    torch.cuda.synchronize()
+    block = (1024 * 1024 + 1024) * 4
+    # two swapped blocks at most (plus small activations), not all six the forward passed through
+    assert torch.cuda.memory_allocated() - before < 3 * block
+    loss.backward()
 
 
 def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(micro_model, tmp_path):
