@@ -310,6 +310,8 @@ def _check_paths(cfg: JobConfig) -> None:
     if cfg.model.family == "causal_lm":
         from engine.data.text import check_text_source
 
+        if Path(mp).is_absolute() and not (Path(mp) / "config.json").is_file():
+            raise JobInvalid(f"model.path: {mp} holds no transformers model (no config.json)")
         check_text_source(dp, cfg.data.text_field)
     elif cfg.model.family == "flux":
         from engine.data.images import check_image_folder

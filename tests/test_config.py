@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,15 +13,6 @@ from engine.config import JobInvalid, dump_job, load_job, parse_job
 from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job_dict
 
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
-
-
-@pytest.fixture
-def keep_signal_handlers():
-    """engine.run.main installs SIGTERM/SIGINT/SIGUSR1 handlers; give pytest its own back."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    yield
-    for s, h in saved.items():
-        signal.signal(s, h)
 
 
 def _set(d: dict, dotted: str, value) -> dict:
@@ -51,6 +41,8 @@ BAD_KEYS = [
     ("missing section", "-data", None, ["data", "required key is missing"]),
     ("missing model path", "model.path", "/nonexistent/model-dir", ["model.path", "/nonexistent/model-dir", "does not exist"]),
     ("unknown builtin", "model.path", "builtin:nope", ["model.path", "nope", "tiny-llama"]),
+    # a directory with no model in it (this test folder): named at once, never retried as a crash
+    ("not a model directory", "model.path", str(Path(__file__).parent), ["model.path", "no config.json"]),
     ("missing data path", "data.path", "/nonexistent/data.jsonl", ["data.path", "does not exist"]),
     ("bad regex", "lora.targets", "([", ["lora.targets", "regular expression"]),
     ("empty targets", "lora.targets", [], ["lora.targets", "at least one"]),
