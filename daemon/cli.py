@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon.lock import AlreadyRunning, TrainerLock
 from daemon.paths import default_home, job_dir
 
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
@@ -49,11 +50,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg, workdir = job
     fs = RealFs()
     ensure_dir_durable(fs, workdir)
-    write_file_durable(fs, workdir / "job.yaml", dump_job(cfg).encode())
-    stop = StopFlag()
-    stop.install()
-    print(f"lorad: job {cfg.name} in {workdir}", file=sys.stderr)
-    return train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
+    # The daemon's trainers hold the same lock: one trainer per job, whoever started it.
+    lock = TrainerLock(workdir, cfg.name)
+    try:
+        lock.acquire()
+    except AlreadyRunning as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return 1
+    try:
+        write_file_durable(fs, workdir / "job.yaml", dump_job(cfg).encode())
+        stop = StopFlag()
+        stop.install()
+        print(f"lorad: job {cfg.name} in {workdir}", file=sys.stderr)
+        return train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
+    finally:
+        lock.release()
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

@@ -1,7 +1,12 @@
-"""One daemon per home: an exclusive flock on HOME/lorad.lock, held for the daemon's life.
+"""Exclusive flocks that name their holder.
+
+    HOME/lorad.lock          one daemon per home, held for the daemon's life
+    jobs/ID/trainer.lock     one trainer per job: held by the daemon's trainer child (passed as an open
+                             file) or by `lorad run` in the foreground
 
 The kernel drops the lock when the process dies, however it dies, so a
-SIGKILL or a power cut never leaves a stale lock behind.
+SIGKILL or a power cut never leaves a stale lock behind. The holder writes
+its pid into the file so that a refusal can say who holds it.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ class AlreadyRunning(Exception):
     pass
 
 
-class HomeLock:
-    def __init__(self, home: Path):
-        self.path = Path(home) / "lorad.lock"
+class PidLock:
+    def __init__(self, path: Path, busy: str):
+        """busy: the refusal, with {pid} where the holder's pid goes."""
+        self.path = Path(path)
+        self.busy = busy
         self.fd: int | None = None
 
     def acquire(self) -> None:
@@ -27,12 +34,28 @@ class HomeLock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise AlreadyRunning(f"another lorad serve is already running on {self.path.parent} (pid {holder})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            raise AlreadyRunning(self.busy.format(pid=holder)) from None
+        write_pid(fd, os.getpid())
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def write_pid(fd: int, pid: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{pid}\n".encode(), 0)
+
+
+class HomeLock(PidLock):
+    def __init__(self, home: Path):
+        super().__init__(Path(home) / "lorad.lock", f"another lorad serve is already running on {home} (pid {{pid}})")
+
+
+class TrainerLock(PidLock):
+    def __init__(self, workdir: Path, name: str):
+        super().__init__(Path(workdir) / "trainer.lock",
+                         f"job {name} is already being trained in {workdir} (pid {{pid}}); "
+                         f"wait for it, or stop it first")

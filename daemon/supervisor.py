@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from daemon import proc, states
+from daemon.lock import write_pid
 from daemon.log import job_event
 from daemon.policy import NullPolicy, Policy, RunningJob
 from daemon.settings import DaemonConfig
@@ -414,6 +415,7 @@ class Supervisor:
                                   not_before=time.time() + self.cfg.backoff_base_s)
             self.log.error("spawn_failed", job=job_id, error=msg)
             return
+        write_pid(lock_fd, popen.pid)  # so that a refused `lorad run` can name the holder
         os.close(lock_fd)  # the child's copy keeps the lock for as long as it lives
         started = proc.start_time(popen.pid)
         self.store.update(job_id, pid=popen.pid, pid_start=started)

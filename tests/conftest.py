@@ -255,3 +255,14 @@ def adapter_bytes(workdir: Path) -> dict[str, bytes]:
 
     tensors = load_file(str(Path(workdir) / "output" / "adapter_model.safetensors"))
     return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """engine.run.main and `lorad run` install SIGTERM/SIGINT/SIGUSR1 handlers; give pytest its own back."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
