@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -283,11 +284,87 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 
 # ================================================================ parser
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line on stderr and exit 2 (argparse's own code), never a traceback."""
+
+    def error(self, message: str):
+        if message.startswith("argument ") and ": " in message:
+            line = message[len("argument "):]  # "priority: must be an integer between -1000 and 1000, got 5000"
+        else:
+            line = f"{message} (see: {self.prog} --help)"
+        raise UsageError(line)
+
+
+class UsageError(Exception):
+    pass
+
+
+def _limits(model: type[p.BaseModel], field: str) -> tuple[Any, Any]:
+    """(lowest, highest) a protocol field accepts: the CLI checks the same bounds the daemon enforces."""
+    lo = hi = None
+    for m in model.model_fields[field].metadata:
+        for attr in ("ge", "min_length"):
+            lo = getattr(m, attr, None) if getattr(m, attr, None) is not None else lo
+        for attr in ("le", "max_length"):
+            hi = getattr(m, attr, None) if getattr(m, attr, None) is not None else hi
+    return lo, hi
+
+
+def _int_in(model: type[p.BaseModel], field: str):
+    lo, hi = _limits(model, field)
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer between {lo} and {hi}, got {text!r}")
+        return v
+
+    return parse
+
+
+def _watts(text: str) -> float:
+    lo, hi = _limits(p.Power, "limit_w")
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and lo <= v <= hi):
+        raise argparse.ArgumentTypeError(f"must be a number of watts between {lo} and {hi}, got {text!r}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return v
+
+
+def _job_ref(text: str) -> str:
+    lo, hi = _limits(p.Logs, "job")
+    if not lo <= len(text) <= hi:
+        raise argparse.ArgumentTypeError(f"a job id or name is {lo} to {hi} characters")
+    return text
+
+
+def _job_file(text: str) -> str:
+    lo, hi = _limits(p.Submit, "name")
+    if not lo <= len(Path(text).name) <= hi:
+        raise argparse.ArgumentTypeError(f"the file name must be {lo} to {hi} characters")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="lorad", description="Resilient LoRA training service.")
+    ap = _Parser(prog="lorad", description="Resilient LoRA training service.")
     sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
     common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
     common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
@@ -318,41 +395,45 @@ def build_parser() -> argparse.ArgumentParser:
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
     p_ = sub.add_parser("submit", parents=[common], help="validate a job file and queue it; prints the job id")
-    p_.add_argument("job", help="job YAML file")
+    p_.add_argument("job", type=_job_file, help="job YAML file")
     p_.set_defaults(fn=cmd_submit)
     p_ = sub.add_parser("status", parents=[common], help="the queue, or one job in detail")
-    p_.add_argument("job", nargs="?", help="job id (or name)")
+    p_.add_argument("job", nargs="?", type=_job_ref, help="job id (or name)")
     p_.set_defaults(fn=cmd_status)
     p_ = sub.add_parser("logs", parents=[common], help="a job's events")
-    p_.add_argument("job")
+    p_.add_argument("job", type=_job_ref)
     p_.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    p_.add_argument("-n", "--lines", type=int, default=50)
+    p_.add_argument("-n", "--lines", type=_int_in(p.Logs, "tail"), default=50, help="how many of the last events")
     p_.set_defaults(fn=cmd_logs)
     for verb, fn, what in (("pause", cmd_pause, "checkpoint and stop a job (or keep a queued one from starting)"),
                            ("resume", cmd_resume, "queue a paused job again"),
                            ("cancel", cmd_cancel, "stop a job for good (its checkpoints stay)")):
         p_ = sub.add_parser(verb, parents=[common], help=what)
-        p_.add_argument("job")
+        p_.add_argument("job", type=_job_ref)
         p_.set_defaults(fn=fn)
     p_ = sub.add_parser("priority", parents=[common], help="set a job's priority (higher runs first)")
-    p_.add_argument("job")
-    p_.add_argument("priority", type=int)
+    p_.add_argument("job", type=_job_ref)
+    p_.add_argument("priority", type=_int_in(p.SetPriority, "priority"), help="-1000 to 1000")
     p_.set_defaults(fn=cmd_priority)
     p_ = sub.add_parser("drain", parents=[common], help="checkpoint and stop running jobs; start no new ones")
     p_.add_argument("--off", action="store_true", help="take jobs again")
     p_.set_defaults(fn=cmd_drain)
     p_ = sub.add_parser("power", parents=[common], help="GPU power telemetry, caps and the tuned limit")
     p_.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
-    p_.add_argument("--interval", type=float, default=1.0)
-    p_.add_argument("--limit", type=float, metavar="W", help="set a manual power limit in watts (needs root)")
-    p_.add_argument("--gpu", type=int, metavar="N", help="the GPU for --limit (default: every GPU)")
+    p_.add_argument("--interval", type=_seconds, default=1.0)
+    p_.add_argument("--limit", type=_watts, metavar="W", help="set a manual power limit in watts (needs root)")
+    p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return 2
     from daemon.client import DaemonDown, RequestFailed
 
     try:

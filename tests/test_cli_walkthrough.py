@@ -1,0 +1,110 @@
+"""The `lorad` command line as a user meets it: clean one-line errors, JSON errors with --json, quiet broken
+pipes, rejected inbox files in `status`, ambiguous names refused, and tidy tables.
+
+The daemon here is the real socket server and handlers over a real store and intake, in this process and
+without a supervisor (nothing trains), so every CLI verb runs end to end in well under a second.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.cli import main as lorad
+from daemon.handlers import Context, dispatch
+from daemon.intake import Intake
+from daemon.server import SocketServer
+from daemon.settings import DaemonConfig
+from daemon.store import Store
+from tests.conftest import QUICKSTART_DATA, REPO
+
+
+def job_yaml(name: str = "short", **over) -> str:
+    d = {"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
+         "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 5}}
+    d.update(over)
+    return yaml.safe_dump(d)
+
+
+class NoLog:
+    def __getattr__(self, level):
+        return lambda event, **kw: None
+
+
+class LiveDaemon:
+    """The socket API of `lorad serve` without its supervisor: requests are answered, no job ever starts."""
+
+    def __init__(self, home: Path, roots: list[str]):
+        self.home = home
+        home.mkdir(parents=True)
+        self.store = Store(home / "state.db")
+        self.intake = Intake(home, DaemonConfig(allowed_roots=["{home}", *roots]), self.store, NoLog())
+        ctx = Context(home=home, store=self.store, intake=self.intake, supervisor=None, started_at=time.time(),
+                      socket_path=home / "lorad.sock")
+        self.server = SocketServer(home / "lorad.sock", lambda req: dispatch(ctx, req), NoLog())
+        self.server.start()
+
+    def submit(self, name: str = "short") -> str:
+        return self.intake.submit_text(f"{name}.yaml", job_yaml(name)).job_id
+
+    def close(self) -> None:
+        self.server.close()
+        self.store.close()
+
+
+@pytest.fixture
+def daemon(tmp_path, monkeypatch):
+    monkeypatch.delenv("LORAD_SOCKET", raising=False)
+    d = LiveDaemon(tmp_path / "home", [str(tmp_path), str(REPO)])
+    yield d
+    d.close()
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """`lorad ARGV` in this process: (exit status, stdout, stderr). Parser errors exit through SystemExit."""
+    try:
+        code = lorad(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ================================================================ 1. arguments are checked before anything is sent
+@pytest.mark.parametrize("argv, words", [
+    (["priority", "short", "5000"], "priority: must be an integer between -1000 and 1000"),
+    (["priority", "short", "-1001"], "priority: must be an integer between -1000 and 1000"),
+    (["priority", "short", "high"], "priority: must be an integer between -1000 and 1000"),
+    (["logs", "-n", "100000", "short"], "-n/--lines: must be an integer between 0 and 10000"),
+    (["logs", "-n", "-1", "short"], "-n/--lines: must be an integer between 0 and 10000"),
+    (["power", "--limit", "5000"], "--limit: must be a number of watts between 1 and 2000"),
+    (["power", "--limit", "nan"], "--limit: must be a number of watts between 1 and 2000"),
+    (["power", "--gpu", "-1", "--limit", "200"], "--gpu: must be an integer between 0 and 63"),
+    (["power", "--watch", "--interval", "0"], "--interval: must be a number of seconds above 0"),
+    (["status", "x" * 201], "job: a job id or name is 1 to 200 characters"),
+    (["cancel", ""], "job: a job id or name is 1 to 200 characters"),
+])
+def test_an_out_of_range_argument_is_one_line_and_exit_2_before_anything_is_sent(capsys, tmp_path, argv, words):
+    # No daemon at all: the argument is refused before the CLI even looks for the socket.
+    code, out, err = run(capsys, *argv, "--home", str(tmp_path))
+    assert code == 2
+    assert err == f"lorad: {words}\n" or (err.startswith(f"lorad: {words}") and err.count("\n") == 1), err
+    assert "Traceback" not in err and "pydantic" not in err and out == ""
+
+
+def test_a_file_name_too_long_for_the_protocol_is_refused_in_one_line(capsys, tmp_path):
+    long = tmp_path / ("j" * 210 + ".yaml")
+    long.write_text(job_yaml())
+    code, out, err = run(capsys, "submit", str(long), "--home", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "file name" in err and "Traceback" not in err
+
+
+def test_boundary_values_are_accepted(capsys, daemon):
+    jid = daemon.submit()
+    assert run(capsys, "priority", jid, "1000", "--home", str(daemon.home))[:2] == (
+        0, f"{jid}: priority 1000 (takes effect when the next job is picked)\n")
+    assert run(capsys, "priority", jid, "-1000", "--home", str(daemon.home))[0] == 0
+    assert run(capsys, "logs", "-n", "10000", jid, "--home", str(daemon.home))[0] == 0
