@@ -94,5 +94,21 @@ def write_file_durable(fs: FileLayer, path: Path, data: bytes) -> None:
     fs.fsync_dir(path.parent)
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (os.umask would race the checkpoint writer thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def normal_file_mode() -> int:
+    """The mode open() gives a new file here: 0o666 less the umask (0o644 under the usual 022)."""
+    return 0o666 & ~process_umask()
+
+
 def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -27,7 +27,7 @@ from engine.config import JobConfig, JobInvalid, load_job
 from engine.data.order import Cursor, sample_indices
 from engine.events import EventLog
 from engine.families import get_family
-from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full
+from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
 from engine.optim import build_optimizer, join_tree, lr_at, split_tree
 from engine.prefetch import Prefetcher
 from engine.progress import make_progress
@@ -81,8 +81,12 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
     tmp = workdir / f"output.tmp-{os.getpid()}"
     fs.mkdir(tmp)
     names = family.export(model, cfg, tmp, meta)
+    mode = normal_file_mode()
     for name in names:
         if (tmp / name).is_file():
+            # safetensors creates its files 0600; the adapter must be as readable as anything else the user
+            # writes (the service's group shares job directories through its umask).
+            os.chmod(tmp / name, mode)
             fs.fsync(tmp / name)
     fs.fsync_dir(tmp)
     if out.exists():
@@ -166,7 +170,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     optimizer = build_optimizer(list(params.values()), cfg.train)
 
     # -- resume
-    store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs)
+    store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     loaded, skipped = store.load_latest()
     for s in skipped:
         log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)

@@ -70,3 +70,15 @@ def test_restore_checkpoint_rejects_an_adapter_for_another_model(write_job, tmp_
                    optimizer_tensors={}, optimizer_tree={}, rng_tensors={}, state={})
     with pytest.raises(JobInvalid, match="does not match"):
         restore_checkpoint(wrong, params, None, None)
+
+
+def test_the_exported_adapter_is_as_readable_as_any_file_the_user_writes(finished_tiny_job):
+    import os
+    import stat
+
+    from engine.fsio import normal_file_mode
+
+    _, _, wd, _ = finished_tiny_job
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in (wd / "output").iterdir()}
+    assert "adapter_model.safetensors" in modes
+    assert set(modes.values()) == {normal_file_mode()}, modes  # not safetensors' own 0600
