@@ -167,13 +167,17 @@ class JobConfig(Strict):
         a key (with a default that keeps the old behaviour) does not strand
         every checkpoint written before it.
         """
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def identity(self) -> dict[str, Any]:
+        """The settings identity_hash covers, as a dict (checkpoints keep it to say what changed)."""
         d = self.model_dump(mode="json", exclude_defaults=True)
         # blocks_to_swap and compile trade speed for memory; a job may resume with more swapping after an OOM.
         for k in ("steps", "blocks_to_swap", "compile"):
             d.get("train", {}).pop(k, None)
         for k in ("checkpoint", "output", "power", "priority", "sample"):
             d.pop(k, None)
-        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+        return d
 
 
 # Keys that only mean something for one family; setting them on the other is a mistake worth naming.
@@ -252,6 +256,8 @@ def parse_job(raw: Any, base_dir: Path, source: str = "job", check_paths: bool =
 
     check_paths=False validates the schema only (documentation jobs whose model lives on another machine).
     """
+    if raw is None:
+        raise JobInvalid(f"{source}: the job file is empty (it needs at least name, model and data)")
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), got {type(raw).__name__}")
     try:

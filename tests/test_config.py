@@ -105,7 +105,8 @@ def test_all_problems_are_reported_together(tmp_path, micro_model):
 FILE_PROBLEMS = [
     ("bad yaml", "name: [unclosed\nmodel: {", ["not valid YAML", "line"]),
     ("not a mapping", "- name\n- model\n", ["must be a YAML mapping", "list"]),
-    ("empty file", "", ["must be a YAML mapping", "NoneType"]),
+    ("empty file", "", ["the job file is empty", "name, model and data"]),
+    ("comments only", "# a job, some day\n", ["the job file is empty"]),
     ("scalar", "just words", ["must be a YAML mapping", "str"]),
 ]
 
