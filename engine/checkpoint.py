@@ -88,6 +88,23 @@ class ConfigMismatch(Exception):
     """The newest valid checkpoint was written by a job with different training settings."""
 
 
+def changed_keys(was: dict[str, Any] | None, now: dict[str, Any] | None, limit: int = 4) -> str:
+    """'train.lr 0.002 → 0.001, lora.rank 32 → 16' for the dotted keys that differ; '' if either is unknown."""
+    if not isinstance(was, dict) or not isinstance(now, dict):
+        return ""
+
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(was), flat(now)
+    diffs = [f"{k} {a.get(k, '(default)')} → {b.get(k, '(default)')}" for k in sorted(a.keys() | b.keys())
+             if a.get(k) != b.get(k)]
+    return ", ".join(diffs[:limit]) + (f" and {len(diffs) - limit} more" if len(diffs) > limit else "")
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -101,11 +118,14 @@ def _debug_delay() -> float:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, config_hash: str, keep: int, fs: FileLayer | None = None):
+    def __init__(self, root: Path, config_hash: str, keep: int, fs: FileLayer | None = None,
+                 identity: dict[str, Any] | None = None):
+        """identity: the settings behind config_hash, kept in each manifest so a mismatch can name the keys."""
         self.root = Path(root)
         self.config_hash = config_hash
         self.keep = keep
         self.fs = fs or RealFs()
+        self.identity = identity
 
     # ---------------------------------------------------------------- commit
     def commit(self, snap: Snapshot) -> Path:
@@ -121,6 +141,7 @@ class CheckpointStore:
                 "format": FORMAT_VERSION,
                 "step": snap.step,
                 "config_hash": self.config_hash,
+                **({"identity": self.identity} if self.identity is not None else {}),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in files.items()},
             }
@@ -207,10 +228,12 @@ class CheckpointStore:
                         pass
                 continue
             if manifest["config_hash"] != self.config_hash:
+                changed = changed_keys(manifest.get("identity"), self.identity)
+                what = (f"changed since: {changed}" if changed else
+                        f"config hash {manifest['config_hash']}, this job {self.config_hash}")
                 raise ConfigMismatch(
                     f"checkpoint {path} was written by a job with different model/lora/data/train settings "
-                    f"(config hash {manifest['config_hash']}, this job {self.config_hash}); "
-                    "give the job a new name or remove that job directory"
+                    f"({what}); put them back, or give the job a new name or remove that job directory"
                 )
             return (
                 Loaded(

@@ -190,10 +190,18 @@ def test_changed_training_settings_refuse_to_resume_with_a_clear_message(finishe
     assert train(changed, wd, progress="none") == 65
     err = capfd.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("lorad:")]
-    assert len(lines) == 1 and "different" in lines[0] and "config hash" in lines[0], err
-    assert cfg.identity_hash() in lines[0] and changed.identity_hash() in lines[0]
+    # the line names the key that changed, with both values
+    assert len(lines) == 1 and "different" in lines[0] and "train.lr 0.002 → 0.005" in lines[0], err
     assert "Traceback" not in err
     assert read_events(wd)[-1]["event"] == "invalid_job"
+
+
+def test_checkpoints_from_before_the_identity_was_kept_still_get_the_hashes():
+    from engine.checkpoint import changed_keys
+
+    assert changed_keys(None, {"train": {"lr": 1}}) == ""  # the message falls back to the two hashes
+    assert changed_keys({"train": {"lr": 1}, "lora": {"rank": 8}}, {"train": {"lr": 2}}) == \
+        "lora.rank 8 → (default), train.lr 1 → 2"
 
 
 def test_sigusr1_commits_now_and_training_continues_unchanged(jobs, runs, tmp_path):
