@@ -27,6 +27,7 @@ from engine.config import JobConfig, JobInvalid, load_job
 from engine.data.order import Cursor, sample_indices
 from engine.events import EventLog
 from engine.families import get_family
+from engine.families.base import hub_refusal
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
 from engine.optim import build_optimizer, join_tree, lr_at, split_tree
 from engine.prefetch import Prefetcher
@@ -128,6 +129,12 @@ def train(
         log.error("disk_error", message=str(e))
         _say(progress, f"lorad: {e}")
         return EXIT_IO
+    except OSError as e:
+        if (why := hub_refusal(e, cfg)) is None:
+            raise
+        log.error("invalid_job", message=why)
+        _say(progress, f"lorad: invalid job: {why}")
+        return EXIT_INVALID
     finally:
         log.close()
 

@@ -230,3 +230,49 @@ def test_validating_a_job_does_not_import_torch():
     root = Path(__file__).resolve().parents[1] / "configs" / "examples"
     jobs = [str(root / "quickstart.yaml"), str(root / "flux-lora-tiny.yaml")]
     assert subprocess.run([sys.executable, "-c", code, *jobs], cwd=root.parents[1]).returncode == 0
+
+
+def _hub_error(kind):
+    e = kind.__new__(kind)
+    Exception.__init__(e, "404 Client Error")
+    return e
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("RepositoryNotFoundError", ["model.path: someorg/no-such-model is not on the Hugging Face Hub", "HF_TOKEN"]),
+    ("GatedRepoError", ["gated model", "https://huggingface.co/someorg/no-such-model"]),
+    ("RevisionNotFoundError", ["model.revision"]),
+])
+def test_a_hub_answer_no_retry_can_change_is_an_invalid_job(tmp_path, micro_model, capsys, monkeypatch, kind, words):
+    import huggingface_hub.errors as hub_errors
+    import transformers
+
+    from engine.run import train
+
+    def refuse(*a, **k):
+        # how transformers reports it: an OSError raised from the hub's own error
+        raise OSError("someorg/no-such-model is not a local folder and is not a valid model identifier") \
+            from _hub_error(getattr(hub_errors, kind))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"model": {"path": "someorg/no-such-model"}}),
+                    tmp_path)
+    assert train(cfg, tmp_path / "w", progress="none") == 65  # invalid: the daemon does not retry it
+    line = _one_line(capsys.readouterr().err)
+    for w in words:
+        assert w in line
+
+
+def test_a_network_failure_stays_a_crash_the_daemon_retries(tmp_path, micro_model, monkeypatch):
+    import transformers
+
+    from engine.run import train
+
+    def offline(*a, **k):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files") from ConnectionError()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"model": {"path": "someorg/some-model"}}),
+                    tmp_path)
+    with pytest.raises(OSError, match="couldn't connect"):
+        train(cfg, tmp_path / "w", progress="none")

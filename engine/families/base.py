@@ -39,3 +39,27 @@ class Family(Protocol):
 
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         """Write the final adapter files into out_dir (not yet durable); return the file names written."""
+
+
+def hub_refusal(exc: BaseException, cfg: JobConfig) -> str | None:
+    """One line for a Hugging Face Hub answer that no retry can change (no such repo, revision, or access); else None.
+
+    transformers and diffusers wrap these in OSError; network failures stay errors of their own (a crash
+    the daemon retries with backoff), since the network may come back.
+    """
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        repo = cfg.model.path
+        if isinstance(exc, GatedRepoError):
+            return (f"model.path: {repo} is a gated model: request access at https://huggingface.co/{repo} "
+                    "and give the trainer a token (HF_TOKEN)")
+        if isinstance(exc, RevisionNotFoundError):
+            return f"model.revision: {cfg.model.revision!r} does not exist in {repo} on the Hugging Face Hub"
+        if isinstance(exc, RepositoryNotFoundError):
+            return (f"model.path: {repo} is not on the Hugging Face Hub (or it is private and needs a token in "
+                    "HF_TOKEN)")
+        exc = exc.__cause__ or exc.__context__
+    return None
