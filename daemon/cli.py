@@ -22,6 +22,7 @@ from daemon import protocol as p
 from daemon.lock import AlreadyRunning, TrainerLock
 from daemon.paths import default_home, job_dir
 
+EXIT_USAGE = 2  # argparse's own: a mistake in the arguments
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
 FINAL = {"succeeded", "failed", "cancelled"}
 
@@ -128,6 +129,14 @@ def _call(args: argparse.Namespace, req: p.BaseModel) -> dict[str, Any]:
     return Client(find_socket(args.home, args.socket)).call(req)
 
 
+def _fail(as_json: bool, code: str, message: str, status: int) -> int:
+    """An error: one line on stderr and, with --json, also {"ok": false, "error", "message", "exit"} on stdout."""
+    if as_json:
+        print(json.dumps({"ok": False, "error": code, "message": message, "exit": status}))
+    print(f"lorad: {message}", file=sys.stderr)
+    return status
+
+
 def _out(args: argparse.Namespace, data: dict[str, Any], human) -> int:
     if args.json:
         print(json.dumps(data, indent=1, default=str))
@@ -160,8 +169,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         cfg = load_job(args.job)  # locally first: the mistake is shown here, not in rejected/
     except JobInvalid as e:
-        print(f"lorad: invalid job: {e}", file=sys.stderr)
-        return 65
+        return _fail(args.json, "invalid_job", f"invalid job: {e}", 65)
     data = _call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
     return _out(args, data, lambda d: print(d["job"]))
 
@@ -429,23 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
-        print(f"lorad: {e}", file=sys.stderr)
-        return 2
+        return _fail("--json" in argv, "usage", str(e), EXIT_USAGE)
     from daemon.client import DaemonDown, RequestFailed
 
+    as_json = getattr(args, "json", False)
     try:
         return args.fn(args)
     except DaemonDown as e:
-        print(str(e), file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        return _fail(as_json, "unavailable", str(e).removeprefix("lorad: "), EXIT_UNAVAILABLE)
     except RequestFailed as e:
-        if getattr(args, "json", False):
-            print(json.dumps({"ok": False, "error": e.code, "message": e.message}))
-        print(f"lorad: {e.message}", file=sys.stderr)
-        return 1
+        return _fail(as_json, e.code, e.message, 1)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ without a supervisor (nothing trains), so every CLI verb runs end to end in well
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -108,3 +109,45 @@ def test_boundary_values_are_accepted(capsys, daemon):
         0, f"{jid}: priority 1000 (takes effect when the next job is picked)\n")
     assert run(capsys, "priority", jid, "-1000", "--home", str(daemon.home))[0] == 0
     assert run(capsys, "logs", "-n", "10000", jid, "--home", str(daemon.home))[0] == 0
+
+
+# ================================================================ 4. with --json, errors are JSON too
+JSON_VERBS = [["ping"], ["status"], ["status", "short"], ["logs", "short"], ["pause", "short"],
+              ["resume", "short"], ["cancel", "short"], ["priority", "short", "3"], ["drain"], ["power"]]
+
+
+@pytest.mark.parametrize("argv", JSON_VERBS + [["submit", "JOB"]], ids=lambda a: " ".join(a))
+def test_with_json_a_daemon_that_is_down_is_a_json_error_on_stdout_and_exit_69(capsys, tmp_path, argv):
+    job = tmp_path / "short.yaml"
+    job.write_text(job_yaml())
+    argv = [str(job) if a == "JOB" else a for a in argv]
+    code, out, err = run(capsys, *argv, "--json", "--home", str(tmp_path))
+    assert code == 69
+    reply = json.loads(out)
+    sock = tmp_path / "lorad.sock"
+    assert reply == {"ok": False, "error": "unavailable", "exit": 69,
+                     "message": f"the daemon is not running (no socket at {sock})"}
+    assert err == f"lorad: the daemon is not running (no socket at {sock})\n"  # people still read stderr
+
+
+def test_without_json_a_daemon_that_is_down_is_one_line_on_stderr(capsys, tmp_path):
+    assert run(capsys, "status", "--home", str(tmp_path)) == (
+        69, "", f"lorad: the daemon is not running (no socket at {tmp_path / 'lorad.sock'})\n")
+
+
+def test_with_json_refusals_invalid_jobs_and_usage_errors_are_json_with_their_exit_status(capsys, daemon, tmp_path):
+    code, out, err = run(capsys, "cancel", "nope", "--json", "--home", str(daemon.home))
+    assert code == 1 and json.loads(out) == {"ok": False, "error": "not_found", "message": "no job 'nope'", "exit": 1}
+    assert err == "lorad: no job 'nope'\n"
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(job_yaml(train={"steps": "many"}))
+    code, out, err = run(capsys, "submit", str(bad), "--json", "--home", str(daemon.home))
+    reply = json.loads(out)
+    assert code == 65 and reply["error"] == "invalid_job" and reply["exit"] == 65 and "train.steps" in reply["message"]
+
+    code, out, err = run(capsys, "priority", "short", "5000", "--json", "--home", str(daemon.home))
+    reply = json.loads(out)
+    assert code == 2 and reply["error"] == "usage" and reply["exit"] == 2 and "between -1000 and 1000" in reply["message"]
+    assert err.startswith("lorad: priority: must be")
+
