@@ -227,8 +227,13 @@ def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
     if typ == "extra_forbidden":
         parent = ".".join(key_parts[:-1])
         model = models.get(parent)
-        allowed = ", ".join(model.model_fields) if model else ""
-        return f"{key}: unknown key" + (f" (allowed here: {allowed})" if allowed else "")
+        if not model:
+            return f"{key}: unknown key"
+        import difflib
+
+        close = difflib.get_close_matches(key_parts[-1], list(model.model_fields), n=1, cutoff=0.6)
+        hint = f"did you mean {'.'.join([*key_parts[:-1], close[0]])}? " if close else ""
+        return f"{key}: unknown key ({hint}allowed here: {', '.join(model.model_fields)})"
     if typ == "missing":
         return f"{key}: required key is missing"
     if typ == "value_error" and not key_parts:

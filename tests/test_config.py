@@ -37,6 +37,7 @@ BAD_KEYS = [
     ("closed set dtype", "model.dtype", "int4", ["model.dtype", "'bfloat16'"]),
     ("closed set family", "model.family", "sd15", ["model.family", "'causal_lm'"]),
     ("unknown key", "train.learning_rate", 0.1, ["train.learning_rate", "unknown key", "lr"]),
+    ("typo'd key", "train.step", 10, ["train.step", "unknown key", "did you mean train.steps?"]),
     ("unknown section", "trainer", {}, ["trainer", "unknown key", "train"]),
     ("missing section", "-data", None, ["data", "required key is missing"]),
     ("missing model path", "model.path", "/nonexistent/model-dir", ["model.path", "/nonexistent/model-dir", "does not exist"]),
