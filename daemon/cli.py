@@ -24,6 +24,7 @@ from daemon.paths import default_home, job_dir
 
 EXIT_USAGE = 2  # argparse's own: a mistake in the arguments
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a reader that stopped early
 FINAL = {"succeeded", "failed", "cancelled"}
 
 
@@ -174,8 +175,18 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return _out(args, data, lambda d: print(d["job"]))
 
 
-def _print_table(data: dict[str, Any]) -> None:
+def _console(**kw: Any):
+    """A rich Console whose closed stdout raises BrokenPipeError for main() (rich's own answer is exit 1)."""
     from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _Console(**kw)
+
+
+def _print_table(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
@@ -189,7 +200,7 @@ def _print_table(data: dict[str, Any]) -> None:
                   f"{j['loss']:.4f}" if j["loss"] is not None else "-",
                   f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
                   _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note[:60])
-    c = Console(width=max(shutil.get_terminal_size((120, 20)).columns, 100))
+    c = _console(width=max(shutil.get_terminal_size((120, 20)).columns, 100))
     if not data["jobs"]:
         c.print("no jobs (drop a job file into the inbox, or: lorad submit FILE)")
     else:
@@ -282,7 +293,7 @@ def cmd_power(args: argparse.Namespace) -> int:
     refused = bool(data.get("set")) and not data["set"].get("ok")
     if refused:
         print(f"lorad: power limit not set: {data['set'].get('error')}", file=sys.stderr)
-    _out(args, data, view.show)
+    _out(args, data, lambda d: view.show(d, _console()))
     return 1 if refused else 0
 
 
@@ -437,7 +448,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # Whoever read our output stopped (`lorad logs | head`): end quietly, as a tool killed by SIGPIPE would.
+        # stdout now points at /dev/null so that the interpreter's last flush cannot complain either.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:

@@ -56,13 +56,16 @@ class Client:
                 raise DaemonDown(f"lorad: permission denied on {self.path} (join the daemon's group)") from None
             except OSError as e:
                 raise DaemonDown(f"lorad: cannot reach the daemon at {self.path}: {e}") from None
-            s.sendall(p.encode(req))
             buf = b""
-            while not buf.endswith(b"\n"):
-                chunk = s.recv(1 << 20)
-                if not chunk:
-                    break
-                buf += chunk
+            try:
+                s.sendall(p.encode(req))
+                while not buf.endswith(b"\n"):
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        break
+                    buf += chunk
+            except (BrokenPipeError, ConnectionResetError):
+                buf = b""  # the daemon went away mid-request (a BrokenPipeError here is not our stdout's)
         finally:
             s.close()
         if not buf:

@@ -73,8 +73,8 @@ def job_lines(e: dict[str, Any]) -> list[str]:
             f"{_f(e.get('kwh'), '{:.4f}', ' kWh')}, {_f(e.get('steps_per_kwh'), '{:.0f}', ' steps/kWh')}"]
 
 
-def show(rep: dict[str, Any]) -> None:
-    Console().print(render(rep))
+def show(rep: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(render(rep))
 
 
 def watch(fetch: Callable[[], dict[str, Any]], interval_s: float = 1.0) -> int:
