@@ -172,6 +172,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except JobInvalid as e:
         return _fail(args.json, "invalid_job", f"invalid job: {e}", 65)
     data = _call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
+    if data.get("same_name") and not args.json:
+        others = ", ".join(f"{j['id']} ({j['state']})" for j in data["same_name"])
+        print(f"lorad: note: {cfg.name!r} is also the name of {others}; refer to these jobs by id",
+              file=sys.stderr)
     return _out(args, data, lambda d: print(d["job"]))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from daemon import protocol as p
 from daemon import states
-from daemon.store import Store, UnknownJob
+from daemon.store import AmbiguousJob, Store, UnknownJob
 from engine.config import JobInvalid
 
 LOG_CHUNK_BYTES = 256 * 1024
@@ -49,6 +49,15 @@ def _job(ctx: Context, ref: str) -> dict[str, Any]:
         return ctx.store.find(ref)
     except UnknownJob:
         raise HandlerError("not_found", f"no job {ref!r}") from None
+    except AmbiguousJob as e:
+        raise HandlerError("ambiguous", f"{ref!r} matches {len(e.matches)} jobs: {id_list(e.matches)}; use the id") \
+            from None
+
+
+def id_list(jobs: list[dict[str, Any]], most: int = 6) -> str:
+    """'a-1f2e (running), a-9c0d (queued)', with '… and N more' past `most`."""
+    shown = ", ".join(f"{j['id']} ({j['state']})" for j in jobs[:most])
+    return shown + (f", … and {len(jobs) - most} more" if len(jobs) > most else "")
 
 
 def _row(job: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +79,7 @@ def submit(ctx: Context, req: p.Submit) -> dict[str, Any]:
     except JobInvalid as e:
         raise HandlerError("invalid_job", str(e)) from None
     ctx.wake()
-    return {"job": out.job_id}
+    return {"job": out.job_id, "same_name": [{"id": j["id"], "state": j["state"]} for j in out.same_name]}
 
 
 def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ class Outcome:
     job_id: str | None = None
     error: str | None = None
     rejected_path: Path | None = None
+    same_name: list[dict[str, Any]] = field(default_factory=list)  # unfinished jobs that already had this name
 
 
 def ignored(name: str) -> bool:
@@ -218,11 +219,11 @@ class Intake:
             return self._reject(claimed, display, str(e))
         except Exception as e:  # noqa: BLE001 — a job file must never take the daemon down
             return self._reject(claimed, display, f"{name}: could not be read or validated: {type(e).__name__}: {e}")
-        job_id = self._accept(job, claimed.name, text)
+        job_id, same = self._accept(job, claimed.name, text)
         claimed.unlink()
         self.fs.fsync_dir(self.incoming)
         self.log.info("job_accepted", job=job_id, file=name)
-        return Outcome(name=name, job_id=job_id)
+        return Outcome(name=name, job_id=job_id, same_name=same)
 
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
         dest = self.rejected / display
@@ -245,11 +246,13 @@ class Intake:
         if not SAFE_NAME.match(name):
             raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
         job = validate_text(text, name, self.home, self.cfg, self.home)
-        job_id = self._accept(job, f"submit:{name}", text)
+        job_id, same = self._accept(job, f"submit:{name}", text)
         self.log.info("job_accepted", job=job_id, file=f"submit:{name}")
-        return Outcome(name=name, job_id=job_id)
+        return Outcome(name=name, job_id=job_id, same_name=same)
 
-    def _accept(self, job: JobConfig, source: str, original: str) -> str:
+    def _accept(self, job: JobConfig, source: str, original: str) -> tuple[str, list[dict[str, Any]]]:
+        """(the new job's id, the unfinished jobs that already had its name: its name alone no longer tells)."""
+        same = self.store.unfinished_named(job.name)
         job_id = self.store.new_id(job.name)
         workdir = self.home / "jobs" / job_id
         ensure_dir_durable(self.fs, workdir)
@@ -257,4 +260,9 @@ class Intake:
         write_file_durable(self.fs, workdir / "job.yaml", dump_job(job).encode())
         self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
         job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
-        return job_id
+        if same:
+            ids = [j["id"] for j in same]
+            self.log.warning("job_name_in_use", job=job_id, name=job.name, unfinished=ids)
+            job_event(workdir, job_id, "name_in_use", level="warning", name=job.name, unfinished=ids,
+                      message="refer to these jobs by id")
+        return job_id, same

@@ -79,6 +79,15 @@ class UnknownJob(KeyError):
     pass
 
 
+class AmbiguousJob(LookupError):
+    """A job reference (a name or an id prefix) that could mean more than one job; `matches` newest first."""
+
+    def __init__(self, ref: str, matches: list[dict[str, Any]]):
+        super().__init__(ref)
+        self.ref = ref
+        self.matches = matches
+
+
 class Store:
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -127,18 +136,38 @@ class Store:
         return dict(row)
 
     def find(self, ref: str) -> dict[str, Any]:
-        """A job by id, or by unique id prefix / name (the newest job of that name)."""
+        """A job by its id; else by name; else by id prefix. Never a guess between jobs.
+
+        A name shared by several jobs means the one of them that is not finished, if exactly one is;
+        otherwise (and for a prefix of several ids) AmbiguousJob lists them, newest first.
+        """
         with self._lock:
             row = self.db.execute("SELECT * FROM jobs WHERE id=?", (ref,)).fetchone()
-            if row is None:
-                row = self.db.execute("SELECT * FROM jobs WHERE name=? ORDER BY seq DESC LIMIT 1", (ref,)).fetchone()
-            if row is None:
-                rows = self.db.execute("SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\'",
-                                       (ref.replace("%", "\\%").replace("_", "\\_") + "%",)).fetchall()
-                row = rows[0] if len(rows) == 1 else None
-        if row is None:
+            if row is not None:
+                return dict(row)
+            rows = [dict(r) for r in self.db.execute("SELECT * FROM jobs WHERE name=? ORDER BY seq DESC", (ref,))]
+            if len(rows) > 1:
+                unfinished = [r for r in rows if r["state"] not in states.FINAL]
+                if len(unfinished) == 1:
+                    return unfinished[0]
+                raise AmbiguousJob(ref, rows)
+            if not rows:
+                rows = [dict(r) for r in self.db.execute(
+                    "SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\' ORDER BY seq DESC",
+                    (ref.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",))]
+                if len(rows) > 1:
+                    raise AmbiguousJob(ref, rows)
+        if not rows:
             raise UnknownJob(ref)
-        return dict(row)
+        return rows[0]
+
+    def unfinished_named(self, name: str) -> list[dict[str, Any]]:
+        """The jobs of this name that are not finished, newest first."""
+        q = ",".join("?" * len(states.FINAL))
+        with self._lock:
+            rows = self.db.execute(f"SELECT * FROM jobs WHERE name=? AND state NOT IN ({q}) ORDER BY seq DESC",
+                                   (name, *sorted(states.FINAL))).fetchall()
+        return [dict(r) for r in rows]
 
     def jobs(self, job_states: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
         with self._lock:

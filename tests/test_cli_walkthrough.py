@@ -111,6 +111,37 @@ def test_boundary_values_are_accepted(capsys, daemon):
     assert run(capsys, "logs", "-n", "10000", jid, "--home", str(daemon.home))[0] == 0
 
 
+# ================================================================ 3. a name shared by several jobs is not a guess
+def test_a_second_submit_of_a_name_in_use_says_so_and_the_name_then_needs_an_id(capsys, daemon, tmp_path):
+    job = tmp_path / "short.yaml"
+    job.write_text(job_yaml())
+    home = ("--home", str(daemon.home))
+    code, first, err = run(capsys, "submit", str(job), *home)
+    first = first.strip()
+    assert code == 0 and err == ""
+    code, second, err = run(capsys, "submit", str(job), *home)
+    second = second.strip()
+    assert code == 0 and second.startswith("short-") and second != first  # stdout: still just the id, for scripts
+    assert err == f"lorad: note: 'short' is also the name of {first} (queued); refer to these jobs by id\n"
+    code, out, _ = run(capsys, "submit", str(job), "--json", *home)
+    reply = json.loads(out)
+    third = reply["job"]
+    assert reply["same_name"] == [{"id": second, "state": "queued"}, {"id": first, "state": "queued"}]
+
+    for argv in (["cancel", "short"], ["pause", "short"], ["resume", "short"], ["status", "short"],
+                 ["logs", "short"], ["priority", "short", "5"]):
+        code, out, err = run(capsys, *argv, *home)
+        assert code == 1 and out == "", argv
+        assert err == (f"lorad: 'short' matches 3 jobs: {third} (queued), {second} (queued), {first} (queued); "
+                       "use the id\n"), err
+    assert {j["state"] for j in daemon.store.jobs()} == {"queued"}  # nothing was touched
+
+    assert run(capsys, "cancel", first, *home)[:2] == (0, f"{first}: cancelled\n")  # an id is always exact
+    assert run(capsys, "cancel", third, *home)[0] == 0
+    # One of them is not finished: the name means that one (README: "Job names and ids").
+    assert run(capsys, "pause", "short", *home)[:2] == (0, f"{second}: paused\n")
+
+
 # ================================================================ 4. with --json, errors are JSON too
 JSON_VERBS = [["ping"], ["status"], ["status", "short"], ["logs", "short"], ["pause", "short"],
               ["resume", "short"], ["cancel", "short"], ["priority", "short", "3"], ["drain"], ["power"]]

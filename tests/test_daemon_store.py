@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 
 from daemon import states
-from daemon.store import Store, UnknownJob
+from daemon.store import AmbiguousJob, Store, UnknownJob
 
 
 @pytest.fixture
@@ -90,6 +90,32 @@ def test_ids_are_readable_and_unique(store):
     assert all(i.startswith("quickstart-") for i in ids)
     jid = add(store, "quickstart")
     assert store.find("quickstart")["id"] == jid  # a name finds its newest job
+
+
+def test_a_name_means_its_one_unfinished_job_and_is_refused_when_it_could_mean_several(store):
+    old, new = add(store, "short"), add(store, "short")
+    with pytest.raises(AmbiguousJob) as e:
+        store.find("short")  # two queued jobs: never a silent pick of the newest
+    assert [j["id"] for j in e.value.matches] == [new, old]  # newest first
+    store.transition(old, states.QUEUED, states.CANCELLED)
+    assert store.find("short")["id"] == new  # the only one not finished is the one meant
+    store.transition(new, states.QUEUED, states.CANCELLED)
+    with pytest.raises(AmbiguousJob):
+        store.find("short")  # all finished: which one is a guess again
+    assert store.find(old)["id"] == old and store.find(new)["id"] == new  # an id is always exact
+    assert store.unfinished_named("short") == []
+
+
+def test_an_id_prefix_finds_one_job_or_is_ambiguous(store):
+    a, b = add(store, "alpha"), add(store, "alps")
+    assert store.find("alph")["id"] == a
+    with pytest.raises(AmbiguousJob) as e:
+        store.find("al")
+    assert {j["id"] for j in e.value.matches} == {a, b}
+    with pytest.raises(UnknownJob):
+        store.find("al%")  # LIKE wildcards are literal
+    with pytest.raises(UnknownJob):
+        store.find("zeta")
 
 
 def test_wal_and_full_sync_survive_reopen(tmp_path):
