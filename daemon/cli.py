@@ -212,7 +212,35 @@ def _print_table(data: dict[str, Any]) -> None:
     if data.get("draining"):
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in data.get("notes", []):
-        c.print(f"note: {n}")
+        c.print(f"note: {n}", markup=False, highlight=False)
+    _print_rejections(data, c.width)
+
+
+def _shorten(text: str, width: int) -> str:
+    """One line of at most `width` characters, cut at a word boundary with an ellipsis."""
+    text = " ".join(str(text).split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    if " " in cut and cut.rfind(" ") >= width // 2:
+        cut = cut[: cut.rfind(" ")]
+    return cut.rstrip(" ,;:.-(") + "…"
+
+
+def _print_rejections(data: dict[str, Any], width: int) -> None:
+    """`lorad status`: the newest inbox files the daemon rejected, one line each: file, when, why."""
+    rej = data.get("rejected") or []
+    if not rej:
+        return
+    hours = round(data.get("rejected_within_s", 86400) / 3600)
+    print(f"rejected inbox files (last {hours} h, newest first):")
+    name_w = max(len(r["file"]) for r in rej)
+    for r in rej:
+        head = f"  {r['file']:<{name_w}}  {_when(r['at'])}  "
+        print(head + _shorten(r["reason"], max(width - len(head), 30)))
+    more = data.get("rejected_total", len(rej)) - len(rej)
+    print(f"  ({f'… and {more} more; ' if more > 0 else ''}"
+          f"each reason in full: {data.get('rejected_dir', 'rejected')}/NAME.error.txt)")
 
 
 def _print_detail(data: dict[str, Any]) -> None:

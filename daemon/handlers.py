@@ -17,10 +17,13 @@ from typing import Any
 
 from daemon import protocol as p
 from daemon import states
+from daemon.intake import recent_rejections
 from daemon.store import AmbiguousJob, Store, UnknownJob
 from engine.config import JobInvalid
 
 LOG_CHUNK_BYTES = 256 * 1024
+REJECTIONS_SHOWN = 5  # `lorad status`: the newest inbox rejections ...
+REJECTIONS_WITHIN_S = 24 * 3600  # ... of the last day
 
 
 class HandlerError(Exception):
@@ -94,8 +97,12 @@ def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:
 
 def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     if req.job is None:
+        rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
+                                                 REJECTIONS_SHOWN)
         return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
-                "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else []}
+                "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
+                "rejected": rejected, "rejected_within_s": REJECTIONS_WITHIN_S, "rejected_total": n_rejected,
+                "rejected_dir": str(ctx.home / "rejected")}
     job = _job(ctx, req.job)
     src = job["source"] or ""
     if src[:1].isdigit() and "-" in src:

@@ -159,6 +159,63 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
         raise JobInvalid(f"{display}: job file is not UTF-8 text") from None
 
 
+REJECTED_HEADER = "lorad rejected "
+ERROR_SUFFIX = ".error.txt"
+
+
+def recent_rejections(rejected: Path, now: float, within_s: float, most: int) -> tuple[list[dict[str, Any]], int]:
+    """The newest `most` rejections of the last `within_s` seconds, newest first, and how many there were in all.
+
+    Read back from rejected/NAME.error.txt (durable, so they survive a restart; deleting a file forgets it):
+    {"file": NAME, "at": when (the error file's mtime), "reason": its reason on one line, "error_file": path}.
+    Only regular files that start the way _reject writes them count; nothing is followed through a symlink.
+    """
+    found = []
+    try:
+        entries = list(os.scandir(rejected))
+    except OSError:
+        return [], 0
+    for e in entries:
+        if not e.name.endswith(ERROR_SUFFIX):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and now - st.st_mtime <= within_s:
+            found.append((st.st_mtime, e))
+    found.sort(key=lambda t: (t[0], t[1].name), reverse=True)
+    out = []
+    for mtime, e in found:
+        if len(out) == most:
+            break
+        reason = _rejection_reason(Path(e.path))
+        if reason is not None:
+            out.append({"file": e.name[: -len(ERROR_SUFFIX)], "at": mtime, "reason": reason, "error_file": e.path})
+    return out, len(found)
+
+
+def _rejection_reason(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 8192).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    header, _, body = text.partition("\n")
+    if not (header.startswith(REJECTED_HEADER) and header.endswith(":")):
+        return None  # not one of ours (a rejected file that happens to be called *.error.txt)
+    shown = header[len(REJECTED_HEADER):-1]
+    reason = " ".join(body.split())
+    return reason.removeprefix(f"{shown}: ") or "(no reason recorded)"
+
+
 class Intake:
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, log):
         self.home = Path(home)
@@ -228,11 +285,11 @@ class Intake:
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
         dest = self.rejected / display
         n = 1
-        while dest.exists() or dest.with_name(dest.name + ".error.txt").exists():
+        while dest.exists() or dest.with_name(dest.name + ERROR_SUFFIX).exists():
             n += 1
             dest = self.rejected / f"{display}.{n}"
-        write_file_durable(self.fs, dest.with_name(dest.name + ".error.txt"),
-                           f"lorad rejected {display}:\n{reason}\n".encode())
+        write_file_durable(self.fs, dest.with_name(dest.name + ERROR_SUFFIX),
+                           f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
         os.rename(claimed, dest)
         self.fs.fsync_dir(self.rejected)
         self.fs.fsync_dir(self.incoming)

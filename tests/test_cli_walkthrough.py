@@ -8,6 +8,7 @@ without a supervisor (nothing trains), so every CLI verb runs end to end in well
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class LiveDaemon:
 
     def __init__(self, home: Path, roots: list[str]):
         self.home = home
-        home.mkdir(parents=True)
+        home.mkdir(parents=True, exist_ok=True)
         self.store = Store(home / "state.db")
         self.intake = Intake(home, DaemonConfig(allowed_roots=["{home}", *roots]), self.store, NoLog())
         ctx = Context(home=home, store=self.store, intake=self.intake, supervisor=None, started_at=time.time(),
@@ -109,6 +110,66 @@ def test_boundary_values_are_accepted(capsys, daemon):
         0, f"{jid}: priority 1000 (takes effect when the next job is picked)\n")
     assert run(capsys, "priority", jid, "-1000", "--home", str(daemon.home))[0] == 0
     assert run(capsys, "logs", "-n", "10000", jid, "--home", str(daemon.home))[0] == 0
+
+
+# ================================================================ 2. rejected inbox files show in `lorad status`
+def reject(d: LiveDaemon, name: str, content: str, age_s: float = 0) -> None:
+    (d.home / "inbox" / name).write_text(content)
+    out = d.intake.take(d.home / "inbox" / name)
+    assert out.error, out
+    if age_s:
+        t = time.time() - age_s
+        os.utime(out.rejected_path.with_name(out.rejected_path.name + ".error.txt"), (t, t))
+
+
+def test_status_lists_the_newest_rejections_with_when_and_why_newest_first(capsys, daemon):
+    reject(daemon, "old.yaml", "name: [unclosed\n", age_s=25 * 3600)  # older than a day: not shown
+    reject(daemon, "broken.yaml", "name: [unclosed\n", age_s=60)
+    reject(daemon, "steps.yaml", job_yaml(train={"steps": "many"}))
+    daemon.submit("fine")
+
+    code, out, _ = run(capsys, "status", "--home", str(daemon.home))
+    assert code == 0
+    lines = out.splitlines()
+    i = next(n for n, ln in enumerate(lines) if ln.startswith("rejected inbox files"))
+    assert lines[i] == "rejected inbox files (last 24 h, newest first):"
+    steps, broken = lines[i + 1], lines[i + 2]
+    assert lines[i + 3:] == [f"  (each reason in full: {daemon.home / 'rejected'}/NAME.error.txt)"]
+    assert steps.split()[0] == "steps.yaml" and "train.steps" in steps
+    assert broken.split()[0] == "broken.yaml" and "not valid YAML at line 2" in broken
+    assert time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() - 60)) in broken  # when
+    assert not broken.split("  ")[-1].startswith("broken.yaml:")  # the file name is not said twice
+    assert "old.yaml" not in out
+
+    reply = json.loads(run(capsys, "status", "--json", "--home", str(daemon.home))[1])
+    assert [r["file"] for r in reply["rejected"]] == ["steps.yaml", "broken.yaml"]
+    assert set(reply["rejected"][0]) == {"file", "at", "reason", "error_file"}
+    assert "\n" not in reply["rejected"][0]["reason"] and reply["rejected_total"] == 2
+
+
+def test_rejections_survive_a_daemon_restart_and_only_the_newest_five_are_listed(capsys, daemon, tmp_path):
+    for n in range(7):
+        reject(daemon, f"bad{n}.yaml", "- a list\n", age_s=100 - n)
+    daemon.close()
+    again = LiveDaemon(daemon.home, [str(tmp_path), str(REPO)])  # a new daemon on the same home
+    try:
+        code, out, _ = run(capsys, "status", "--home", str(again.home))
+    finally:
+        again.close()
+    assert "no jobs" in out
+    listed = [ln.split()[0] for ln in out.splitlines() if ln.startswith("  bad")]
+    assert listed == ["bad6.yaml", "bad5.yaml", "bad4.yaml", "bad3.yaml", "bad2.yaml"]
+    assert out.splitlines()[-1] == f"  (… and 2 more; each reason in full: {daemon.home / 'rejected'}/NAME.error.txt)"
+
+
+def test_only_the_daemons_own_error_files_are_read_and_never_through_a_symlink(capsys, daemon, tmp_path):
+    reject(daemon, "notes.error.txt", "lorad rejected nothing, honest\n")  # a rejected file with that suffix
+    secret = tmp_path / "secret.txt"
+    secret.write_text("lorad rejected x:\nthe secret\n")
+    (daemon.home / "rejected" / "link.yaml.error.txt").symlink_to(secret)
+    reply = json.loads(run(capsys, "status", "--json", "--home", str(daemon.home))[1])
+    assert [r["file"] for r in reply["rejected"]] == ["notes.error.txt"]
+    assert "must end in .yaml" in reply["rejected"][0]["reason"]
 
 
 # ================================================================ 3. a name shared by several jobs is not a guess
