@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -153,6 +154,11 @@ def _fmt_eta(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _num(v: Any, fmt: str = "{}") -> str:
+    """A value as the tables show it: `-` when there is none."""
+    return "-" if v is None else fmt.format(v)
+
+
 def _when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
@@ -190,25 +196,40 @@ def _console(**kw: Any):
     return _Console(**kw)
 
 
-def _print_table(data: dict[str, Any]) -> None:
-    from rich.table import Table
+COLUMNS = ("ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE")
 
-    t = Table(box=None, pad_edge=False)
-    for col in ("ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE"):
-        t.add_column(col, justify="right" if col in ("STEP", "LOSS", "S/STEP", "ETA") else "left")
+
+def _print_table(data: dict[str, Any]) -> None:
+    """The queue, one line per job: NOTE (why it failed, what was asked) is cut to the room left, at a word."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = []
     for j in data["jobs"]:
         note = j["requested"] and f"{j['requested']} requested" or (j["last_error"] or "")
         if j["state"] in ("succeeded", "cancelled"):
             note = ""
-        t.add_row(j["id"], j["name"], j["state"], f"{j['step']}/{j['total']}",
-                  f"{j['loss']:.4f}" if j["loss"] is not None else "-",
-                  f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
-                  _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note[:60])
-    c = _console(width=max(shutil.get_terminal_size((120, 20)).columns, 100))
+        rows.append([j["id"], j["name"], j["state"], f"{j['step']}/{j['total']}",
+                     f"{j['loss']:.4f}" if j["loss"] is not None else "-",
+                     f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
+                     _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note])
+    width = shutil.get_terminal_size((120, 20)).columns
+    fixed = sum(max([len(col), *(len(r[i]) for r in rows)]) + 2 for i, col in enumerate(COLUMNS[:-1]))
+    room = max(width - fixed, 16)
+    t = Table(box=None, pad_edge=False)
+    for col in COLUMNS:
+        t.add_column(col, justify="right" if col in ("STEP", "LOSS", "S/STEP", "ETA") else "left",
+                     no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        t.add_row(*(Text(v) for v in r[:-1]), Text(_shorten(r[-1], room)))  # Text: an error's [..] is not markup
+    c = _console(width=max(width, fixed + room))
     if not data["jobs"]:
         c.print("no jobs (drop a job file into the inbox, or: lorad submit FILE)")
     else:
-        c.print(t)
+        with c.capture() as cap:
+            c.print(t)
+        # rich pads every cell to its column's width; a line ends at its last character (styles kept).
+        print(re.sub(r" +((?:\x1b\[[0-9;]*m)*)$", r"\1", cap.get(), flags=re.M), end="")
     if data.get("draining"):
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in data.get("notes", []):
@@ -222,7 +243,7 @@ def _shorten(text: str, width: int) -> str:
     if len(text) <= width:
         return text
     cut = text[: width - 1]
-    if " " in cut and cut.rfind(" ") >= width // 2:
+    if text[width - 1] != " " and cut.rfind(" ") >= width // 2:  # the cut is inside a word: drop that word
         cut = cut[: cut.rfind(" ")]
     return cut.rstrip(" ,;:.-(") + "…"
 
@@ -246,10 +267,11 @@ def _print_rejections(data: dict[str, Any], width: int) -> None:
 def _print_detail(data: dict[str, Any]) -> None:
     j = data["job"]
     rows = [("id", j["id"]), ("name", j["name"]), ("state", j["state"]), ("priority", j["priority"]),
-            ("step", f"{j['step']}/{j['total']}"), ("loss", j["loss"]), ("s/step", j["s_per_step"]),
+            ("step", f"{j['step']}/{j['total']}"), ("loss", _num(j["loss"], "{:.4f}")),
+            ("s/step", _num(j["s_per_step"], "{:.3f}")),
             ("ETA", _fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
             ("last checkpoint", j["last_checkpoint"] or "-"), ("output", j["output"] or "-"),
-            ("workdir", j["workdir"]), ("submitted", _when(j["submitted_at"])), ("source", j["source"]),
+            ("workdir", j["workdir"]), ("submitted", _when(j["submitted_at"])), ("source", _num(j["source"])),
             ("crashes in a row", j["retries"])]
     if j["not_before"] and j["not_before"] > time.time() and j["state"] == "queued":
         rows.append(("next try", _when(j["not_before"])))
@@ -269,7 +291,7 @@ def _print_detail(data: dict[str, Any]) -> None:
     print("attempts:")
     for a in j["attempts"]:
         end = _when(a["ended_at"]) if a["ended_at"] else "running"
-        print(f"  #{a['n']:<3} {_when(a['started_at'])} → {end}  pid {a['pid']}  exit {a['exit_code']}  "
+        print(f"  #{a['n']:<3} {_when(a['started_at'])} → {end}  pid {_num(a['pid'])}  exit {_num(a['exit_code'])}  "
               f"steps {a['start_step']}→{a['end_step'] if a['end_step'] is not None else '…'}"
               + (f"  error: {a['error']}" if a["error"] else ""))
 

@@ -172,6 +172,52 @@ def test_only_the_daemons_own_error_files_are_read_and_never_through_a_symlink(c
     assert "must end in .yaml" in reply["rejected"][0]["reason"]
 
 
+# ================================================================ 7. tidy tables: one line per job, `-` for nothing
+LONG_ERROR = ("trainer exited 1: OSError: [Errno 28] No space left on device while writing\n"
+              "/srv/lorad/jobs/big-1a2b/checkpoints/step-00000400.tmp-123-abcd/optimizer.safetensors "
+              "(free: 0 bytes; the previous checkpoint step-00000300 is intact)")
+
+
+def test_the_note_is_cut_at_a_word_with_an_ellipsis_on_one_line_without_trailing_spaces(capsys, daemon,
+                                                                                         monkeypatch):
+    jid = daemon.submit("big")
+    daemon.store.update(jid, last_error=LONG_ERROR)
+    ok = daemon.submit("ok")
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out, _ = run(capsys, "status", "--home", str(daemon.home))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE"]
+    assert [ln.split()[0] for ln in lines[1:3]] == [jid, ok] and len(lines) == 3  # one line per job
+    assert all(len(ln) <= 100 and ln == ln.rstrip() for ln in lines)
+    note = lines[1][lines[0].index("NOTE"):]
+    assert note.endswith("…") and note.startswith("trainer exited 1: OSError: [Errno 28] No space")  # not markup
+    flat = " ".join(LONG_ERROR.split())
+    kept = note[:-1]
+    assert flat.startswith(kept) and flat[len(kept)] == " "  # cut where a word ends
+    assert lines[2].endswith("-")  # no note, no padding after the last column
+
+
+def test_shorten_keeps_short_text_and_cuts_long_text_at_a_word():
+    from daemon.cli import _shorten
+
+    assert _shorten("disk full", 20) == "disk full"
+    assert _shorten("one two\nthree", 20) == "one two three"
+    assert _shorten("the quick brown fox jumps", 16) == "the quick brown…"
+    assert _shorten("/a/very/long/path/without/spaces", 12) == "/a/very/lon…"  # no word to cut at: cut anyway
+
+
+def test_the_detail_view_shows_a_dash_where_there_is_no_value(capsys, daemon):
+    jid = daemon.submit()
+    daemon.store.transition(jid, "queued", "running")
+    daemon.store.start_attempt(jid, 0)
+    code, out, _ = run(capsys, "status", jid, "--home", str(daemon.home))
+    rows = dict(ln.split(": ", 1) for ln in out.splitlines() if ": " in ln and not ln.startswith("  #"))
+    assert code == 0 and rows["             loss"] == "-" and rows["           s/step"] == "-"
+    assert "None" not in out
+    attempt = next(ln for ln in out.splitlines() if ln.startswith("  #1"))
+    assert "pid -" in attempt and "exit -" in attempt
+
+
 # ================================================================ 3. a name shared by several jobs is not a guess
 def test_a_second_submit_of_a_name_in_use_says_so_and_the_name_then_needs_an_id(capsys, daemon, tmp_path):
     job = tmp_path / "short.yaml"
