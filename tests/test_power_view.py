@@ -76,3 +76,15 @@ def test_without_a_gpu_the_view_says_why_instead_of_an_empty_table():
     out = c.export_text()
     assert "telemetry unavailable" in out
     assert "limit W" not in out
+
+
+def test_a_job_without_a_gpu_is_shown_on_the_cpu_not_on_gpu_minus_one(tmp_path: Path):
+    pol = PowerPolicy(PowerSettings(telemetry={"backend": "off"}), tmp_path, tmp_path / "state.db", NoLog(),
+                      start_threads=False)
+    pol.on_job_start(RunningJob("cpu-job", "cpu-job", 1, None, 0.0, total=100))  # a CPU-only machine: gpu None
+    rep = api.power_report(pol)
+    assert rep["jobs"]["cpu-job"]["gpu"] is None  # --json: no GPU index where there is none
+    out = _text(view.render(rep))
+    assert "job cpu-job on CPU: no job limit" in out and "GPU -1" not in out
+    pol.close()
+    assert "job j2 on GPU 1:" in _text(view.render({"gpus": [], "jobs": {"j2": {"gpu": 1, "limit_w": None}}}))

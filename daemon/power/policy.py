@@ -392,7 +392,8 @@ class PowerPolicy:
                     })
             for jid, j in self.jobs.items():
                 t = j.tuner
-                rep["jobs"][jid] = {"gpu": j.gpu, "limit_w": j.limit_w, "auto": j.auto,
+                rep["jobs"][jid] = {"gpu": j.gpu if j.gpu >= 0 else None,  # None: a CPU job, nothing to meter
+                                    "limit_w": j.limit_w, "auto": j.auto,
                                     "tuner": None if t is None else {
                                         "done": t.done, "limit_w": t.limit_w,
                                         "points": [p.to_dict() for p in t.points]},

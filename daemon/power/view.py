@@ -41,7 +41,8 @@ def render(rep: dict[str, Any]) -> Group:
                   _f((s.get("energy_mj") or 0) / 1e6, "{:.1f}"), ",".join(s.get("throttle") or []) or "-", cap)
     parts: list[Any] = [t, *names] if names else []  # no GPU: the notes below say why, no empty table
     for jid, j in (rep.get("jobs") or {}).items():
-        line = f"job {jid} on GPU {j['gpu']}: "
+        gpu = j.get("gpu")
+        line = f"job {jid} on " + (f"GPU {gpu}: " if gpu is not None and gpu >= 0 else "CPU: ")
         tu = j.get("tuner")
         if j.get("limit_w") is not None:
             line += f"limit {j['limit_w']:.0f} W"
