@@ -282,7 +282,7 @@ def _print_table(data: dict[str, Any]) -> None:
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in data.get("notes", []):
         c.print(f"note: {n}", markup=False, highlight=False)
-    _print_rejections(data, c.width)
+    _print_rejections(data, width)
 
 
 def _shorten(text: str, width: int) -> str:
