@@ -22,6 +22,7 @@ from typing import Any
 from daemon import protocol as p
 from daemon.lock import AlreadyRunning, TrainerLock
 from daemon.paths import default_home, job_dir
+from engine.events import read_events
 
 EXIT_USAGE = 2  # argparse's own: a mistake in the arguments
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
@@ -69,42 +70,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         events = workdir / "events.jsonl"  # every run's events: this run's are the ones after `seen` bytes
         seen = events.stat().st_size if events.exists() else 0
         code = train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
-        for line in _run_summary(cfg.name, _events_since(events, seen), code):
+        for line in _run_summary(read_events(workdir, seen), code):
             print(f"lorad: {line}", file=sys.stderr)
         return code
     finally:
         lock.release()
 
 
-def _events_since(path: Path, offset: int) -> list[dict[str, Any]]:
-    """The events appended to an events.jsonl after `offset` bytes (a line torn by an earlier kill is skipped)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return []
-    out = []
-    for line in data.splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict):
-            out.append(ev)
-    return out
+def _run_summary(events: list[dict[str, Any]], code: int) -> list[str]:
+    """What `lorad run` says after training, from this run's events: where it stopped or put the adapter.
 
-
-def _run_summary(name: str, events: list[dict[str, Any]], code: int) -> list[str]:
-    """What `lorad run` says after training, from this run's events: where it resumed, stopped, or put the adapter."""
+    (Where it resumed is said by the engine itself, when it resumes.)
+    """
     from engine.checkpoint import step_dir_name
     from engine.stop import EXIT_OK, EXIT_STOPPED
 
     last = {e.get("event"): e for e in events}
-    resumed, stopped, done = last.get("resumed"), last.get("stopped"), last.get("done")
+    stopped, done = last.get("stopped"), last.get("done")
     lines = []
-    if resumed is not None and not (done is not None and done.get("already")):
-        lines.append(f"resumed job {name} from step {resumed.get('from_step')} (checkpoint {resumed.get('checkpoint')})")
     if code == EXIT_STOPPED and stopped is not None:
         ckpt = stopped.get("checkpoint")
         if ckpt:

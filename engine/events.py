@@ -70,15 +70,24 @@ class EventLog:
             self._file = None
 
 
-def read_events(workdir: Path) -> list[dict[str, Any]]:
-    """The job's events so far, skipping a line torn by a kill mid-write (readers of a live or killed job)."""
+def read_events(workdir: Path, offset: int = 0) -> list[dict[str, Any]]:
+    """The job's events so far (those written after `offset` bytes), skipping a line torn by a kill mid-write.
+
+    For readers of a live or killed job; `offset` (the file's size at some moment) gives one run's events.
+    """
     path = Path(workdir) / "events.jsonl"
-    if not path.exists():
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
         return []
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    for line in data.decode(errors="replace").splitlines():
         try:
-            out.append(json.loads(line))
+            ev = json.loads(line)
         except ValueError:
-            pass
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
     return out

@@ -192,6 +192,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                         message="the dataset changed since this checkpoint; the order continues by sample count")
         log.info("resumed", from_step=step, checkpoint=loaded.path.name, skipped=[s.name for s in skipped],
                  seconds_since_start=round(time.monotonic() - t_start, 3))
+        if progress != "json" and step < cfg.train.steps:  # `lorad run`: said when it happens, not after
+            _say(progress, f"lorad: resumed job {cfg.name} from step {step} (checkpoint {loaded.path.name})")
     if step >= cfg.train.steps and (workdir / "output").is_dir():
         log.info("done", step=step, output=str(workdir / "output"), already=True)
         return EXIT_OK

@@ -11,7 +11,7 @@ import time
 
 import yaml
 
-from daemon.cli import _events_since, _run_summary
+from daemon.cli import _run_summary
 from daemon.cli import main as lorad
 from daemon.paths import job_dir
 from engine.events import read_events
@@ -67,9 +67,9 @@ def test_lorad_run_says_where_it_stopped_where_it_resumed_and_where_the_adapter_
 
 def test_a_stop_before_the_first_checkpoint_says_the_run_starts_again():
     events = [{"event": "start"}, {"event": "stopped", "step": 0, "reason": "SIGINT", "checkpoint": 0}]
-    assert _run_summary("tiny", events, 75) == [
+    assert _run_summary(events, 75) == [
         "stopped at step 0, before the first checkpoint — run the same command to start again"]
-    assert _run_summary("tiny", [{"event": "invalid_job"}], 65) == []  # the engine said why already
+    assert _run_summary([{"event": "invalid_job"}], 65) == []  # the engine said why already
 
 
 def test_only_this_runs_events_are_read_even_after_a_line_torn_by_a_kill(tmp_path):
@@ -78,5 +78,5 @@ def test_only_this_runs_events_are_read_even_after_a_line_torn_by_a_kill(tmp_pat
     offset = path.stat().st_size
     with open(path, "a") as f:
         f.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "stopped", "step": 3}) + "\n" + "{")
-    assert _events_since(path, offset) == [{"event": "start"}, {"event": "stopped", "step": 3}]
-    assert _events_since(tmp_path / "missing.jsonl", 0) == []
+    assert read_events(tmp_path, offset) == [{"event": "start"}, {"event": "stopped", "step": 3}]
+    assert read_events(tmp_path / "missing", 0) == []
