@@ -13,6 +13,7 @@ cleanly after a checkpoint (resumable), anything else is a crash.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -73,8 +74,25 @@ def restore_checkpoint(loaded, params, optimizer, generator) -> dict[str, Any]:
     return loaded.state
 
 
+OUTPUT_STAMP = "lorad-output.json"  # in output/: the step and settings the adapter was exported from
+
+
+def output_step(workdir: Path, cfg: JobConfig) -> int | None:
+    """The step output/ holds, if it was exported from this job's settings; None if absent, foreign or unreadable."""
+    try:
+        stamp = json.loads((workdir / "output" / OUTPUT_STAMP).read_text())
+        return int(stamp["step"]) if stamp.get("config_hash") == cfg.identity_hash() else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any]) -> Path:
-    """Write the final adapter to output.tmp-*, make it durable, and rename it to output/."""
+    """Write the final adapter to output.tmp-*, make it durable, and rename it to output/.
+
+    output/ gets a stamp with the step it holds, so that a run whose `steps` was raised after the job
+    finished, and that died between its final checkpoint and its export, exports again instead of
+    calling the older adapter done.
+    """
     out = workdir / "output"
     # Leftovers of exports killed half-way (one trainer per job directory, so none is in use).
     for stale in workdir.glob("output.tmp-*"):
@@ -82,6 +100,9 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
     tmp = workdir / f"output.tmp-{os.getpid()}"
     fs.mkdir(tmp)
     names = family.export(model, cfg, tmp, meta)
+    fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(),
+                                              "files": sorted(names)}).encode()])
+    names = [*names, OUTPUT_STAMP]
     mode = normal_file_mode()
     for name in names:
         if (tmp / name).is_file():
@@ -194,7 +215,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                  seconds_since_start=round(time.monotonic() - t_start, 3))
         if progress != "json" and step < cfg.train.steps:  # `lorad run`: said when it happens, not after
             _say(progress, f"lorad: resumed job {cfg.name} from step {step} (checkpoint {loaded.path.name})")
-    if step >= cfg.train.steps and (workdir / "output").is_dir():
+    if step >= cfg.train.steps and output_step(workdir, cfg) == step:
         log.info("done", step=step, output=str(workdir / "output"), already=True)
         return EXIT_OK
 

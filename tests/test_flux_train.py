@@ -268,7 +268,9 @@ def test_the_shipped_tiny_flux_job_runs_to_its_outputs(tmp_path):
     cfg = load_job(repo / "configs/examples/flux-lora-tiny.yaml")
     cfg.train.steps = cfg.sample.every_steps = 4  # the shipped keys, fewer steps (CPU time is shared)
     assert train(cfg, tmp_path / "work", progress="none") == 0
-    assert sorted(p.name for p in (tmp_path / "work" / "output").iterdir()) == sorted(OUTPUTS)
+    from engine.run import OUTPUT_STAMP
+
+    assert sorted(p.name for p in (tmp_path / "work" / "output").iterdir()) == sorted([*OUTPUTS, OUTPUT_STAMP])
     assert (tmp_path / "work" / "samples" / "step-00000004" / "00.png").is_file()
 
 

@@ -6,6 +6,7 @@ Llama, the same process boundary the daemon uses.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import signal
@@ -216,6 +217,36 @@ def test_sigusr1_commits_now_and_training_continues_unchanged(jobs, runs, tmp_pa
     assert urgent[0] in [e["step"] for e in t.named("checkpoint_committed")]
     reference, _ = runs["adamw8bit"]
     assert adapter_bytes(wd) == adapter_bytes(reference.result(timeout=600))
+
+
+def test_a_job_continued_past_its_end_never_calls_the_old_adapter_done(finished_tiny_job, tmp_path, monkeypatch):
+    """steps raised after the job finished; the export of the new end fails (disk full, or a kill): the next run
+    must export the new end, not report the older adapter in output/ as done."""
+    import errno
+
+    import engine.run as run
+
+    job, cfg, workdir, _ = finished_tiny_job
+    wd = tmp_path / "continued"
+    shutil.copytree(workdir, wd)
+    old = adapter_bytes(wd)
+    raw = yaml.safe_load(job.read_text())
+    raw["train"]["steps"] = cfg.train.steps + 4
+    longer = parse_job(raw, job.parent)
+
+    real_export = run.export_output
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run, "export_output", disk_full)
+    assert train(longer, wd, progress="none") == 74  # the final checkpoint (step 16) is committed, output/ is not
+    monkeypatch.setattr(run, "export_output", real_export)
+    assert train(longer, wd, progress="none") == 0
+    done = read_events(wd)[-1]
+    assert done["event"] == "done" and not done.get("already") and done["step"] == cfg.train.steps + 4
+    assert json.loads((wd / "output" / run.OUTPUT_STAMP).read_text())["step"] == cfg.train.steps + 4
+    assert adapter_bytes(wd) != old
 
 
 def test_an_export_killed_half_way_is_redone_and_its_leftovers_removed(finished_tiny_job, tmp_path):
