@@ -88,6 +88,13 @@ class ConfigMismatch(Exception):
     """The newest valid checkpoint was written by a job with different training settings."""
 
 
+class NewerCheckpoint(ConfigMismatch):
+    """A checkpoint written by a newer lorad: never set aside (pruning would delete it), never walked past."""
+
+
+CHECKPOINT_FILES = ("adapter.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "state.json")
+
+
 def changed_keys(was: dict[str, Any] | None, now: dict[str, Any] | None, limit: int = 4) -> str:
     """'train.lr 0.002 → 0.001, lora.rank 32 → 16' for the dotted keys that differ; '' if either is unknown."""
     if not isinstance(was, dict) or not isinstance(now, dict):
@@ -189,25 +196,34 @@ class CheckpointStore:
             return None, {}, "no manifest.json (the save never finished)"
         try:
             manifest = json.loads(mpath.read_bytes())
-            files_meta = manifest["files"]
+            fmt = manifest.get("format")
+            if isinstance(fmt, int) and fmt > FORMAT_VERSION:
+                raise NewerCheckpoint(
+                    f"checkpoint {path} was written by a newer lorad (checkpoint format {fmt}; this lorad reads "
+                    f"{FORMAT_VERSION}): upgrade lorad to resume it — it is left untouched")
+            if fmt != FORMAT_VERSION:
+                return None, {}, f"manifest format {fmt!r} is not {FORMAT_VERSION}"
             step = int(manifest["step"])
-        except (ValueError, KeyError, TypeError) as e:
-            return None, {}, f"manifest.json is unreadable ({type(e).__name__})"
-        if manifest.get("format") != FORMAT_VERSION:
-            return None, {}, f"manifest format {manifest.get('format')!r} is not {FORMAT_VERSION}"
-        if step_dir_name(step) != path.name:
-            return None, {}, f"manifest says step {step}, directory says {path.name}"
-        blobs: dict[str, bytes] = {}
-        for name, meta in files_meta.items():
-            fpath = path / name
-            if not fpath.is_file():
-                return None, {}, f"{name} is missing"
-            data = fpath.read_bytes()
-            if len(data) != meta["size"]:
-                return None, {}, f"{name} is {len(data)} bytes, manifest says {meta['size']} (truncated?)"
-            if _sha256(data) != meta["sha256"]:
-                return None, {}, f"{name} fails its sha256 checksum (corrupted)"
-            blobs[name] = data
+            if step_dir_name(step) != path.name:
+                return None, {}, f"manifest says step {step}, directory says {path.name}"
+            files_meta = manifest["files"]
+            missing = [n for n in CHECKPOINT_FILES if n not in files_meta]
+            if missing:
+                return None, {}, f"manifest.json lists no {missing[0]}"
+            blobs: dict[str, bytes] = {}
+            for name, meta in files_meta.items():
+                fpath = path / name
+                if not fpath.is_file():
+                    return None, {}, f"{name} is missing"
+                data = fpath.read_bytes()
+                if len(data) != meta["size"]:
+                    return None, {}, f"{name} is {len(data)} bytes, manifest says {meta['size']} (truncated?)"
+                if _sha256(data) != meta["sha256"]:
+                    return None, {}, f"{name} fails its sha256 checksum (corrupted)"
+                blobs[name] = data
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            # Valid JSON of the wrong shape (a flipped bit in a key) is as unreadable as broken JSON.
+            return None, {}, f"manifest.json is unreadable ({type(e).__name__}: {e})"
         return manifest, blobs, None
 
     def load_latest(self, set_aside_invalid: bool = True) -> tuple[Loaded | None, list[Skipped]]:
@@ -217,15 +233,19 @@ class CheckpointStore:
         of the same step never collides with them; nothing is deleted here.
         """
         skipped: list[Skipped] = []
+
+        def skip(path: Path, reason: str) -> None:
+            skipped.append(Skipped(path.name, reason))
+            if set_aside_invalid:
+                try:
+                    self._set_aside(path, "skipped")
+                except OSError:
+                    pass
+
         for step, path in self.steps():
             manifest, blobs, reason = self.verify(path)
             if reason is not None:
-                skipped.append(Skipped(path.name, reason))
-                if set_aside_invalid:
-                    try:
-                        self._set_aside(path, "skipped")
-                    except OSError:
-                        pass
+                skip(path, reason)
                 continue
             if manifest["config_hash"] != self.config_hash:
                 changed = changed_keys(manifest.get("identity"), self.identity)
@@ -235,8 +255,8 @@ class CheckpointStore:
                     f"checkpoint {path} was written by a job with different model/lora/data/train settings "
                     f"({what}); put them back, or give the job a new name or remove that job directory"
                 )
-            return (
-                Loaded(
+            try:
+                loaded = Loaded(
                     step=step,
                     path=path,
                     adapter=st_load(blobs["adapter.safetensors"]),
@@ -244,9 +264,11 @@ class CheckpointStore:
                     optimizer_tree=json.loads(blobs["optimizer.json"]),
                     rng_tensors=st_load(blobs["rng.safetensors"]),
                     state=json.loads(blobs["state.json"]),
-                ),
-                skipped,
-            )
+                )
+            except Exception as e:  # noqa: BLE001 — checksums matched files the writer itself got wrong: walk back
+                skip(path, f"its files do not parse ({type(e).__name__}: {e})"[:300])
+                continue
+            return loaded, skipped
         return None, skipped
 
     # ---------------------------------------------------------------- prune

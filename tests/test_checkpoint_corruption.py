@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,7 +36,25 @@ DAMAGE = {
     "truncated manifest": ("manifest.json", truncate, "manifest.json"),
     "missing manifest": ("manifest.json", lambda p: p.unlink(), "no manifest"),
     "missing state file": ("state.json", lambda p: p.unlink(), "missing"),
+    # valid JSON of the wrong shape: one flipped bit turns a key into another
+    "manifest key flipped": ("manifest.json", lambda p: p.write_text(p.read_text().replace('"size"', '"sizd"', 1)),
+                             "unreadable (KeyError"),
+    "manifest without the adapter": ("manifest.json", lambda p: _drop_file_entry(p, "adapter.safetensors"),
+                                     "lists no adapter.safetensors"),
+    "manifest files not a mapping": ("manifest.json", lambda p: _set_key(p, "files", [1, 2]), "manifest.json"),
 }
+
+
+def _drop_file_entry(path: Path, name: str) -> None:
+    m = json.loads(path.read_text())
+    del m["files"][name]
+    path.write_text(json.dumps(m))
+
+
+def _set_key(path: Path, key: str, value) -> None:
+    m = json.loads(path.read_text())
+    m[key] = value
+    path.write_text(json.dumps(m))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -104,3 +123,16 @@ def test_only_the_newest_set_aside_invalid_checkpoints_are_kept(tmp_path):
     left = sorted(p.name for p in root.iterdir())
     want_aside = [f"step-{i:08d}.invalid-skipped-{1000 + i}" for i in range(3, KEEP_INVALID + 3)]
     assert left == sorted(want_aside + ["step-00000007"])
+
+
+def test_a_checkpoint_from_a_newer_lorad_is_neither_walked_past_nor_set_aside(trained, tmp_path):
+    from engine.checkpoint import NewerCheckpoint
+
+    _, cfg, workdir, _ = trained
+    ck = tmp_path / "checkpoints"
+    shutil.copytree(workdir / "checkpoints", ck)
+    _set_key(ck / "step-00000012" / "manifest.json", "format", 99)
+    with pytest.raises(NewerCheckpoint, match="newer lorad .* upgrade lorad"):
+        CheckpointStore(ck, cfg.identity_hash(), keep=10).load_latest()
+    assert (ck / "step-00000012" / "manifest.json").is_file()  # untouched: pruning can never delete it
+    assert not [p for p in ck.iterdir() if ".invalid-" in p.name]
