@@ -343,6 +343,7 @@ class AsyncCheckpointer:
     _done: list[SaveResult] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight_step: int | None = None
+    started: float = 0.0  # time.monotonic() when the save in flight was submitted
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -352,6 +353,7 @@ class AsyncCheckpointer:
         if self.busy():
             raise RuntimeError("a checkpoint save is already in flight")
         self.in_flight_step = snap.step
+        self.started = time.monotonic()
         self._thread = threading.Thread(target=self._write, args=(snap, background), name=f"ckpt-{snap.step}", daemon=True)
         self._thread.start()
 

@@ -239,12 +239,16 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         return {"step": step, "samples_consumed": consumed, "epoch": c.epoch, "position": c.position,
                 "dataset_size": n, "train_seconds": train_seconds, "config_hash": cfg.identity_hash()}
 
+    last_write_s = 0.0  # how long the last save took to commit
+    slow_warned: int | None = None
+
     def handle_saves(results) -> None:
-        nonlocal last_saved_step
+        nonlocal last_saved_step, last_write_s
         for r in results:
             if r.error is not None:
                 _raise_save_error(r, store)
             last_saved_step = max(last_saved_step, r.step)
+            last_write_s = r.seconds
             log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
 
     try:
@@ -286,9 +290,19 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 saver.submit(snapshot(step, params, optimizer, generator, state_now()))
                 last_save_t = time.monotonic()
                 continue
+            # Work is lost back to the last *snapshot*, and a snapshot is safe only once committed: starting each
+            # save as much earlier as the last one took to write keeps the work at risk within every_seconds.
+            every_s = cfg.checkpoint.every_seconds
             due = (cfg.checkpoint.every_steps is not None and step - last_saved_step >= cfg.checkpoint.every_steps) or (
-                cfg.checkpoint.every_seconds is not None and time.monotonic() - last_save_t >= cfg.checkpoint.every_seconds
+                every_s is not None and time.monotonic() - last_save_t + last_write_s >= every_s
             )
+            if (every_s is not None and saver.busy() and saver.in_flight_step != slow_warned
+                    and time.monotonic() - saver.started > every_s):
+                slow_warned = saver.in_flight_step
+                log.warning("checkpoint_slow", step=slow_warned, seconds=round(time.monotonic() - saver.started, 1),
+                            message="a checkpoint save is taking longer than checkpoint.every_seconds, so more work "
+                                    "than that is at risk until it lands (a slow disk, or every core busy "
+                                    "training: see LORAD_CKPT_WRITER_NICE)")
             if due and not saver.busy() and step < cfg.train.steps:
                 saver.submit(snapshot(step, params, optimizer, generator, state_now()), background=True)
                 last_save_t = time.monotonic()

@@ -277,3 +277,10 @@ def test_a_network_failure_stays_a_crash_the_daemon_retries(tmp_path, micro_mode
                     tmp_path)
     with pytest.raises(OSError, match="couldn't connect"):
         train(cfg, tmp_path / "w", progress="none")
+
+
+def test_a_job_with_no_checkpoint_trigger_at_all_is_refused(tmp_path, micro_model):
+    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"checkpoint": {"every_steps": None, "every_seconds": None}})
+    with pytest.raises(JobInvalid, match="every_steps and every_seconds are both null"):
+        parse_job(d, tmp_path)
+    parse_job(deep_update(d, {"checkpoint": {"every_seconds": 30}}), tmp_path)  # either one is enough
