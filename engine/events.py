@@ -39,6 +39,8 @@ class _Sinks:
 class EventLog:
     def __init__(self, path: Path | None, to_stdout: bool, **bound: Any):
         self._file = open(path, "a", encoding="utf-8") if path is not None else None
+        if self._file is not None and _ends_mid_line(path):
+            self._file.write("\n")  # a line torn by a kill or power cut must not swallow this run's first event
         files: list[IO[str]] = [f for f in (self._file, sys.stdout if to_stdout else None) if f is not None]
         self._log = structlog.wrap_logger(
             _Sinks(files),
@@ -68,6 +70,18 @@ class EventLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def read_events(workdir: Path, offset: int = 0) -> list[dict[str, Any]]:

@@ -27,19 +27,26 @@ def capture(generator: torch.Generator | None = None) -> tuple[dict[str, Any], d
     return meta, tensors
 
 
-def restore(meta: dict[str, Any], tensors: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> None:
+def restore(meta: dict[str, Any], tensors: dict[str, torch.Tensor], generator: torch.Generator | None = None) -> str | None:
+    """Restore every RNG; return a warning if the CUDA devices differ from the checkpoint's (those that match are
+    restored, the others keep their seed: results on the others are then no longer bit-exact)."""
     v, state, gauss = meta["python"]
     random.setstate((v, tuple(state), gauss))
     name, keys, pos, has_gauss, cached = meta["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(tensors["torch_cpu"])
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        states = [tensors[f"cuda_{i}"] for i in range(n) if f"cuda_{i}" in tensors]
-        if len(states) == n:
-            torch.cuda.set_rng_state_all(states)
+    warning = None
+    saved = sorted(int(k[5:]) for k in tensors if k.startswith("cuda_"))
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for i in range(min(n, len(saved))):
+        torch.cuda.set_rng_state(tensors[f"cuda_{i}"], device=i)
+    if n != len(saved):
+        warning = (f"the checkpoint has the CUDA random state of {len(saved)} GPU(s), this run sees {n}: "
+                   f"{'the first ' + str(min(n, len(saved))) + ' were restored; ' if min(n, len(saved)) else ''}"
+                   "dropout on the others differs from an uninterrupted run")
     if generator is not None and "data_generator" in tensors:
         generator.set_state(tensors["data_generator"])
+    return warning
 
 
 def seed_everything(seed: int) -> torch.Generator:

@@ -62,7 +62,7 @@ def snapshot(step: int, params, optimizer, generator, state: dict[str, Any]) -> 
     return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta})
 
 
-def restore_checkpoint(loaded, params, optimizer, generator) -> dict[str, Any]:
+def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[str, Any]:
     missing = set(params) ^ set(loaded.adapter)
     if missing:
         raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: {sorted(missing)[:3]}")
@@ -70,7 +70,9 @@ def restore_checkpoint(loaded, params, optimizer, generator) -> dict[str, Any]:
         for n, p in params.items():
             p.copy_(loaded.adapter[n])
     optimizer.load_state_dict(join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
-    restore(loaded.state["rng"], loaded.rng_tensors, generator)
+    warning = restore(loaded.state["rng"], loaded.rng_tensors, generator)
+    if warning and log is not None:
+        log.warning("rng_mismatch", message=warning)
     return loaded.state
 
 
@@ -151,6 +153,12 @@ def train(
         _say(progress, f"lorad: {e}")
         return EXIT_IO
     except OSError as e:
+        if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
+            msg = (f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run "
+                   "again")
+            log.error("disk_error", message=msg)
+            _say(progress, f"lorad: {msg}")
+            return EXIT_IO
         if (why := hub_refusal(e, cfg)) is None:
             raise
         log.error("invalid_job", message=why)
@@ -206,7 +214,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         _say(progress, f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
     step, consumed, elapsed_before = 0, 0, 0.0
     if loaded is not None:
-        state = restore_checkpoint(loaded, params, optimizer, generator)
+        state = restore_checkpoint(loaded, params, optimizer, generator, log)
         step, consumed, elapsed_before = state["step"], state["samples_consumed"], state.get("train_seconds", 0.0)
         if state.get("dataset_size") != n:
             log.warning("dataset_changed", was=state.get("dataset_size"), now=n,
@@ -280,7 +288,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             log.info("step", step=step, total=cfg.train.steps, loss=round(loss_sum, 6), lr=lr,
                      s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
             bar.update(step, loss_sum, s_per_step)
-            family.on_step_end(model, step, cfg, workdir, log)
+            if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
+                family.on_step_end(model, step, cfg, workdir, log)
 
             handle_saves(saver.poll())
             if stop.take_save_request() and step < cfg.train.steps:

@@ -49,6 +49,9 @@ class StopFlag:
         signal.signal(signal.SIGTERM, self._on_term)
         signal.signal(signal.SIGINT, self._on_int)
         signal.signal(signal.SIGUSR1, lambda signum, frame: self.request_save())
+        # The daemon starts trainers with SIGUSR1 blocked: a "checkpoint now" sent while this process was still
+        # importing torch waits, pending, instead of killing it (the default action). It is delivered here.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
     def _on_term(self, signum, frame) -> None:
         self.request("SIGTERM")
