@@ -9,10 +9,12 @@ socket threads and the supervisor share one connection behind a lock.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +90,69 @@ class AmbiguousJob(LookupError):
         self.matches = matches
 
 
+class StoreUnusable(Exception):
+    """state.db cannot be used as it is (corrupt, or locked by another process): restarting will not help."""
+
+
+def unusable_reason(path: Path, e: BaseException) -> str | None:
+    """One line for an SQLite error that a restart cannot cure (a corrupt or locked file); None for any other."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if not isinstance(e, sqlite3.DatabaseError) or code is None:
+        return None
+    primary = code & 0xFF  # extended codes (SQLITE_BUSY_RECOVERY, ...) carry the primary code in the low byte
+    if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return (f"{path} is not a lorad database (corrupt?): move it aside to start fresh "
+                f"— job directories under jobs/ are not touched")
+    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        pids = holders(path)
+        who = f"pid {', '.join(map(str, pids))}" if pids else "pid unknown"
+        return f"{path} is locked by another process ({who}): stop it, then start lorad again"
+    return None
+
+
+def holders(path: Path) -> list[int]:
+    """Other processes (that we may look at) with the database, its WAL or its shared memory file open."""
+    names = {str(Path(path).resolve()) + suffix for suffix in ("", "-wal", "-shm", "-journal")}
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{d}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{d}/fd/{fd}") in names:
+                    out.append(int(d))
+                    break
+            except OSError:
+                continue
+    return sorted(out)
+
+
 class Store:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, timeout_s: float = 30.0):
+        """Open (or create) the database; StoreUnusable if it is corrupt or stays locked for `timeout_s`."""
         self.path = Path(path)
         self._lock = threading.RLock()
-        self.db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a committed transition survives a power cut, not only a process crash.
-        self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(SCHEMA)
+        self.db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=timeout_s)
+        try:
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            # FULL: a committed transition survives a power cut, not only a process crash.
+            self.db.execute("PRAGMA synchronous=FULL")
+            self.db.execute("PRAGMA foreign_keys=ON")
+            self.db.executescript(SCHEMA)
+            # Take the write lock once: a file another process keeps locked is found now, not at the first job.
+            self.db.execute("BEGIN IMMEDIATE")
+            self.db.execute("COMMIT")
+        except sqlite3.DatabaseError as e:
+            self.db.close()
+            why = unusable_reason(self.path, e)
+            if why is None:
+                raise
+            raise StoreUnusable(why) from None
 
     def close(self) -> None:
         with self._lock:
@@ -189,23 +243,34 @@ class Store:
 
     def transition(self, job_id: str, src: str | tuple[str, ...], dst: str, reason: str = "", **fields: Any) -> None:
         """Move a job from `src` (or one of several) to `dst`, checked against the table, in one transaction."""
-        allowed_src = (src,) if isinstance(src, str) else src
         with self._tx() as db:
-            row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+            _transition(db, job_id, src, dst, reason, fields)
+
+    def begin_attempt(self, job_id: str, start_step: int, **fields: Any) -> int:
+        """QUEUED → RUNNING and a new attempt row, in one transaction (both or neither). The attempt's number."""
+        with self._tx() as db:
+            _transition(db, job_id, states.QUEUED, states.RUNNING, "trainer starting", fields)
+            return _start_attempt(db, job_id, start_step)
+
+    def end_run(self, job_id: str, exit_code: int | None, end_step: int, error: str | None,
+                plan: Callable[[dict[str, Any]], tuple[list[tuple[str, str, dict[str, Any]]], Any]]) -> Any:
+        """Close the open attempt and move a running job on, in one transaction; returns plan's result.
+
+        plan(the job's row as it is now, inside the transaction) → (moves, result), moves being
+        [(dst, reason, fields), ...] walked from RUNNING (e.g. interrupted, then queued). Nothing another
+        thread writes (a cancel, say) can land between reading the row and the last move.
+        """
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 raise UnknownJob(job_id)
-            cur = row["state"]
-            if cur not in allowed_src:
-                raise states.IllegalTransition(f"job {job_id} is {cur}, not {' or '.join(allowed_src)}")
-            states.check(cur, dst)
-            sets, vals = ["state=?", "updated_at=?"], [dst, time.time()]
-            for k, v in fields.items():
-                if k not in PROGRESS_COLUMNS:
-                    raise ValueError(f"not a job column: {k}")
-                sets.append(f"{k}=?")
-                vals.append(v)
-            db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*vals, job_id))
-            _event(db, job_id, "transition", {"from": cur, "to": dst, "reason": reason})
+            moves, result = plan(dict(row))
+            _end_attempt(db, job_id, exit_code, end_step, error)
+            src = states.RUNNING
+            for dst, reason, fields in moves:
+                _transition(db, job_id, src, dst, reason, fields)
+                src = dst
+            return result
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Progress and bookkeeping columns; never the state (that is transition()'s job)."""
@@ -223,23 +288,23 @@ class Store:
     # ------------------------------------------------------------ attempts
     def start_attempt(self, job_id: str, start_step: int) -> int:
         with self._tx() as db:
-            n = db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE job_id=?", (job_id,)).fetchone()[0]
-            db.execute("INSERT INTO attempts (job_id, n, started_at, start_step) VALUES (?,?,?,?)",
-                       (job_id, n, time.time(), start_step))
-            return n
+            return _start_attempt(db, job_id, start_step)
 
     def set_attempt_pid(self, job_id: str, n: int, pid: int) -> None:
         with self._tx() as db:
             db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
 
+    def record_trainer(self, job_id: str, n: int, pid: int, pid_start: int | None) -> None:
+        """The trainer's pid (and start time) on the job and on its attempt, in one transaction."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET pid=?, pid_start=?, updated_at=? WHERE id=?",
+                       (pid, pid_start, time.time(), job_id))
+            db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
+
     def end_attempt(self, job_id: str, exit_code: int | None, end_step: int, error: str | None) -> None:
         """Close the open attempt of a job (if any)."""
         with self._tx() as db:
-            db.execute(
-                "UPDATE attempts SET ended_at=?, exit_code=?, end_step=?, error=? "
-                "WHERE job_id=? AND ended_at IS NULL",
-                (time.time(), exit_code, end_step, error, job_id),
-            )
+            _end_attempt(db, job_id, exit_code, end_step, error)
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:
@@ -268,24 +333,78 @@ class Store:
                        (key, value))
 
 
+def _transition(db: sqlite3.Connection, job_id: str, src: str | tuple[str, ...], dst: str, reason: str,
+                fields: dict[str, Any]) -> None:
+    allowed_src = (src,) if isinstance(src, str) else src
+    row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+    if row is None:
+        raise UnknownJob(job_id)
+    cur = row["state"]
+    if cur not in allowed_src:
+        raise states.IllegalTransition(f"job {job_id} is {cur}, not {' or '.join(allowed_src)}")
+    states.check(cur, dst)
+    sets, vals = ["state=?", "updated_at=?"], [dst, time.time()]
+    for k, v in fields.items():
+        if k not in PROGRESS_COLUMNS:
+            raise ValueError(f"not a job column: {k}")
+        sets.append(f"{k}=?")
+        vals.append(v)
+    db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*vals, job_id))
+    _event(db, job_id, "transition", {"from": cur, "to": dst, "reason": reason})
+
+
+def _start_attempt(db: sqlite3.Connection, job_id: str, start_step: int) -> int:
+    n = db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE job_id=?", (job_id,)).fetchone()[0]
+    db.execute("INSERT INTO attempts (job_id, n, started_at, start_step) VALUES (?,?,?,?)",
+               (job_id, n, time.time(), start_step))
+    return n
+
+
+def _end_attempt(db: sqlite3.Connection, job_id: str, exit_code: int | None, end_step: int, error: str | None) -> None:
+    db.execute("UPDATE attempts SET ended_at=?, exit_code=?, end_step=?, error=? WHERE job_id=? AND ended_at IS NULL",
+               (time.time(), exit_code, end_step, error, job_id))
+
+
 def _event(db: sqlite3.Connection, job_id: str | None, kind: str, data: dict[str, Any]) -> None:
     db.execute("INSERT INTO events (job_id, ts, kind, data) VALUES (?,?,?,?)",
                (job_id, time.time(), kind, json.dumps(data, default=str)))
 
 
 class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT under the store's lock; ROLLBACK on any exception."""
+    """BEGIN IMMEDIATE ... COMMIT under the store's lock; ROLLBACK on any exception (a failed COMMIT included).
+
+    A write that fails (disk full, a lock held too long) leaves no transaction open and the lock released, so
+    the next write can succeed once the cause is gone.
+    """
 
     def __init__(self, store: Store):
         self.store = store
 
     def __enter__(self) -> sqlite3.Connection:
         self.store._lock.acquire()
-        self.store.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.store.db.execute("BEGIN IMMEDIATE")
+        except BaseException:
+            self.store._lock.release()
+            raise
         return self.store.db
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.store.db.execute("ROLLBACK" if exc_type else "COMMIT")
+            if exc_type is None:
+                try:
+                    self.store.db.execute("COMMIT")
+                    return
+                except sqlite3.Error:
+                    self._rollback()
+                    raise
+            self._rollback()
         finally:
             self.store._lock.release()
+
+    def _rollback(self) -> None:
+        if self.store.db.in_transaction:
+            try:
+                self.store.db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # SQLite rolled it back itself

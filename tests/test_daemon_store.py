@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
+import threading
 
 import pytest
 
 from daemon import states
-from daemon.store import AmbiguousJob, Store, UnknownJob
+from daemon.store import AmbiguousJob, Store, StoreUnusable, UnknownJob
 
 
 @pytest.fixture
@@ -63,12 +66,91 @@ def test_transition_checks_the_current_state_not_the_callers_belief(store):
     assert [e["data"]["to"] for e in store.events(jid) if e["kind"] == "transition"] == ["running"]
 
 
+def fail_event_writes(store: Store, when: str = "1") -> None:
+    """From now on, writing an event (the last write of a transition) fails when `when` holds for it."""
+    store.db.execute(f"CREATE TEMP TRIGGER fail_events BEFORE INSERT ON events WHEN {when} "
+                     "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+
+
 def test_a_transition_and_its_fields_are_one_transaction(store):
     jid = add(store)
-    with pytest.raises(ValueError):
-        store.transition(jid, states.QUEUED, states.RUNNING, pid=1, not_a_column=2)
+    fail_event_writes(store)  # the state and its fields are written first, then the event: that write fails
+    with pytest.raises(sqlite3.DatabaseError):
+        store.transition(jid, states.QUEUED, states.RUNNING, pid=1)
     row = store.get(jid)
     assert row["state"] == states.QUEUED and row["pid"] is None
+    assert [e for e in store.events(jid) if e["kind"] == "transition"] == []
+
+
+def test_starting_an_attempt_is_the_transition_and_the_attempt_row_or_neither(store):
+    jid = add(store)
+    store.db.execute("CREATE TEMP TRIGGER fail_attempts BEFORE INSERT ON attempts "
+                     "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END")
+    with pytest.raises(sqlite3.DatabaseError):
+        store.begin_attempt(jid, 0, gpu=1)
+    assert store.get(jid)["state"] == states.QUEUED and store.get(jid)["gpu"] is None  # still first in line
+    store.db.execute("DROP TRIGGER fail_attempts")
+    assert store.begin_attempt(jid, 0, gpu=1) == 1
+    assert store.get(jid)["state"] == states.RUNNING and len(store.attempts(jid)) == 1
+
+
+def test_ending_a_run_closes_the_attempt_and_makes_every_move_in_one_transaction(store):
+    jid = add(store)
+    store.begin_attempt(jid, 0)
+    fail_event_writes(store, "NEW.data LIKE '%\"to\": \"queued\"%'")  # the second move (interrupted → queued) fails
+    plan = lambda job: ([(states.INTERRUPTED, "drain", {"pid": None}), (states.QUEUED, "requeued", {})], job["state"])  # noqa: E731
+    with pytest.raises(sqlite3.DatabaseError):
+        store.end_run(jid, 75, 3, None, plan)
+    assert store.get(jid)["state"] == states.RUNNING and store.attempts(jid)[-1]["ended_at"] is None
+    store.db.execute("DROP TRIGGER fail_events")
+    assert store.end_run(jid, 75, 3, None, plan) == states.RUNNING  # plan saw the row inside the transaction
+    assert store.get(jid)["state"] == states.QUEUED and store.attempts(jid)[-1]["exit_code"] == 75
+
+
+def test_a_write_that_fails_leaves_the_store_usable_from_every_thread(tmp_path):
+    store = Store(tmp_path / "state.db", timeout_s=0.2)
+    jid = add(store)
+    other = sqlite3.connect(tmp_path / "state.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # someone else holds the write lock for longer than the busy timeout
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        store.update(jid, priority=3)
+    other.execute("ROLLBACK")
+    done = []
+    t = threading.Thread(target=lambda: (store.update(jid, priority=4), done.append(1)))
+    t.start()
+    t.join(5)
+    assert done == [1] and store.get(jid)["priority"] == 4  # the store's own lock was not left held
+    store.close()
+
+
+def test_a_corrupt_database_is_refused_in_one_line_that_says_what_to_do(tmp_path):
+    db = tmp_path / "state.db"
+    db.write_bytes(b"this is not an SQLite file " * 200)
+    with pytest.raises(StoreUnusable) as e:
+        Store(db)
+    assert str(e.value) == (f"{db} is not a lorad database (corrupt?): move it aside to start fresh "
+                            "— job directories under jobs/ are not touched")
+
+
+LOCKER = ("import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], isolation_level=None); "
+          "c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); time.sleep(60)")
+
+
+@pytest.mark.parametrize("wal_already", [False, True])
+def test_a_database_locked_by_another_process_is_refused_naming_it(tmp_path, wal_already):
+    db = tmp_path / "state.db"
+    if wal_already:
+        Store(db).close()  # a lorad database: opening it needs no lock until the first write
+    locker = subprocess.Popen([sys.executable, "-c", LOCKER, str(db)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        with pytest.raises(StoreUnusable) as e:
+            Store(db, timeout_s=0.3)
+        assert str(e.value) == f"{db} is locked by another process (pid {locker.pid}): stop it, then start lorad again"
+    finally:
+        locker.kill()
+        locker.wait()
+    Store(db, timeout_s=0.3).close()  # free again: it opens
 
 
 def test_unknown_job(store):
