@@ -265,7 +265,23 @@ def _print_table(data: dict[str, Any]) -> None:
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in data.get("notes", []):
         c.print(f"note: {n}", markup=False, highlight=False)
+    _print_stuck(data, width)
     _print_rejections(data, width)
+
+
+def _print_stuck(data: dict[str, Any], width: int) -> None:
+    """`lorad status`: inbox files the daemon could neither accept nor reject yet (disk full, ...), and why."""
+    stuck = data.get("inbox_stuck") or []
+    if not stuck:
+        return
+    every = data.get("inbox_retry_s")
+    print(f"inbox stuck: {len(stuck)} file(s) not taken yet, kept safe and retried"
+          + (f" every {every:g} s:" if every else ":"))
+    name_w = max(len(s["file"]) for s in stuck)
+    for s in stuck:
+        head = f"  {s['file']:<{name_w}}  since {_when(s['since'])}  "
+        print(head + _shorten(s["error"], max(width - len(head), 30)))
+    print(f"  (waiting in {Path(stuck[0]['path']).parent}/; free the space or fix the cause and it goes through)")
 
 
 def _shorten(text: str, width: int) -> str:

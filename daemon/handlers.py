@@ -102,7 +102,10 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
         return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
                 "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
                 "rejected": rejected, "rejected_within_s": REJECTIONS_WITHIN_S, "rejected_total": n_rejected,
-                "rejected_dir": str(ctx.home / "rejected")}
+                "rejected_dir": str(ctx.home / "rejected"),
+                # Inbox files neither accepted nor rejected yet (disk full, ...): kept, retried every inbox_retry_s.
+                "inbox_stuck": ctx.intake.stuck if ctx.intake is not None else [],
+                "inbox_retry_s": ctx.intake.cfg.inbox_rescan_s if ctx.intake is not None else None}
     job = _job(ctx, req.job)
     src = job["source"] or ""
     if src[:1].isdigit() and "-" in src:

@@ -5,13 +5,22 @@ claim (rename inbox/NAME → incoming/), then either write rejected/NAME.error.t
 durably and rename the file next to it, or write jobs/ID/job.yaml durably,
 insert the job row, then drop the claimed copy. A crash at any point leaves
 the file in incoming/, and `recover()` finishes the work at start-up.
+
+A write that fails (disk full, an I/O error, the store refusing) is not a
+verdict on the job file: the file stays in incoming/ (a half-made jobs/ID/ is
+removed), the error is logged in one line and listed by `lorad status`
+(`stuck`), and the service loop calls `recover()` again every inbox_rescan_s
+until it goes through.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import sqlite3
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +47,7 @@ class Outcome:
     error: str | None = None
     rejected_path: Path | None = None
     same_name: list[dict[str, Any]] = field(default_factory=list)  # unfinished jobs that already had this name
+    stuck: bool = False  # neither accepted nor rejected (error says why): kept in incoming/, retried later
 
 
 def ignored(name: str) -> bool:
@@ -228,6 +238,33 @@ class Intake:
         self.rejected = self.home / "rejected"
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
+        self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
+        self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
+
+    # ---------------------------------------------------------------- files that cannot be taken yet
+    @property
+    def stuck(self) -> list[dict[str, Any]]:
+        """Inbox files that could be neither accepted nor rejected yet (oldest first), and why."""
+        with self._stuck_lock:
+            return sorted((dict(v) for v in self._stuck.values()), key=lambda v: v["since"])
+
+    def _mark_stuck(self, path: Path, name: str, e: BaseException) -> Outcome:
+        error = f"{type(e).__name__}: {e}"
+        with self._stuck_lock:
+            prev = self._stuck.get(str(path))
+            self._stuck[str(path)] = {"file": name, "path": str(path), "error": error,
+                                      "since": prev["since"] if prev else time.time(),
+                                      "tries": (prev["tries"] if prev else 0) + 1}
+        if prev is None or prev["error"] != error:  # one line per file and cause, not one per retry
+            self.log.error("intake_stuck", file=name, path=str(path), error=error,
+                           message=f"kept; retried every {self.cfg.inbox_rescan_s:g} s")
+        return Outcome(name=name, error=error, stuck=True)
+
+    def _unstick(self, path: Path) -> None:
+        with self._stuck_lock:
+            entry = self._stuck.pop(str(path), None)
+        if entry is not None:
+            self.log.info("intake_unstuck", file=entry["file"], tries=entry["tries"])
 
     # ---------------------------------------------------------------- inbox files
     def take(self, path: Path) -> Outcome | None:
@@ -246,23 +283,56 @@ class Intake:
             os.rename(path, claimed)
         except FileNotFoundError:
             return None
-        self.fs.fsync_dir(self.incoming)
-        self.fs.fsync_dir(self.inbox)
+        except OSError as e:  # still in the inbox: the next rescan tries again
+            return self._mark_stuck(path, name, e)
+        self._unstick(path)
+        try:
+            self.fs.fsync_dir(self.incoming)
+            self.fs.fsync_dir(self.inbox)
+        except OSError as e:
+            return self._mark_stuck(claimed, name, e)
         return self._process_claimed(claimed, name)
 
     def recover(self) -> list[Outcome]:
-        """Finish what a crash interrupted: files claimed into incoming/ but not yet accepted or rejected."""
+        """Finish what a crash or a failed write left in incoming/: files claimed but not accepted or rejected.
+
+        Run at start-up, and by the service loop while some file is stuck. One file that cannot be taken
+        (disk full, ...) is marked stuck and left where it is; the others go on.
+        """
         out = []
         accepted = {j["source"] for j in self.store.jobs()}
-        for p in sorted(self.incoming.iterdir()):
+        present = sorted(self.incoming.iterdir())
+        with self._stuck_lock:  # forget what someone removed by hand
+            for key in [k for k in self._stuck if not os.path.lexists(k)]:
+                del self._stuck[key]
+        for p in present:
             if p.name in accepted:
-                p.unlink()  # accepted and recorded; only the claimed copy was left behind
+                try:
+                    p.unlink()  # accepted and recorded; only the claimed copy was left behind
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    out.append(self._mark_stuck(p, p.name.split("-", 1)[-1], e))
+                    continue
+                self._unstick(p)
                 continue
             out.append(self._process_claimed(p, p.name.split("-", 1)[-1]))
-        self.fs.fsync_dir(self.incoming)
+        try:
+            self.fs.fsync_dir(self.incoming)
+        except OSError as e:
+            self.log.error("intake_fsync_failed", path=str(self.incoming), error=str(e))
         return out
 
     def _process_claimed(self, claimed: Path, name: str) -> Outcome:
+        try:
+            out = self._decide(claimed, name)
+        except (OSError, sqlite3.Error) as e:
+            # Not the file's fault: it stays in incoming/ (no half-made jobs/ID/ is left) and is tried again.
+            return self._mark_stuck(claimed, name, e)
+        self._unstick(claimed)
+        return out
+
+    def _decide(self, claimed: Path, name: str) -> Outcome:
         display = safe_name(name)
         try:
             if not SAFE_NAME.match(name):
@@ -288,9 +358,18 @@ class Intake:
         while dest.exists() or dest.with_name(dest.name + ERROR_SUFFIX).exists():
             n += 1
             dest = self.rejected / f"{display}.{n}"
-        write_file_durable(self.fs, dest.with_name(dest.name + ERROR_SUFFIX),
-                           f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
-        os.rename(claimed, dest)
+        err = dest.with_name(dest.name + ERROR_SUFFIX)
+        try:
+            write_file_durable(self.fs, err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
+            os.rename(claimed, dest)
+        except OSError:
+            # Leave nothing half-done in rejected/: the claimed file is still in incoming/ and is retried.
+            for leftover in [err, *self.rejected.glob(f".{err.name}.tmp-*")]:
+                try:
+                    leftover.unlink()
+                except OSError:
+                    pass
+            raise
         self.fs.fsync_dir(self.rejected)
         self.fs.fsync_dir(self.incoming)
         self.log.warning("job_rejected", file=display, reason=reason)
@@ -312,10 +391,14 @@ class Intake:
         same = self.store.unfinished_named(job.name)
         job_id = self.store.new_id(job.name)
         workdir = self.home / "jobs" / job_id
-        ensure_dir_durable(self.fs, workdir)
-        write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
-        write_file_durable(self.fs, workdir / "job.yaml", dump_job(job).encode())
-        self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+        try:
+            ensure_dir_durable(self.fs, workdir)
+            write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
+            write_file_durable(self.fs, workdir / "job.yaml", dump_job(job).encode())
+            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+        except BaseException:
+            self._discard_partial(job_id, workdir)
+            raise
         job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
         if same:
             ids = [j["id"] for j in same]
@@ -323,3 +406,12 @@ class Intake:
             job_event(workdir, job_id, "name_in_use", level="warning", name=job.name, unfinished=ids,
                       message="refer to these jobs by id")
         return job_id, same
+
+    def _discard_partial(self, job_id: str, workdir: Path) -> None:
+        """A jobs/ID/ whose job row was never written belongs to no job: remove it (the file is retried)."""
+        try:
+            self.store.get(job_id)
+            return  # recorded after all: keep it
+        except Exception:  # noqa: BLE001 — UnknownJob, or a store that cannot even be read: not recorded
+            pass
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -154,6 +154,7 @@ class Supervisor:
         self.notes: list[str] = []
         self.shutting_down = False
         self._checkpoint_now_prev = False
+        self._next_intake_retry = 0.0
         self._last_watchdog = 0.0
         self._last_status = ""
         self.healthy = True
@@ -339,6 +340,12 @@ class Supervisor:
             return
         for path in self.inbox.poll():
             self.intake.take(path)
+        # A file that could not be taken (disk full, ...) waits in incoming/ (or in the inbox, for the next
+        # rescan); it is tried again every inbox_rescan_s, and `lorad status` says it is stuck and why.
+        now = time.monotonic()
+        if self.intake.stuck and now >= self._next_intake_retry:
+            self._next_intake_retry = now + self.cfg.inbox_rescan_s
+            self.intake.recover()
 
     # ---------------------------------------------------------------- policy
     def _policy(self) -> None:
@@ -470,6 +477,9 @@ class Supervisor:
         s = "; ".join(parts) + f"; {queued} queued"
         if self.store.get_meta("drain") == "1":
             s += "; draining"
+        stuck = self.intake.stuck if self.intake is not None else []
+        if stuck:
+            s += f"; inbox stuck ({len(stuck)} file(s): {stuck[0]['error']})"
         if self.notes:
             s += "; " + "; ".join(self.notes)
         return s

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import time
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon import intake as intake_mod
 from daemon.inbox import InboxWatcher
 from daemon.intake import Intake
 from daemon.log import setup
@@ -17,6 +20,7 @@ from daemon.store import Store
 from engine.config import load_job
 from tests.conftest import QUICKSTART_DATA, REPO
 from tests.daemon_helpers import wait_until
+from tests.fakes import RecLog
 
 
 def good_job(name: str = "good", **over) -> dict:
@@ -188,3 +192,90 @@ def test_submit_over_the_socket_is_validated_by_the_daemon_too(intake):
         intake.submit_text("x.yaml", yaml.safe_dump(good_job(model={"path": "builtin:tiny-llama",
                                                                     "trust_remote_code": True})))
     assert intake.submit_text("x.yaml", yaml.safe_dump(good_job())).job_id.startswith("good-")
+
+
+# ---------------------------------------------------------------- a full disk is not a verdict on the file
+def disk_full_for(monkeypatch, *names: str) -> None:
+    """write_file_durable fails with ENOSPC for files of these names (all files if none is given)."""
+    real = intake_mod.write_file_durable
+
+    def write(fs, path, data):
+        if not names or Path(path).name in names:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fs, path, data)
+
+    monkeypatch.setattr(intake_mod, "write_file_durable", write)
+
+
+@pytest.fixture
+def quiet_intake(intake):
+    intake.log = RecLog()
+    return intake
+
+
+def test_disk_full_while_accepting_keeps_the_file_in_incoming_says_so_once_and_takes_it_later(quiet_intake,
+                                                                                             monkeypatch):
+    it = quiet_intake
+    disk_full_for(monkeypatch, "job.yaml")  # submitted.yaml fits, job.yaml does not: a half-made jobs/ID/
+    out = it.take(drop(it, "full.yaml", yaml.safe_dump(good_job("full"))))
+    assert out.stuck and out.job_id is None and "No space left on device" in out.error
+    (claimed,) = it.incoming.iterdir()  # safe, unchanged, not rejected
+    assert yaml.safe_load(claimed.read_text())["name"] == "full" and list(it.rejected.iterdir()) == []
+    assert list((it.home / "jobs").iterdir()) == [] and it.store.jobs() == []  # the partial jobs/ID/ is gone
+    (stuck,) = it.stuck
+    assert stuck["file"] == "full.yaml" and stuck["error"] == "OSError: [Errno 28] No space left on device"
+    it.recover()
+    it.recover()  # still full: tried again, said once
+    assert len(it.log.named("intake_stuck")) == 1 and it.stuck[0]["tries"] == 3
+    monkeypatch.undo()
+    (done,) = it.recover()
+    assert done.job_id and not done.stuck and it.stuck == [] and list(it.incoming.iterdir()) == []
+    assert it.store.get(done.job_id)["state"] == "queued" and len(it.log.named("intake_unstuck")) == 1
+
+
+def test_disk_full_while_rejecting_keeps_the_file_and_leaves_nothing_in_rejected(quiet_intake, monkeypatch):
+    it = quiet_intake
+    disk_full_for(monkeypatch)
+    out = it.take(drop(it, "broken.yaml", "name: [unclosed\n"))
+    assert out.stuck and len(list(it.incoming.iterdir())) == 1 and list(it.rejected.iterdir()) == []
+    monkeypatch.undo()
+    (done,) = it.recover()
+    assert "not valid YAML" in done.error and not done.stuck and list(it.incoming.iterdir()) == []
+    assert (it.rejected / "broken.yaml.error.txt").exists()
+
+
+class ListInbox:
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def poll(self):
+        out, self.paths = self.paths, []
+        return out
+
+
+def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says_why(intake, monkeypatch, capsys):
+    from daemon import protocol as p
+    from daemon.cli import _print_stuck
+    from daemon.handlers import Context, dispatch
+    from daemon.supervisor import Supervisor
+
+    cfg = intake.cfg.model_copy(update={"inbox_rescan_s": 0.2})
+    intake.cfg = cfg
+    sup = Supervisor(intake.home, cfg, intake.store, [None], setup(), intake=intake,
+                     inbox=ListInbox([drop(intake, "full.yaml", yaml.safe_dump(good_job("full")))]))
+    sup.may_start = False
+    sup._spawn = lambda: None  # this test is about the inbox only
+    disk_full_for(monkeypatch)
+    sup.tick()
+    assert sup.healthy and sup.intake.stuck and "inbox stuck (1 file(s)" in sup.status_line()
+    ctx = Context(home=intake.home, store=intake.store, intake=intake, supervisor=sup, started_at=0,
+                  socket_path=intake.home / "s")
+    data = json.loads(dispatch(ctx, p.Status()))["data"]
+    assert [s["file"] for s in data["inbox_stuck"]] == ["full.yaml"] and data["inbox_retry_s"] == 0.2
+    _print_stuck(data, 100)
+    shown = capsys.readouterr().out
+    assert "inbox stuck: 1 file(s) not taken yet" in shown and "No space left on device" in shown
+    assert str(intake.incoming) in shown
+    monkeypatch.undo()
+    wait_until(lambda: (sup.tick(), intake.store.jobs())[1], 5, "the file to be taken on a later tick")
+    assert sup.healthy and intake.stuck == [] and "inbox stuck" not in sup.status_line()
