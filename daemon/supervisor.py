@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,12 +40,14 @@ from daemon.lock import write_pid
 from daemon.log import job_event
 from daemon.policy import NullPolicy, Policy, RunningJob
 from daemon.settings import DaemonConfig
-from daemon.store import Store
+from daemon.store import Store, UnknownJob
 from engine.stop import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
 SLOW_PHASES = {"prepare", "load_model", "final_checkpoint", "urgent_checkpoint"}
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
 STDERR_TAIL_BYTES = 4000
+LOCK_BUSY_RETRY_S = 5.0  # a job whose trainer.lock is held by an earlier trainer waits this long between tries
+PENDING_GIVE_UP_S = 10.0  # at shutdown: unwritten bookkeeping is retried this long after the last trainer is gone
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Child:
     last_error: str | None = None
     stop_reason: str | None = None  # pause | cancel | shutdown | drain | policy:... | hung
     stop_deadline: float | None = None
+    pid_recorded: bool = False  # the pid is in the store (jobs and attempts); retried every tick until it is
     dirty: bool = False
     flushed_at: float = 0.0
     reader: threading.Thread | None = None
@@ -79,6 +83,21 @@ class Child:
     def running_job(self) -> RunningJob:
         return RunningJob(job_id=self.job_id, name=self.name, pid=self.pid, gpu=self.gpu, started_at=self.started_at,
                           step=self.step, total=self.total, s_per_step=self.s_per_step, power=self.power)
+
+
+@dataclass
+class Pending:
+    """Bookkeeping to write for a job whose trainer is gone (it exited, or never started).
+
+    The job stays `running` in the store until `write` succeeds; the supervisor retries it every tick, so one
+    failed store write (disk full, a lock held too long) never leaves a job running with no trainer.
+    """
+
+    job_id: str
+    gpu: int | None
+    what: str
+    write: Callable[[], None]
+    failures: int = 0
 
 
 @dataclass
@@ -149,6 +168,8 @@ class Supervisor:
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
         self.children: dict[str, Child] = {}
+        self.pending: dict[str, Pending] = {}  # job id → bookkeeping not yet written (trainer already gone)
+        self._lock_holders_seen: dict[str, set[tuple[int, int] | None]] = {}  # job id → earlier trainers asked to stop
         self.beats: queue.Queue = queue.Queue()
         self.may_start = True
         self.notes: list[str] = []
@@ -192,12 +213,37 @@ class Supervisor:
                 continue
             if c.reader is not None:
                 c.reader.join(timeout=2.0)  # the last lines (done, invalid_job, stopped) come before EOF
-            self._heartbeats()
+            self._drain_beats(time.monotonic())
+            # Gone: never signal it again (its pid may belong to someone else soon). Its job stays `running`
+            # in the store until the exit is written, which _settle_pending retries until it succeeds.
             del self.children[job_id]
-            self._finish(c, code)
+            self.pending[job_id] = Pending(job_id, c.gpu, "trainer exit", lambda c=c, code=code: self._finish(c, code))
+        self._settle_pending()
+
+    def _settle_pending(self) -> None:
+        """Write what is pending; raise (the tick is unhealthy) if some of it still fails."""
+        failed = [e for p in list(self.pending.values()) if (e := self._settle(p)) is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} job(s) not yet recorded: {failed[0]}")
+
+    def _settle(self, p: Pending) -> str | None:
+        try:
+            p.write()
+        except (states.IllegalTransition, UnknownJob) as e:
+            # Written already (a retry after the transaction committed), or the job is gone: nothing to redo.
+            self.log.warning("bookkeeping_dropped", job=p.job_id, what=p.what, error=str(e))
+        except Exception as e:  # noqa: BLE001 — kept, and tried again on the next tick
+            p.failures += 1
+            if p.failures == 1:
+                self.log.error("bookkeeping_failed", job=p.job_id, what=p.what, error=f"{type(e).__name__}: {e}",
+                               message="the job stays running in the store; retried every tick")
+            return f"{p.job_id} ({p.what}): {type(e).__name__}: {e}"
+        if p.failures:
+            self.log.info("bookkeeping_written", job=p.job_id, what=p.what, failed_tries=p.failures)
+        del self.pending[p.job_id]
+        return None
 
     def _finish(self, c: Child, code: int) -> None:
-        job = self.store.get(c.job_id)
         if c.stop_reason == "hung":
             error = c.last_error
         elif code in (EXIT_OK, EXIT_STOPPED):
@@ -206,24 +252,35 @@ class Supervisor:
             detail = c.last_error or last_error_line(c.workdir / "trainer.log")
             error = f"{describe_exit(code)}: {detail}" if detail else describe_exit(code)
         crash = code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID) or c.stop_reason == "hung"
-        retries = 0 if c.new_checkpoint else job["retries"]
-        if crash and c.stop_reason in (None, "hung"):
-            retries += 1
-        stop_reason = None if c.stop_reason == "hung" else c.stop_reason
-        if stop_reason is None and job["requested"]:
-            stop_reason = job["requested"]  # asked for just before the trainer exited on its own
-        d = decide_exit(code, stop_reason, retries, self.cfg, error)
-        self.store.end_attempt(c.job_id, code, c.step, error)
-        fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=retries,
-                                      requested=None, last_error=error if error else job["last_error"])
-        if d.state == states.SUCCEEDED:
-            fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
-        if d.retry_in is not None:
-            fields["not_before"] = time.time() + d.retry_in
-        self.store.transition(c.job_id, states.RUNNING, d.state, d.reason, **fields)
-        if d.state == states.INTERRUPTED and not self.shutting_down:
-            # Interrupted is a waypoint: back in the queue at once, resumed from its last checkpoint.
-            self.store.transition(c.job_id, states.INTERRUPTED, states.QUEUED, "requeued to resume")
+
+        def plan(job: dict[str, Any]):
+            # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
+            # the exit is being written is either seen here or refused afterwards, never lost in between.
+            retries = 0 if c.new_checkpoint else job["retries"]
+            if crash and c.stop_reason in (None, "hung"):
+                retries += 1
+            stop_reason = None if c.stop_reason == "hung" else c.stop_reason
+            if job["requested"] in ("pause", "cancel"):
+                # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
+                # and over an exit the trainer came to on its own just before the stop.
+                stop_reason = job["requested"]
+            elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
+                stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
+            d = decide_exit(code, stop_reason, retries, self.cfg, error)
+            fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=retries,
+                                          requested=None, last_error=error if error else job["last_error"])
+            if d.state == states.SUCCEEDED:
+                fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
+            if d.retry_in is not None:
+                fields["not_before"] = time.time() + d.retry_in
+            moves = [(d.state, d.reason, fields)]
+            if d.state == states.INTERRUPTED and not self.shutting_down:
+                # Interrupted is a waypoint: back in the queue at once (same transaction), resumed from its
+                # last checkpoint.
+                moves.append((states.QUEUED, "requeued to resume", {}))
+            return moves, d
+
+        d = self.store.end_run(c.job_id, code, c.step, error, plan)
         level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
         getattr(self.log, level)("trainer_exited", job=c.job_id, exit=describe_exit(code),
                      state=d.state, reason=d.reason)
@@ -237,6 +294,24 @@ class Supervisor:
     # ---------------------------------------------------------------- heartbeats
     def _heartbeats(self) -> None:
         now = time.monotonic()
+        try:
+            self._drain_beats(now)
+        finally:
+            # Hang and stop deadlines hold even while the store refuses writes.
+            for c in self.children.values():
+                self._check_hung(c, now)
+                if c.stop_deadline is not None and now >= c.stop_deadline and c.popen.poll() is None:
+                    self.log.warning("trainer_kill", job=c.job_id, why=f"did not stop within {self.cfg.stop_grace_s} s")
+                    proc.signal_group(c.pid, signal.SIGKILL)
+                    c.stop_deadline = None
+        for c in self.children.values():
+            if not c.pid_recorded:
+                self.store.record_trainer(c.job_id, c.attempt, c.pid, c.pid_start)
+                c.pid_recorded = True
+            if c.dirty and (now - c.flushed_at >= PROGRESS_FLUSH_S):
+                self._flush(c)
+
+    def _drain_beats(self, now: float) -> None:
         while True:
             try:
                 job_id, attempt, ev = self.beats.get_nowait()
@@ -246,14 +321,6 @@ class Supervisor:
             if c is None or c.attempt != attempt:
                 continue
             self._beat(c, ev, now)
-        for c in self.children.values():
-            if c.dirty and (now - c.flushed_at >= PROGRESS_FLUSH_S):
-                self._flush(c)
-            self._check_hung(c, now)
-            if c.stop_deadline is not None and now >= c.stop_deadline and c.popen.poll() is None:
-                self.log.warning("trainer_kill", job=c.job_id, why=f"did not stop within {self.cfg.stop_grace_s} s")
-                proc.signal_group(c.pid, signal.SIGKILL)
-                c.stop_deadline = None
 
     def _beat(self, c: Child, ev: dict[str, Any], now: float) -> None:
         c.last_beat = now
@@ -275,10 +342,14 @@ class Supervisor:
             c.dirty = True
         elif kind == "checkpoint_committed":
             step = int(ev.get("step", 0))
-            if c.checkpoint_step is None or step > c.checkpoint_step:
-                c.new_checkpoint = True
+            new = c.checkpoint_step is None or step > c.checkpoint_step
             c.checkpoint_step = step
-            self.store.update(c.job_id, last_checkpoint=ev.get("path"), checkpoint_step=step)
+            if new:
+                # Progress: the crash count starts again (in the store too, for a restart after an outage).
+                c.new_checkpoint = True
+                self.store.update(c.job_id, last_checkpoint=ev.get("path"), checkpoint_step=step, retries=0)
+            else:
+                self.store.update(c.job_id, last_checkpoint=ev.get("path"), checkpoint_step=step)
             c.dirty = True
         elif kind in ("invalid_job", "disk_error"):
             c.last_error = str(ev.get("message", kind))
@@ -367,16 +438,23 @@ class Supervisor:
     def _spawn(self) -> None:
         if self.shutting_down or not self.may_start or self.store.get_meta("drain") == "1":
             return
-        busy = {c.gpu for c in self.children.values()}
+        busy = {c.gpu for c in self.children.values()} | {p.gpu for p in self.pending.values()}
+        tried: set[str] = set()
         for dev in self.devices:
             if dev in busy:
                 continue
-            job = self.store.next_queued(time.time())
-            if job is None:
-                return
-            self.start(job, dev)
+            while True:
+                job = self.store.next_queued(time.time())
+                if job is None or job["id"] in tried:
+                    return
+                tried.add(job["id"])
+                if self.start(job, dev):
+                    break
+                # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
+                # may use this device; start() left that job out of next_queued's answer.
 
-    def start(self, job: dict[str, Any], dev: int | None) -> None:
+    def start(self, job: dict[str, Any], dev: int | None) -> bool:
+        """Start a trainer for a queued job on `dev`. True if one runs now (and is tracked in self.children)."""
         job_id, workdir = job["id"], Path(job["workdir"])
         try:
             lock_fd = os.open(workdir / "trainer.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -384,23 +462,46 @@ class Supervisor:
             msg = f"cannot use the job directory {workdir}: {e.strerror or e}"
             self.store.transition(job_id, states.QUEUED, states.FAILED, msg, last_error=msg)
             self.log.error("job_dir_unusable", job=job_id, error=msg)
-            return
+            return False
         try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            # A trainer from an earlier daemon still holds the job: never start a second one. Ask it to stop.
-            os.close(lock_fd)
-            for t in proc.find_trainers(self.home / "jobs"):
-                if t.workdir == workdir.resolve():
-                    proc.signal_group(t.pid, signal.SIGTERM)
-            self.log.warning("trainer_still_running", job=job_id, message="an earlier trainer holds the job; waiting")
-            return
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._lock_busy(job_id, workdir)
+                return False
+            return self._start_locked(job, dev, lock_fd)
+        finally:
+            os.close(lock_fd)  # a started child has its own copy: it keeps the lock for as long as it lives
+
+    def trainer_command(self, workdir: Path) -> list[str]:
+        return [sys.executable, "-m", "engine.run", "--job", str(workdir / "job.yaml"), "--workdir", str(workdir),
+                "--progress", "json"]
+
+    def _lock_busy(self, job_id: str, workdir: Path) -> None:
+        """An earlier trainer still holds the job: never start a second one. The job waits a little (others may
+        start meanwhile); the holder, if it is one of our trainers, is asked once to checkpoint and stop."""
+        self.store.update(job_id, not_before=time.time() + LOCK_BUSY_RETRY_S)
+        seen = self._lock_holders_seen.setdefault(job_id, set())
+        holders = [t for t in proc.find_trainers(self.home / "jobs") if t.workdir == workdir.resolve()]
+        for t in holders:
+            if (t.pid, t.start) not in seen:
+                seen.add((t.pid, t.start))
+                self.log.warning("trainer_still_running", job=job_id, pid=t.pid,
+                                 message="an earlier trainer holds the job: asked it to stop (SIGTERM); waiting")
+                proc.signal_group(t.pid, signal.SIGTERM)
+        if not holders and None not in seen:
+            seen.add(None)  # held by something we do not stop (`lorad run`, say): said once
+            self.log.warning("trainer_lock_busy", job=job_id,
+                             message="another process holds jobs/ID/trainer.lock; waiting for it")
+
+    def _start_locked(self, job: dict[str, Any], dev: int | None, lock_fd: int) -> bool:
+        job_id, workdir = job["id"], Path(job["workdir"])
         try:
-            self.store.transition(job_id, states.QUEUED, states.RUNNING, "trainer starting", gpu=dev, not_before=0)
+            # QUEUED → RUNNING and the attempt row: one transaction, so a failed write leaves the job queued.
+            n = self.store.begin_attempt(job_id, job["step"], gpu=dev, not_before=0)
         except states.IllegalTransition:
-            os.close(lock_fd)  # paused or cancelled over the socket in the meantime
-            return
-        n = self.store.start_attempt(job_id, job["step"])
+            return False  # paused or cancelled over the socket in the meantime
+        self._lock_holders_seen.pop(job_id, None)
         env = {**os.environ, **self.cfg.trainer_env, "PYTHONUNBUFFERED": "1"}
         if dev is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(dev)
@@ -408,25 +509,7 @@ class Supervisor:
             # machine puts the trainer on another GPU than the one counted, capped and metered.
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         env.pop("NOTIFY_SOCKET", None)  # only the daemon talks to systemd
-        cmd = [sys.executable, "-m", "engine.run", "--job", str(workdir / "job.yaml"), "--workdir", str(workdir),
-               "--progress", "json"]
-        try:
-            with open(workdir / "trainer.log", "ab") as err:
-                popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
-                                         cwd=workdir, env=env, start_new_session=True, pass_fds=(lock_fd,))
-        except OSError as e:
-            os.close(lock_fd)
-            msg = f"could not start the trainer: {e}"
-            self.store.end_attempt(job_id, None, job["step"], msg)
-            self.store.transition(job_id, states.RUNNING, states.QUEUED, msg, last_error=msg, gpu=None,
-                                  not_before=time.time() + self.cfg.backoff_base_s)
-            self.log.error("spawn_failed", job=job_id, error=msg)
-            return
-        write_pid(lock_fd, popen.pid)  # so that a refused `lorad run` can name the holder
-        os.close(lock_fd)  # the child's copy keeps the lock for as long as it lives
-        started = proc.start_time(popen.pid)
-        self.store.update(job_id, pid=popen.pid, pid_start=started)
-        self.store.set_attempt_pid(job_id, n, popen.pid)
+        cmd = self.trainer_command(workdir)
         power: dict[str, Any] = {}
         try:
             # Only the `power` section, for the policy; no full validation here (it would import torch, and
@@ -435,18 +518,45 @@ class Supervisor:
             power = dict(raw.get("power") or {}) if isinstance(raw, dict) else {}
         except (OSError, yaml.YAMLError):
             pass
-        c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid, pid_start=started,
-                  gpu=dev, attempt=n, start_step=job["step"], total=job["total"], power=power, step=job["step"],
-                  checkpoint_step=job["checkpoint_step"])
+        try:
+            with open(workdir / "trainer.log", "ab") as err:
+                popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                         cwd=workdir, env=env, start_new_session=True, pass_fds=(lock_fd,))
+        except OSError as e:
+            msg = f"could not start the trainer: {e}"
+            self.log.error("spawn_failed", job=job_id, error=msg)
+            p = Pending(job_id, dev, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
+            self.pending[job_id] = p
+            self._settle(p)  # if this write fails too, the next tick's reap tries again
+            return False
+        # The trainer runs: track it (and read its stdout) before anything else can fail.
+        c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid,
+                  pid_start=proc.start_time(popen.pid), gpu=dev, attempt=n, start_step=job["step"],
+                  total=job["total"], power=power, step=job["step"], checkpoint_step=job["checkpoint_step"])
         c.reader = threading.Thread(target=self._read, args=(c,), name=f"trainer-{job_id}", daemon=True)
         self.children[job_id] = c
         c.reader.start()
+        try:
+            write_pid(lock_fd, popen.pid)  # so that a refused `lorad run` can name the holder
+        except OSError:
+            pass
+        try:
+            self.store.record_trainer(job_id, n, popen.pid, c.pid_start)
+            c.pid_recorded = True
+        except Exception as e:  # noqa: BLE001 — heartbeats retry it every tick
+            self.log.error("pid_not_recorded", job=job_id, pid=popen.pid, error=f"{type(e).__name__}: {e}")
         self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev)
         job_event(workdir, job_id, "attempt_started", attempt=n, pid=popen.pid, gpu=dev)
         try:
             self.policy.on_job_start(c.running_job())
         except Exception as e:  # noqa: BLE001
             self.log.error("policy_failed", hook="on_job_start", error=str(e))
+        return True
+
+    def _requeue_unstarted(self, job_id: str, step: int, msg: str) -> None:
+        fields = dict(last_error=msg, gpu=None, pid=None, pid_start=None,
+                      not_before=time.time() + self.cfg.backoff_base_s)
+        self.store.end_run(job_id, None, step, msg, lambda job: ([(states.QUEUED, msg, fields)], None))
 
     def _read(self, c: Child) -> None:
         """Reader thread: the trainer's stdout, JSON lines → the heartbeat queue; other lines are tolerated."""
@@ -500,15 +610,35 @@ class Supervisor:
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self, deadline_s: float) -> None:
-        """SIGTERM every trainer, reap them as they checkpoint and exit, SIGKILL what is left at the deadline."""
+        """SIGTERM every trainer, reap them as they checkpoint and exit, SIGKILL what is left at the deadline.
+
+        Exits that cannot be written (the store refuses) are retried for PENDING_GIVE_UP_S after the last
+        trainer is gone; what is still unwritten then stays `running` in the store, and the next start's
+        recovery settles it.
+        """
         self.shutting_down = True
         for c in list(self.children.values()):
             self.stop(c, "shutdown")
             c.stop_deadline = time.monotonic() + deadline_s
         if self.children and self.notifier is not None:
             self.notifier.extend_timeout(deadline_s + 10)
-        while self.children:
-            self._reap()
-            self._heartbeats()
+        said: set[str] = set()
+        alone_since: float | None = None
+        while self.children or self.pending:
+            for name, fn in (("reap", self._reap), ("heartbeats", self._heartbeats)):
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 — shutting down: say it once, keep reaping
+                    if f"{name}: {e}" not in said:
+                        said.add(f"{name}: {e}")
+                        self.log.error("shutdown_step_failed", step=name, error=f"{type(e).__name__}: {e}")
+            if self.children:
+                alone_since = None
+            elif self.pending:
+                alone_since = alone_since or time.monotonic()
+                if time.monotonic() - alone_since >= PENDING_GIVE_UP_S:
+                    self.log.error("bookkeeping_unwritten", jobs=sorted(self.pending),
+                                   message="left running in the store; the next start's recovery settles them")
+                    break
             self.wake.wait(0.1)
             self.wake.clear()

@@ -6,7 +6,10 @@ SIGTERM → exit 75, SIGUSR1 → "checkpoint now"); the real trainer is exercise
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -16,13 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from daemon import states
+from daemon import proc, states
+from daemon import protocol as p
+from daemon import supervisor as supervisor_mod
+from daemon.handlers import Context, dispatch
 from daemon.log import setup
 from daemon.policy import Decision
 from daemon.settings import DaemonConfig
 from daemon.store import Store
 from daemon.supervisor import Child, Supervisor, decide_exit
-from tests.daemon_helpers import wait_until
+from tests.daemon_helpers import job_events, wait_until
 
 CFG = DaemonConfig(retry_budget=2, backoff_base_s=10, backoff_max_s=25)
 
@@ -56,18 +62,26 @@ def test_backoff_is_capped():
 FAKE_TRAINER = textwrap.dedent("""
     import json, signal, sys, time
     marks = open(sys.argv[1], "a")
+    flags = sys.argv[2:]
+    stop = []
     def usr1(*a):
         marks.write("usr1\\n"); marks.flush()
     def term(*a):
-        print(json.dumps({"event": "stopped", "step": 3}), flush=True)
-        sys.exit(75)
+        stop.append(1)
     signal.signal(signal.SIGUSR1, usr1)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN if sys.argv[2:] == ["stubborn"] else term)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if "stubborn" in flags else term)
     step = 0
     while True:
         step += 1
         print(json.dumps({"event": "step", "step": step, "total": 1000, "loss": 1.0, "s_per_step": 0.05}), flush=True)
+        if "checkpoints" in flags and step % 2 == 0:
+            print(json.dumps({"event": "checkpoint_committed", "step": step, "path": f"ckpt-{step}"}), flush=True)
         time.sleep(0.05)
+        if stop:
+            if "slow" in flags:
+                time.sleep(0.5)  # the final checkpoint takes a while
+            print(json.dumps({"event": "stopped", "step": step}), flush=True)
+            sys.exit(75)
 """)
 
 
@@ -115,6 +129,8 @@ def sup(tmp_path):
     store = Store(tmp_path / "state.db")
     s = Supervisor(tmp_path, DaemonConfig(stop_grace_s=5), store, [None], setup(), policy=FakePolicy(),
                    notifier=FakeNotifier())
+    # Whatever a test starts is the fake, never the real engine.
+    s.trainer_command = lambda workdir: [sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "marks")]
     yield s
     for c in s.children.values():
         c.popen.kill()
@@ -224,3 +240,247 @@ def test_a_queued_job_whose_directory_vanished_fails_instead_of_jamming_the_loop
     job = sup.store.get(jid)
     assert job["state"] == states.FAILED and "cannot use the job directory" in job["last_error"]
     assert sup.healthy and not sup.children
+
+
+# ---------------------------------------------------------------- the user's pause or cancel while a job is stopping
+def ctx_for(sup: Supervisor, tmp_path: Path) -> Context:
+    return Context(home=tmp_path, store=sup.store, intake=None, supervisor=sup, started_at=0, socket_path=tmp_path / "s")
+
+
+def stop_for(sup: Supervisor, c: Child, why: str) -> None:
+    """Make the running fake stop for a reason of the daemon's own (not the user's)."""
+    if why == "drain":
+        dispatch(ctx_for(sup, c.workdir.parent.parent), p.Drain(on=True))
+        run_ticks(sup, lambda: c.stop_reason == "drain")
+    elif why == "policy":
+        sup.policy.decision = Decision(may_start=False, stop_running="outside the run window")
+        run_ticks(sup, lambda: (c.stop_reason or "").startswith("policy"))
+    else:
+        sup.shutting_down = True
+        sup.stop(c, "shutdown")  # what shutdown() does first
+
+
+@pytest.mark.parametrize("why", ["drain", "policy", "shutdown"])
+@pytest.mark.parametrize("verb, final", [("cancel", states.CANCELLED), ("pause", states.PAUSED)])
+def test_a_pause_or_cancel_sent_while_the_job_is_already_stopping_wins(sup, tmp_path, why, verb, final):
+    c = adopt_fake(sup, tmp_path, "slow")  # takes 0.5 s to checkpoint after SIGTERM
+    run_ticks(sup, lambda: sup.store.get(c.job_id)["step"] > 0)
+    stop_for(sup, c, why)
+    req = p.Cancel(job=c.job_id) if verb == "cancel" else p.Pause(job=c.job_id)
+    reply = json.loads(dispatch(ctx_for(sup, tmp_path), req))
+    assert reply["ok"] and reply["data"]["message"].startswith(("cancelling", "pausing"))
+    if why == "shutdown":
+        sup.shutdown(5)
+    else:
+        run_ticks(sup, lambda: not sup.children and not sup.pending)
+        for _ in range(3):
+            sup.tick()  # nothing starts it again
+    job = sup.store.get(c.job_id)
+    assert job["state"] == final and job["requested"] is None and not sup.children
+    assert sup.policy.seen[-1] == "end 75"  # the policy hears of the end (a power cap is restored)
+
+
+def test_a_cancel_after_a_pause_that_is_still_in_progress_is_the_last_word(sup, tmp_path):
+    c = adopt_fake(sup, tmp_path, "slow")
+    run_ticks(sup, lambda: sup.store.get(c.job_id)["step"] > 0)
+    dispatch(ctx_for(sup, tmp_path), p.Pause(job=c.job_id))
+    run_ticks(sup, lambda: c.stop_reason == "pause")
+    dispatch(ctx_for(sup, tmp_path), p.Cancel(job=c.job_id))
+    run_ticks(sup, lambda: not sup.children and not sup.pending)
+    assert sup.store.get(c.job_id)["state"] == states.CANCELLED
+
+
+# ---------------------------------------------------------------- store writes that fail are retried, never dropped
+def fail_once(store: Store, method: str) -> list[str]:
+    """store.<method> raises once (as SQLite does when the disk is full), then works again."""
+    real = getattr(store, method)
+    calls: list[str] = []
+
+    def once(*a, **k):
+        setattr(store, method, real)
+        calls.append(method)
+        raise sqlite3.OperationalError("database or disk is full")
+
+    setattr(store, method, once)
+    return calls
+
+
+def test_an_exit_that_cannot_be_written_is_kept_and_written_on_a_later_tick(sup, tmp_path):
+    c = adopt_fake(sup, tmp_path)
+    c.popen.kill()
+    c.popen.wait()
+    calls = fail_once(sup.store, "end_run")
+    sup.tick()
+    assert calls and not sup.healthy  # the failed write shows (no watchdog ping for this tick) ...
+    assert sup.store.get(c.job_id)["state"] == states.RUNNING and c.job_id in sup.pending  # ... and is kept
+    sup.tick()
+    job = sup.store.get(c.job_id)
+    assert sup.healthy and not sup.pending and not sup.children
+    assert job["state"] == states.QUEUED and job["retries"] == 1 and job["pid"] is None  # a crash, retried
+    assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
+
+
+def test_an_exit_still_unwritten_at_shutdown_is_retried_and_then_left_to_recovery(sup, tmp_path, monkeypatch):
+    monkeypatch.setattr(supervisor_mod, "PENDING_GIVE_UP_S", 0.5)
+    c = adopt_fake(sup, tmp_path)
+    sup.store.end_run = lambda *a, **k: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
+    t0 = time.monotonic()
+    sup.shutdown(5)  # returns: a store that keeps failing does not hold the daemon's exit forever
+    assert time.monotonic() - t0 < 5 and not sup.children and c.popen.poll() is not None
+    assert sup.store.get(c.job_id)["state"] == states.RUNNING  # recovery counts it at the next start
+
+
+def queue_job(sup: Supervisor, tmp_path: Path, name: str = "q", priority: int = 0) -> str:
+    jid = sup.store.new_id(name)
+    (tmp_path / "jobs" / jid).mkdir(parents=True)
+    sup.store.add_job(jid, name, tmp_path / "jobs" / jid, priority, 1000, "test")
+    return jid
+
+
+def use_fake_trainers(sup: Supervisor, tmp_path: Path, *flags: str) -> None:
+    sup.trainer_command = lambda workdir: [sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "marks"), *flags]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_start_whose_first_write_fails_leaves_the_job_queued_and_leaks_nothing(sup, tmp_path):
+    use_fake_trainers(sup, tmp_path)
+    jid = queue_job(sup, tmp_path)
+    fds = open_fds()
+    calls = fail_once(sup.store, "begin_attempt")
+    sup.tick()
+    assert calls and not sup.children and sup.store.get(jid)["state"] == states.QUEUED
+    assert sup.store.attempts(jid) == [] and open_fds() == fds  # no attempt row, the trainer.lock fd closed
+    sup.tick()
+    assert jid in sup.children and sup.store.get(jid)["state"] == states.RUNNING
+
+
+def test_a_trainer_whose_pid_cannot_be_recorded_is_tracked_and_its_pid_written_later(sup, tmp_path):
+    use_fake_trainers(sup, tmp_path)
+    jid = queue_job(sup, tmp_path)
+    calls = fail_once(sup.store, "record_trainer")
+    sup.tick()
+    c = sup.children[jid]  # tracked at once: its stdout is read, it can be stopped
+    assert calls and sup.store.get(jid)["pid"] is None
+    run_ticks(sup, lambda: sup.store.get(jid)["step"] > 0)
+    job = sup.store.get(jid)
+    assert job["pid"] == c.pid and job["pid_start"] == proc.start_time(c.pid)
+    assert sup.store.attempts(jid)[-1]["pid"] == c.pid
+
+
+def test_a_trainer_that_cannot_be_started_is_requeued_even_if_that_write_fails_once(sup, tmp_path):
+    sup.trainer_command = lambda workdir: [str(tmp_path / "no-such-python")]
+    jid = queue_job(sup, tmp_path)
+    calls = fail_once(sup.store, "end_run")
+    sup.tick()
+    assert calls and sup.store.get(jid)["state"] == states.RUNNING and jid in sup.pending and not sup.children
+    sup.tick()
+    job = sup.store.get(jid)
+    assert job["state"] == states.QUEUED and "could not start the trainer" in job["last_error"]
+    assert job["not_before"] > time.time() and not sup.pending
+    assert sup.store.attempts(jid)[-1]["ended_at"] is not None
+
+
+# ---------------------------------------------------------------- a job an earlier trainer still holds
+HOLDER = textwrap.dedent("""
+    import fcntl, signal, sys, time
+    # argv: lock file, marks file, then "engine.run --workdir DIR" so that it looks like a trainer of this home
+    lock = open(sys.argv[1], "a")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    marks = open(sys.argv[2], "a")
+    def term(*a):
+        marks.write("term\\n"); marks.flush()
+    signal.signal(signal.SIGTERM, term)
+    print("holding", flush=True)
+    while True:
+        time.sleep(0.05)
+""")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    started = []
+
+    def hold(jid: str) -> subprocess.Popen:
+        wd = tmp_path / "jobs" / jid
+        h = subprocess.Popen([sys.executable, "-c", HOLDER, str(wd / "trainer.lock"), str(tmp_path / "holder-marks"),
+                              "engine.run", "--workdir", str(wd)], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        assert h.stdout.readline().strip() == "holding"
+        started.append(h)
+        return h
+
+    yield hold
+    for h in started:
+        h.kill()
+        h.wait()
+
+
+def test_a_job_held_by_an_earlier_trainer_waits_while_the_next_job_starts(sup, tmp_path, holder):
+    use_fake_trainers(sup, tmp_path)
+    first = queue_job(sup, tmp_path, "first", priority=5)
+    second = queue_job(sup, tmp_path, "second")
+    holder(first)
+    sup.tick()
+    assert list(sup.children) == [second]  # the one device went to the next in line
+    job = sup.store.get(first)
+    assert job["state"] == states.QUEUED and time.time() < job["not_before"] <= time.time() + 10
+
+
+def test_the_earlier_trainer_is_asked_to_stop_once_and_the_job_starts_when_it_is_gone(sup, tmp_path, holder,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(supervisor_mod, "LOCK_BUSY_RETRY_S", 0.1)  # tried again and again during the test
+    use_fake_trainers(sup, tmp_path)
+    jid = queue_job(sup, tmp_path)
+    h = holder(jid)
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        sup.tick()
+        time.sleep(0.02)
+    assert not sup.children and (tmp_path / "holder-marks").read_text() == "term\n"  # one SIGTERM, not one per try
+    h.kill()
+    h.wait()
+    run_ticks(sup, lambda: jid in sup.children)
+
+
+# ---------------------------------------------------------------- crash counting and the retry budget
+def test_a_new_checkpoint_resets_the_crash_count_in_the_store(sup, tmp_path):
+    c = adopt_fake(sup, tmp_path, "checkpoints")
+    sup.store.update(c.job_id, retries=3)  # crashed three times in a row before this attempt
+    run_ticks(sup, lambda: sup.store.get(c.job_id)["checkpoint_step"])
+    assert sup.store.get(c.job_id)["retries"] == 0  # an outage now counts as the first crash, not the fourth
+
+
+def test_retry_budget_is_how_many_times_a_crashed_job_is_retried():
+    """retry_budget: N → crashes 1..N are retried (with backoff), crash N+1 in a row fails the job."""
+    cfg = DaemonConfig(retry_budget=3)
+    outcomes = [decide_exit(1, None, n, cfg, "boom").state for n in range(1, 5)]
+    assert outcomes == [states.QUEUED] * 3 + [states.FAILED]
+    assert decide_exit(1, None, 1, DaemonConfig(retry_budget=0), "boom").state == states.FAILED  # 0: never retried
+
+
+def test_a_cancel_landing_while_an_interrupted_exit_is_written_waits_for_it_and_nothing_is_skipped(sup, tmp_path):
+    """The exit (attempt closed, running → interrupted → queued) is one transaction: a cancel sent meanwhile is
+    applied after it (queued → cancelled), and the exit's own steps (log, events, the policy's on_job_end) run."""
+    c = adopt_fake(sup, tmp_path)
+    run_ticks(sup, lambda: sup.store.get(c.job_id)["step"] > 0)
+    real, replies = sup.store.end_run, []
+
+    def end_run(job_id, code, step, error, plan):
+        def plan_with_a_cancel_racing(job):
+            t = threading.Thread(target=lambda: replies.append(dispatch(ctx_for(sup, tmp_path), p.Cancel(job=job_id))))
+            t.start()
+            t.join(0.3)  # the cancel has arrived and waits for the store
+            return plan(job)
+
+        return real(job_id, code, step, error, plan_with_a_cancel_racing)
+
+    sup.store.end_run = end_run
+    sup.policy.decision = Decision(may_start=False, stop_running="outside the run window")
+    run_ticks(sup, lambda: not sup.children and not sup.pending and replies)
+    assert json.loads(replies[0]).get("data", {}).get("state") == states.CANCELLED, replies[0]
+    assert sup.store.get(c.job_id)["state"] == states.CANCELLED and sup.healthy
+    assert sup.policy.seen[-1] == "end 75"
+    assert [e["event"] for e in job_events(c.workdir)][-1] == "trainer_exited"
