@@ -86,15 +86,25 @@ def signal_group(pid: int, sig: int) -> None:
 
 def stop_and_wait(pid: int, started: int | None, grace_s: float, poll_s: float = 0.1) -> bool:
     """SIGTERM the group (the trainer checkpoints and exits 75), SIGKILL after grace_s. True if it had to be killed."""
-    if not alive(pid, started):
-        return False
-    signal_group(pid, signal.SIGTERM)
+    return pid in stop_all_and_wait({pid: started}, grace_s, poll_s)
+
+
+def stop_all_and_wait(targets: dict[int, int | None], grace_s: float, poll_s: float = 0.1) -> set[int]:
+    """SIGTERM every group first, then wait for all of them together: one grace_s in all, not one each.
+
+    targets: pid → start time (None: any). What still runs at the deadline is SIGKILLed; returns those pids.
+    """
+    live = {pid: st for pid, st in targets.items() if alive(pid, st)}
+    for pid in live:
+        signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if not alive(pid, started):
-            return False
+    while live and time.monotonic() < deadline:
+        live = {pid: st for pid, st in live.items() if alive(pid, st)}
+        if live:
+            time.sleep(poll_s)
+    live = {pid: st for pid, st in live.items() if alive(pid, st)}
+    for pid in live:
+        signal_group(pid, signal.SIGKILL)
+    while any(alive(pid, st) for pid, st in live.items()):
         time.sleep(poll_s)
-    signal_group(pid, signal.SIGKILL)
-    while alive(pid, started):
-        time.sleep(poll_s)
-    return True
+    return set(live)
