@@ -4,12 +4,19 @@
 
 SIGTERM or SIGINT ends the loop: every trainer is asked to checkpoint and
 stop (SIGKILL after stop_grace_s), their jobs are recorded as interrupted,
-and the next start resumes them.
+and the next start resumes them. That record is what tells a clean stop from
+a crash: a job still `running` in the store at the next start was cut off
+(daemon or host down), and recovery counts it as a crash.
+
+A state.db that is corrupt or locked by another process is one line on
+stderr and exit 78 (EX_CONFIG; the unit's RestartPreventExitStatus), not a
+traceback and a restart loop.
 """
 
 from __future__ import annotations
 
 import signal
+import sqlite3
 import sys
 import threading
 import time
@@ -26,11 +33,11 @@ from daemon.policy import NullPolicy
 from daemon.recovery import reconcile
 from daemon.server import SocketInUse, SocketServer
 from daemon.settings import ConfigInvalid, DaemonConfig, load_config
-from daemon.store import Store
+from daemon.store import Store, StoreUnusable, unusable_reason
 from daemon.supervisor import Supervisor
 from engine.fsio import RealFs, ensure_dir_durable
 
-EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config
+EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
 
 
 def make_policy(cfg: DaemonConfig, home: Path, store: Store, log):
@@ -62,23 +69,51 @@ def serve(home: Path, config_path: str | None) -> int:
         print(f"lorad: {e}", file=sys.stderr)
         return 1
 
+    t0 = time.time()
+    db_path = home / "state.db"
+    try:
+        store = Store(db_path)
+    except StoreUnusable as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return EXIT_CONFIG
+
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda s, f: stop.set())
-    signal.signal(signal.SIGINT, lambda s, f: stop.set())
+    sups: list[Supervisor] = []
+
+    def on_stop(signum, frame) -> None:
+        stop.set()
+        for s in sups:
+            # At once, not at the end of this tick: under systemd the trainers get the same SIGTERM, and one
+            # that exits before shutdown() begins must be recorded as interrupted by it, not requeued.
+            s.shutting_down = True
+            s.wake.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal must not stop training
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
-    t0 = time.time()
     notifier = Notifier()
-    store = Store(home / "state.db")
     intake = Intake(home, cfg, store, log)
     log.info("starting", home=str(home), pid=__import__("os").getpid(), config=config_path)
     notifier.status("reconciling")
-    reconcile(home, cfg, store, log, intake)
+    try:
+        reconcile(home, cfg, store, log, intake)
+    except sqlite3.DatabaseError as e:
+        why = unusable_reason(db_path, e)  # corruption that opening did not see, or a lock taken since
+        if why is None:
+            raise
+        print(f"lorad: {why}", file=sys.stderr)
+        store.close()
+        lock.release()
+        return EXIT_CONFIG
     policy = make_policy(cfg, home, store, log)
     devs = devices_mod.detect(cfg.devices)
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier)
+    sup.shutting_down = stop.is_set()
+    sups.append(sup)
     sock_path = cfg.socket_path(home)
     ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0, socket_path=sock_path)
     server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,

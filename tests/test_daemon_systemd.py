@@ -63,7 +63,8 @@ def test_outside_systemd_notify_is_a_no_op_and_a_watchdog_for_another_pid_is_ign
 
 def test_unit_has_the_promised_settings():
     text = UNIT.read_text()
-    for line in ["Type=notify", "Restart=always", "StartLimitIntervalSec=0", "KillMode=mixed", "StateDirectory=lorad",
+    for line in ["Type=notify", "Restart=always", "StartLimitIntervalSec=0", "KillMode=control-group",
+                 "WatchdogSignal=SIGTERM", "StateDirectory=lorad",
                  "RuntimeDirectory=lorad", "WatchdogSec=", "TimeoutStopSec=", "DeviceAllow=/dev/nvidiactl rw",
                  "DeviceAllow=char-nvidia-frontend rw", "NoNewPrivileges=yes", "ProtectSystem=strict"]:
         assert line in text, line
@@ -71,6 +72,74 @@ def test_unit_has_the_promised_settings():
     from daemon.settings import DaemonConfig
 
     assert stop > DaemonConfig().stop_grace_s  # systemd must not SIGKILL a trainer that is still checkpointing
+
+
+def unit_settings() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for ln in UNIT.read_text().splitlines():
+        if "=" in ln and not ln.lstrip().startswith("#"):
+            k, v = ln.split("=", 1)
+            out.setdefault(k.strip(), []).append(v.strip())
+    return out
+
+
+def test_trainers_get_sigterm_and_their_grace_whether_the_daemon_is_stopped_or_dies():
+    """systemd.kill(5): with KillMode=mixed, what is left when the main process exits gets SIGKILL at once, so a
+    daemon crash would kill every trainer without its final checkpoint. With control-group the whole unit gets
+    KillSignal, and SIGKILL only after TimeoutStopSec; a watchdog timeout sends WatchdogSignal to the same."""
+    u = unit_settings()
+    assert u["KillMode"] == ["control-group"] and u["KillSignal"] == ["SIGTERM"] and u["WatchdogSignal"] == ["SIGTERM"]
+    readme = (REPO / "README.md").read_text()
+    assert "`KillMode=control-group`" in readme and "KillMode=mixed`" not in readme
+    assert "`WatchdogSignal=SIGTERM`" in readme
+
+
+def test_exit_78_is_the_status_systemd_does_not_restart_on():
+    from daemon.service import EXIT_CONFIG
+
+    assert unit_settings()["RestartPreventExitStatus"] == [str(EXIT_CONFIG)] and EXIT_CONFIG == 78
+
+
+def serve_once(home) -> subprocess.CompletedProcess:
+    from tests.conftest import child_env
+
+    return subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--home", str(home)], capture_output=True,
+                          text=True, cwd=REPO, env=child_env(), timeout=120)
+
+
+def test_a_corrupt_state_db_is_one_line_and_exit_78_not_a_traceback(tmp_path):
+    home = tmp_path / "home"
+    (home / "jobs" / "kept-1234").mkdir(parents=True)
+    (home / "state.db").write_bytes(b"garbage, not SQLite " * 500)
+    r = serve_once(home)
+    assert r.returncode == 78, r.stderr
+    assert r.stderr == (f"lorad: {home}/state.db is not a lorad database (corrupt?): move it aside to start fresh "
+                        "— job directories under jobs/ are not touched\n")
+    assert (home / "jobs" / "kept-1234").is_dir()
+
+
+def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, monkeypatch, capsys,
+                                                                        keep_signal_handlers):
+    import functools
+
+    from daemon import service
+    from daemon.store import Store
+
+    home = tmp_path / "home"
+    home.mkdir()
+    locker = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
+                               "isolation_level=None); c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); "
+                               "time.sleep(60)", str(home / "state.db")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        monkeypatch.setattr(service, "Store", functools.partial(Store, timeout_s=0.3))  # not the 30 s of production
+        assert service.serve(home, None) == 78
+    finally:
+        locker.kill()
+        locker.wait()
+    err = capsys.readouterr().err
+    assert err == f"lorad: {home}/state.db is locked by another process (pid {locker.pid}): stop it, then start lorad again\n"
+    HomeLock(home).acquire()  # the home lock was given back
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
