@@ -518,6 +518,10 @@ class Supervisor:
             power = dict(raw.get("power") or {}) if isinstance(raw, dict) else {}
         except (OSError, yaml.YAMLError):
             pass
+        # A "checkpoint now" (SIGUSR1, UPS on battery) reaching a trainer still importing torch would kill it:
+        # that is SIGUSR1's default action. Started with it blocked (the mask survives exec), the signal waits,
+        # pending, until the trainer's handler is in place (engine.stop.StopFlag.install unblocks it).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         try:
             with open(workdir / "trainer.log", "ab") as err:
                 popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
@@ -529,6 +533,8 @@ class Supervisor:
             self.pending[job_id] = p
             self._settle(p)  # if this write fails too, the next tick's reap tries again
             return False
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # The trainer runs: track it (and read its stdout) before anything else can fail.
         c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid,
                   pid_start=proc.start_time(popen.pid), gpu=dev, attempt=n, start_step=job["step"],

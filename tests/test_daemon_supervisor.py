@@ -484,3 +484,18 @@ def test_a_cancel_landing_while_an_interrupted_exit_is_written_waits_for_it_and_
     assert sup.store.get(c.job_id)["state"] == states.CANCELLED and sup.healthy
     assert sup.policy.seen[-1] == "end 75"
     assert [e["event"] for e in job_events(c.workdir)][-1] == "trainer_exited"
+
+
+def test_trainers_start_with_the_checkpoint_signal_blocked_until_their_handler_is_in_place(sup, tmp_path):
+    # SIGUSR1 ("checkpoint now") must not kill a trainer still importing torch: it starts blocked (pending),
+    # engine.stop.StopFlag.install unblocks it. The daemon's own mask is left as it was.
+    report = tmp_path / "sigblk"
+    sup.trainer_command = lambda workdir: [sys.executable, "-c", (
+        "import signal, sys; open(sys.argv[1], 'w').write(str(int(signal.SIGUSR1 in signal.pthread_sigmask("
+        "signal.SIG_BLOCK, []))))"), str(report)]
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    queue_job(sup, tmp_path)
+    sup.tick()
+    run_ticks(sup, lambda: report.exists() and report.read_text() != "")
+    assert report.read_text() == "1"
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
