@@ -84,6 +84,7 @@ class BlockSwapper:
         # resident) a ready event.
         self._params: dict[int, list[nn.Parameter]] = {}
         self._flat: dict[int, torch.Tensor] = {}
+        self._offsets: dict[int, list[int]] = {}  # byte offset of each param in the flat buffer (fixed)
         self._host: dict[int, list[torch.Tensor]] = {}
         self._resident: dict[int, object] = {}
         self._hooks = []
@@ -91,8 +92,9 @@ class BlockSwapper:
         for i in self.swapped:
             params = [p for p in blocks[i].parameters() if not p.requires_grad]
             self._params[i] = params
-            self._flat[i] = self._pack_host(params)
-            self._host[i] = _views(self._flat[i], params)
+            self._offsets[i] = _layout(params)
+            self._flat[i] = self._pack_host(params, self._offsets[i])
+            self._host[i] = _views(self._flat[i], params, self._offsets[i])
             for p, h in zip(params, self._host[i], strict=True):
                 p.data = h
             for m in blocks[i].modules():
@@ -105,10 +107,10 @@ class BlockSwapper:
         if self.cuda:
             torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
 
-    def _pack_host(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def _pack_host(self, params: list[nn.Parameter], offsets: list[int]) -> torch.Tensor:
         """One (pinned, on CUDA) byte buffer holding every param's bytes at ALIGN-aligned offsets."""
-        flat = torch.empty(_layout(params)[-1], dtype=torch.uint8, pin_memory=self.cuda)
-        for p, v in zip(params, _views(flat, params), strict=True):
+        flat = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.cuda)
+        for p, v in zip(params, _views(flat, params, offsets), strict=True):
             v.copy_(p.data)  # from the host (place_model left it there) or from the GPU
         return flat
 
@@ -128,7 +130,7 @@ class BlockSwapper:
         else:
             dev = self._flat[i].clone()
             self._resident[i] = (None, dev)
-        for p, v in zip(self._params[i], _views(dev, self._params[i]), strict=True):
+        for p, v in zip(self._params[i], _views(dev, self._params[i], self._offsets[i]), strict=True):
             p.data = v
         self.stats.max_resident = max(self.stats.max_resident, len(self._resident))
 
@@ -230,9 +232,10 @@ def _layout(params: list[nn.Parameter]) -> list[int]:
     return offsets + [at]
 
 
-def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+def _views(flat: torch.Tensor, params: list[nn.Parameter], offsets: list[int]) -> list[torch.Tensor]:
+    """Each param's dtype and shape over its bytes in `flat` (offsets from _layout)."""
     out = []
-    for p, off in zip(params, _layout(params), strict=False):
+    for p, off in zip(params, offsets, strict=False):
         n = p.numel() * p.element_size()
         out.append(flat[off:off + n].view(p.dtype).view(p.shape))
     return out
