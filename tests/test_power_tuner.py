@@ -47,6 +47,12 @@ def _job(total=2000, limit="auto", slowdown=0.10):
                       power={"limit_w": limit, "max_slowdown": slowdown})
 
 
+def _policy(tmp_path: Path, clock: Clock, dev: SimulatedDevice, log: RecLog) -> PowerPolicy:
+    """A power policy over `dev` with the default settings, its store in tmp_path, no background threads."""
+    return PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log, clock=clock, device=dev,
+                       start_threads=False)
+
+
 def _train(policy: PowerPolicy, dev: SimulatedDevice, clock: Clock, steps: int, start: int = 0) -> list[float]:
     """A simulated trainer: each step takes the model's step time at the GPU's current limit."""
     limits = []
@@ -69,8 +75,7 @@ def _expected(cands: list[float], slowdown: float) -> float:
 def test_tuner_on_simulated_device_picks_lowest_joules_per_step_within_bound(tmp_path: Path, slowdown):
     clock, log = Clock(), RecLog()
     dev = SimulatedDevice(1, clock=clock)
-    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log, clock=clock, device=dev,
-                      start_threads=False)
+    pol = _policy(tmp_path, clock, dev, log)
     pol.on_job_start(_job(slowdown=slowdown))
     limits = _train(pol, dev, clock, 60)
     tuner = pol.jobs["j1"].tuner
@@ -94,8 +99,7 @@ def test_tuner_on_simulated_device_picks_lowest_joules_per_step_within_bound(tmp
 def test_a_restart_reuses_the_persisted_profile_instead_of_profiling_again(tmp_path: Path):
     clock = Clock()
     dev = SimulatedDevice(1, clock=clock)
-    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
-                      start_threads=False)
+    pol = _policy(tmp_path, clock, dev, RecLog())
     pol.on_job_start(_job())
     _train(pol, dev, clock, 30)  # killed in the middle of the job, after profiling
     chosen = pol.jobs["j1"].tuner.limit_w
@@ -103,8 +107,7 @@ def test_a_restart_reuses_the_persisted_profile_instead_of_profiling_again(tmp_p
     assert dev.limit_w(0) == sim.DEFAULT_W
 
     log2 = RecLog()
-    pol2 = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log2, clock=clock, device=dev,
-                       start_threads=False)
+    pol2 = _policy(tmp_path, clock, dev, log2)
     pol2.on_job_start(_job())  # the job resumes under a new daemon
     assert dev.limit_w(0) == chosen  # at the tuned limit from the first step
     limits = _train(pol2, dev, clock, 40, start=30)
@@ -118,8 +121,7 @@ def test_a_restart_reuses_the_persisted_profile_instead_of_profiling_again(tmp_p
 def test_a_fixed_per_job_limit_is_applied_and_restored_at_job_end(tmp_path: Path):
     clock = Clock()
     dev = SimulatedDevice(1, clock=clock)
-    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
-                      start_threads=False)
+    pol = _policy(tmp_path, clock, dev, RecLog())
     pol.on_job_start(_job(limit=250))
     assert dev.limit_w(0) == 250
     pol.on_job_end("j1", 0)
@@ -134,8 +136,7 @@ def test_heartbeats_read_up_to_a_tick_late_still_measure_exact_joules_per_step(t
 
     clock = Clock(1_700_000_000.0)
     dev = SimulatedDevice(1, clock=clock)
-    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
-                      start_threads=False)
+    pol = _policy(tmp_path, clock, dev, RecLog())
     pol.on_job_start(_job())
     tick, progress, step, pending = 0.25, 0.0, 0, []
     while not pol.jobs["j1"].tuner.done:
@@ -163,16 +164,14 @@ def test_heartbeats_read_up_to_a_tick_late_still_measure_exact_joules_per_step(t
 def test_a_restart_in_the_middle_of_profiling_measures_only_the_remaining_limits(tmp_path: Path):
     clock = Clock()
     dev = SimulatedDevice(1, clock=clock)
-    pol = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", RecLog(), clock=clock, device=dev,
-                      start_threads=False)
+    pol = _policy(tmp_path, clock, dev, RecLog())
     pol.on_job_start(_job())
     first = _train(pol, dev, clock, 12)  # 400 W and 365 W measured (5 steps each), killed at the third
     assert [p.limit_w for p in pol.jobs["j1"].tuner.points] == [400, 365]
     pol.close()
 
     log2 = RecLog()
-    pol2 = PowerPolicy(PowerSettings(), tmp_path, tmp_path / "state.db", log2, clock=clock, device=dev,
-                       start_threads=False)
+    pol2 = _policy(tmp_path, clock, dev, log2)
     pol2.on_job_start(_job())
     assert dev.limit_w(0) == 330  # straight to the first limit not yet measured
     second = _train(pol2, dev, clock, 40, start=12)
