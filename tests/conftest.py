@@ -105,6 +105,13 @@ def deep_update(base: dict, over: dict) -> dict:
     return out
 
 
+def tiny_job(model_path: Path | str, base_dir: Path, **sections: Any):
+    """The tiny job on the quickstart data, its `sections` updated (e.g. train={"steps": 2}), validated."""
+    from engine.config import parse_job
+
+    return parse_job(deep_update(tiny_job_dict(model_path, QUICKSTART_DATA), sections), base_dir)
+
+
 @pytest.fixture
 def write_job(tmp_path, micro_model) -> Callable[..., Path]:
     """write_job(filename="job.yaml", **section_overrides) -> path of a tiny job file in tmp_path."""

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from engine.config import JobInvalid, dump_job, load_job, parse_job
-from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job_dict
+from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job, tiny_job_dict
 
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
 
@@ -256,8 +256,7 @@ def test_a_hub_answer_no_retry_can_change_is_an_invalid_job(tmp_path, micro_mode
             from _hub_error(getattr(hub_errors, kind))
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"model": {"path": "someorg/no-such-model"}}),
-                    tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"path": "someorg/no-such-model"})
     assert train(cfg, tmp_path / "w", progress="none") == 65  # invalid: the daemon does not retry it
     line = _one_line(capsys.readouterr().err)
     for w in words:
@@ -273,8 +272,7 @@ def test_a_network_failure_stays_a_crash_the_daemon_retries(tmp_path, micro_mode
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files") from ConnectionError()
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"model": {"path": "someorg/some-model"}}),
-                    tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"path": "someorg/some-model"})
     with pytest.raises(OSError, match="couldn't connect"):
         train(cfg, tmp_path / "w", progress="none")
 

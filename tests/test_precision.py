@@ -13,7 +13,6 @@ import yaml
 
 import engine.fp8 as fp8
 import engine.precision as precision
-from engine.config import parse_job
 from engine.fp8 import FP8Linear
 from engine.precision import apply_base_precision, convert_linears_to_fp8, resolve
 from tests.conftest import (
@@ -23,6 +22,7 @@ from tests.conftest import (
     deep_update,
     read_events,
     run_engine,
+    tiny_job,
     tiny_job_dict,
 )
 from tests.fakes import RecLog
@@ -133,8 +133,7 @@ def test_int8_loads_through_bitsandbytes_and_lora_trains_on_top(micro_model, tmp
 
     from engine.families.causal_lm import CausalLM
 
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
-                                {"model": {"base_precision": "int8", "dtype": "bfloat16"}}), tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"base_precision": "int8", "dtype": "bfloat16"})
     log = RecLog()
     model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), log)
     q = model.base_model.model.model.layers[0].self_attn.q_proj
@@ -149,8 +148,7 @@ def test_int8_loads_through_bitsandbytes_and_lora_trains_on_top(micro_model, tmp
 def test_fp8_family_load_gives_bf16_adapters_over_fp8_layers(micro_model, tmp_path):
     from engine.families.causal_lm import CausalLM
 
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
-                                {"model": {"base_precision": "fp8", "dtype": "bfloat16"}}), tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"base_precision": "fp8", "dtype": "bfloat16"})
     model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), RecLog())
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q.base_layer, FP8Linear)

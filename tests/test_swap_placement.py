@@ -23,7 +23,7 @@ from engine.config import JobInvalid, parse_job
 from engine.fp8 import FP8Linear
 from engine.precision import convert_linears_to_fp8, swapped_linear_weights
 from tests import flux_helpers as fh
-from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
+from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job, tiny_job_dict
 from tests.fakes import RecLog
 from tests.flux_helpers import tiny_flux  # noqa: F401  (fixture)
 
@@ -109,9 +109,8 @@ def test_an_fp8_layer_computes_where_its_scales_are_even_while_its_weight_is_par
 def test_causal_lm_bf16_load_keeps_the_swapped_layer_on_the_host_and_its_lora_on_the_device(micro_model, tmp_path):
     from engine.families.causal_lm import CausalLM
 
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
-                                {"model": {"base_precision": "bf16", "dtype": "bfloat16"},
-                                 "train": {"blocks_to_swap": 1}}), tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"base_precision": "bf16", "dtype": "bfloat16"},
+                   train={"blocks_to_swap": 1})
     model = CausalLM().load_model(cfg, tmp_path, META, RecLog())
     last = find_blocks(model)[-1]
     host = {id(p) for p in last.parameters() if not p.requires_grad}
@@ -160,9 +159,8 @@ def test_on_gpu_the_load_peak_excludes_the_swapped_blocks(micro_model, tmp_path,
     from engine.families.causal_lm import CausalLM
 
     dev = torch.device("cuda")
-    cfg = parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
-                                {"model": {"base_precision": precision, "dtype": "bfloat16"},
-                                 "train": {"blocks_to_swap": 2}}), tmp_path)
+    cfg = tiny_job(micro_model, tmp_path, model={"base_precision": precision, "dtype": "bfloat16"},
+                   train={"blocks_to_swap": 2})
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(dev)
     start = torch.cuda.memory_allocated(dev)

@@ -9,12 +9,11 @@ import threading
 
 import torch
 
-from engine.config import parse_job
 from engine.events import EventLog, read_events
 from engine.rng import capture, restore
 from engine.run import train
 from engine.stop import StopFlag
-from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
+from tests.conftest import tiny_job
 
 
 def test_a_checkpoint_request_sent_while_the_trainer_starts_waits_instead_of_killing_it(keep_signal_handlers):
@@ -29,10 +28,6 @@ def test_a_checkpoint_request_sent_while_the_trainer_starts_waits_instead_of_kil
         assert flag.take_save_request() and not flag.requested
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old - {signal.SIGUSR1})
-
-
-def _job(tmp_path, micro_model, **over):
-    return parse_job(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), over), tmp_path)
 
 
 def test_a_stop_asked_during_a_step_checkpoints_before_any_step_end_work(tmp_path, micro_model, monkeypatch):
@@ -51,7 +46,7 @@ def test_a_stop_asked_during_a_step_checkpoints_before_any_step_end_work(tmp_pat
     monkeypatch.setattr(CausalLM, "loss", loss)
     monkeypatch.setattr(CausalLM, "on_step_end", lambda self, model, step, *a: calls["step_end"].append(step))
     wd = tmp_path / "w"
-    assert train(_job(tmp_path, micro_model), wd, progress="none", stop=stop) == 75
+    assert train(tiny_job(micro_model, tmp_path), wd, progress="none", stop=stop) == 75
     assert calls["step_end"] == [1, 2]  # sample rendering of step 3 would only delay the stop checkpoint
     assert [e["step"] for e in read_events(wd) if e["event"] == "stopped"] == [3]
 
@@ -63,7 +58,7 @@ def test_disk_full_outside_the_checkpoint_writer_is_exit_74_with_one_line(tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "w" / "cache" / "x.safetensors"))
 
     monkeypatch.setattr(CausalLM, "prepare", full)
-    assert train(_job(tmp_path, micro_model), tmp_path / "w", progress="none") == 74
+    assert train(tiny_job(micro_model, tmp_path), tmp_path / "w", progress="none") == 74
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lorad:")]
     assert len(lines) == 1 and "disk full" in lines[0] and "x.safetensors" in lines[0]
     assert read_events(tmp_path / "w")[-1]["event"] == "disk_error"
