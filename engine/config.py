@@ -85,7 +85,9 @@ class TrainConfig(Strict):
     schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
-    optimizer: Literal["adamw8bit", "paged_adamw8bit", "adamw"] = "adamw8bit"
+    optimizer: Literal["adamw8bit", "paged_adamw8bit", "adamw", "prodigy", "adamw_schedulefree", "scao"] = "adamw8bit"
+    # Constructor arguments of the optimizer (OPTIMIZER_ARGS lists the ones each accepts).
+    optimizer_args: dict[str, Union[bool, int, float, list[float]]] = Field(default_factory=dict)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     gradient_checkpointing: bool = False
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -163,6 +165,7 @@ class JobConfig(Strict):
                              f"bitsandbytes {quantized}; use model.base_precision: fp8 with it, or set "
                              f"train.blocks_to_swap: 0")
         _family_keys_check(self)
+        _optimizer_check(self.train)
         return self
 
     def identity_hash(self) -> str:
@@ -191,6 +194,42 @@ class JobConfig(Strict):
 IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "flip", "repeats")
 TEXT_DATA_KEYS = ("text_field", "seq_len", "packing")
 FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance")
+
+
+# The constructor arguments train.optimizer_args may set, per optimizer. Left out on purpose: lr and
+# weight_decay (train.lr, train.weight_decay), schedule-free's own warm-up (train.warmup_steps does it),
+# and scao's features whose state scao does not checkpoint (lookahead, dynamic sparsity, adaptive rank).
+_ADAM_ARGS = ("betas", "eps")
+OPTIMIZER_ARGS: dict[str, tuple[str, ...]] = {
+    "adamw8bit": _ADAM_ARGS,
+    "paged_adamw8bit": _ADAM_ARGS,
+    "adamw": (*_ADAM_ARGS, "amsgrad"),
+    "prodigy": (*_ADAM_ARGS, "beta3", "d0", "d_coef", "growth_rate", "use_bias_correction", "safeguard_warmup",
+                "slice_p"),
+    "adamw_schedulefree": (*_ADAM_ARGS, "r", "weight_lr_power"),
+    "scao": (*_ADAM_ARGS, "precond_freq", "warmup_steps", "blend_steps", "k_min", "k_max", "rho", "tau",
+             "epsilon_sparse", "min_precond_updates", "max_precond_dim", "use_int8_ema"),
+}
+
+
+def _optimizer_check(train: TrainConfig) -> None:
+    name = train.optimizer
+    unknown = [k for k in train.optimizer_args if k not in OPTIMIZER_ARGS[name]]
+    if unknown:
+        raise ValueError(f"{', '.join(f'train.optimizer_args.{k}' for k in unknown)}: not an argument lorad passes "
+                         f"to {name} (allowed: {', '.join(OPTIMIZER_ARGS[name])})")
+    betas = train.optimizer_args.get("betas")
+    if betas is not None and (not isinstance(betas, list) or len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
+        raise ValueError(f"train.optimizer_args.betas: must be two numbers in [0, 1) (got {betas!r})")
+    if name == "prodigy" and "lr" not in train.model_fields_set:
+        train.lr = 1.0  # Prodigy's lr scales its own step-size estimate: 1.0 is its default
+    if name == "adamw_schedulefree":
+        if "schedule" not in train.model_fields_set:
+            train.schedule = "constant"
+        elif train.schedule != "constant":
+            raise ValueError(f"train.schedule: adamw_schedulefree replaces the decaying schedule with iterate "
+                             f"averaging; use constant (the default with it) instead of {train.schedule} "
+                             "(train.warmup_steps still applies)")
 
 
 def _family_keys_check(cfg: JobConfig) -> None:

@@ -18,6 +18,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +31,21 @@ from engine.events import EventLog
 from engine.families import get_family
 from engine.families.base import hub_refusal
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
-from engine.optim import build_optimizer, join_tree, lr_at, split_tree
+from engine.optim import (
+    build_optimizer,
+    eval_weights,
+    join_tree,
+    load_optimizer_state,
+    lr_at,
+    optimizer_advice,
+    optimizer_state,
+    split_tree,
+    use_eval_weights,
+)
 from engine.prefetch import Prefetcher
 from engine.progress import make_progress
 from engine.rng import capture, restore, seed_everything
+from engine.sample import sample_due
 from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 
@@ -56,7 +68,7 @@ def snapshot(step: int, params, optimizer, generator, state: dict[str, Any]) -> 
     """Host copies at a step boundary; the background writer serialises and writes them."""
     adapter = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
     opt_tensors: dict[str, torch.Tensor] = {}
-    tree = split_tree(optimizer.state_dict(), "", opt_tensors)
+    tree = split_tree(optimizer_state(optimizer), "", opt_tensors)
     opt_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in opt_tensors.items()}
     rng_meta, rng_tensors = capture(generator)
     return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta})
@@ -69,7 +81,7 @@ def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[s
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(loaded.adapter[n])
-    optimizer.load_state_dict(join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
+    load_optimizer_state(optimizer, join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
     warning = restore(loaded.state["rng"], loaded.rng_tensors, generator)
     if warning and log is not None:
         log.warning("rng_mismatch", message=warning)
@@ -204,6 +216,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
     params = trainable(model)
     optimizer = build_optimizer(list(params.values()), cfg.train)
+    if (advice := optimizer_advice(cfg.train)) is not None:
+        log.warning("optimizer_advice", message=advice)
+        _say(progress, f"lorad: warning: {advice}")
 
     # -- resume
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
@@ -289,7 +304,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                      s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
             bar.update(step, loss_sum, s_per_step)
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
-                family.on_step_end(model, step, cfg, workdir, log)
+                with eval_weights(optimizer, params) if sample_due(cfg, step) else nullcontext():
+                    family.on_step_end(model, step, cfg, workdir, log)
 
             handle_saves(saver.poll())
             if stop.take_save_request() and step < cfg.train.steps:
@@ -334,6 +350,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
 
     meta = {"steps": step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
+    use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
         out = export_output(family, model, cfg, workdir, fs, meta)
     except OSError as e:

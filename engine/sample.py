@@ -27,6 +27,12 @@ from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def sample_due(cfg, step: int) -> bool:
+    """Whether preview images are rendered after optimizer step `step`."""
+    every = cfg.sample.every_steps
+    return bool(every and cfg.sample.prompts and step % every == 0)
+
+
 class Sampler:
     def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None):
         self.cfg, self.model_path, self.workdir = cfg, model_path, Path(workdir)

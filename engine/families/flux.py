@@ -261,8 +261,9 @@ class Flux:
 
     # ---------------------------------------------------------------- samples and export
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
-        every = cfg.sample.every_steps
-        if not every or step % every or not cfg.sample.prompts:
+        from engine.sample import sample_due
+
+        if not sample_due(cfg, step):
             return
         if self.sampler is None:
             from engine.sample import Sampler
