@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from engine.blockswap import place_model
+from engine.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
-from engine.data.text import TokenDataset, read_documents
+from engine.data.text import TokenDataset, encode_documents, read_documents
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
 
@@ -31,6 +32,7 @@ def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
 class CausalLM:
     def __init__(self):
         self._tokenizer = None
+        self._chunked = False
 
     def prepare(self, cfg: JobConfig, workdir: Path, log) -> None:
         resolve_model_path(cfg, workdir)
@@ -86,6 +88,7 @@ class CausalLM:
             model = get_peft_model(model, lcfg, autocast_adapter_dtype=quantize is not None)
         except ValueError as e:
             raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+        self._chunked = use_chunked_loss(model, cfg, log)
         if quantize is None:
             # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
             # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
@@ -93,11 +96,26 @@ class CausalLM:
         return model
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> TokenDataset:
+        tok = self.tokenizer(cfg, workdir)
         docs = read_documents(Path(cfg.data.path), cfg.data.text_field)
-        return TokenDataset(docs, self.tokenizer(cfg, workdir), cfg.data.seq_len, cfg.data.packing)
+        chat = bool(docs) and isinstance(docs[0], list)
+        if cfg.data.train_on == "completions" and not chat:  # check_text_source says so at load time too
+            raise JobInvalid("data.train_on: completions needs chat data (.jsonl lines with 'messages')")
+        encoded = encode_documents(docs, tok, cfg.data.train_on, log)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        dataset = TokenDataset(encoded, pad, cfg.data.seq_len, cfg.data.packing)
+        log.info("dataset", documents=len(docs), format="chat" if chat else "text", samples=len(dataset),
+                 train_on=cfg.data.train_on or ("completions" if chat else "all"))
+        return dataset
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
-        return model(**batch).loss
+        if not self._chunked:
+            # No KV cache: with one, transformers would not read packed documents from the position ids.
+            return model(**batch, use_cache=False).loss
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        hidden = base.get_decoder()(**inputs, use_cache=False)[0]
+        return chunked_cross_entropy(hidden, base.get_output_embeddings().weight, batch["labels"])
 
     def on_step_end(self, model, step, cfg, workdir, log) -> None:
         return None
@@ -105,3 +123,38 @@ class CausalLM:
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         model.save_pretrained(out_dir, safe_serialization=True)
         return sorted(p.name for p in Path(out_dir).iterdir())
+
+
+def _chunk_blocker(base: torch.nn.Module) -> str | None:
+    """Why this model's LM head cannot go through engine.chunked_loss (which reads its weight directly), or None."""
+    head = base.get_output_embeddings()
+    if hasattr(head, "lora_A"):
+        return "lm_head carries a LoRA adapter (lora.targets matches lm_head)"
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dtype not in DTYPES.values():
+        return f"its LM head is a {type(head).__name__} with no plain weight"
+    if getattr(head, "bias", None) is not None:
+        return "its LM head has a bias"
+    conf = base.config
+    for key in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(conf, key, None) not in (None, 1, 1.0):
+            return f"the model transforms its logits ({key}={getattr(conf, key)})"
+    return None
+
+
+def use_chunked_loss(model: torch.nn.Module, cfg: JobConfig, log) -> bool:
+    """train.chunked_loss resolved for this model: true refuses what it cannot do, auto falls back and says so."""
+    choice = cfg.train.chunked_loss
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    vocab = base.get_output_embeddings().weight.shape[0]
+    if choice is False or (choice == "auto" and vocab < AUTO_MIN_VOCAB):
+        return False
+    why = _chunk_blocker(base)
+    if why is not None:
+        if choice is True:
+            raise JobInvalid(f"train.chunked_loss: cannot be used here: {why}; set train.chunked_loss: false"
+                             + (" or drop lm_head from lora.targets" if "lora" in why.lower() else ""))
+        log.warning("chunked_loss_off", reason=why, vocab=vocab,
+                    message=f"train.chunked_loss: auto stays off: {why}; the full logits are built")
+        return False
+    log.info("chunked_loss", vocab=vocab, message="LM head and cross-entropy run in chunks (no full logits)")
+    return True
