@@ -68,6 +68,9 @@ class DataConfig(Strict):
     text_field: str = "text"
     seq_len: int = Field(256, ge=8, le=131072)
     packing: bool = True
+    # Which tokens carry the loss: completions = the assistant turns of chat data (its default), all = every token
+    # (the only choice, and the default, for plain text). Unset = by the data's format.
+    train_on: Literal["completions", "all"] | None = None
     # flux only (engine/data/images.py): aspect-ratio buckets around each resolution, captions from IMAGE.<caption_ext>
     resolution: list[Annotated[int, Field(ge=32, le=4096)]] = Field(default_factory=lambda: [512], min_length=1)
     trigger: str | None = Field(None, max_length=200)
@@ -75,6 +78,31 @@ class DataConfig(Strict):
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
     flip: bool = False
     repeats: int = Field(1, ge=1, le=10000)
+
+
+class TimestepBias(Strict):
+    """flux only: reweight the σ sampling density toward a band of noise levels (engine/timestep_bias.py)."""
+
+    strategy: Literal["balanced", "earlier", "later", "range"] = "balanced"
+    multiplier: float = Field(2.0, gt=0.0, le=100.0)
+    begin: float | None = Field(None, ge=0.0, le=1.0)
+    end: float | None = Field(None, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _band_ok(self):
+        # Raised here, these are reported as "train.timestep_bias: <message>".
+        if self.strategy == "range":
+            if self.begin is None or self.end is None:
+                raise ValueError("strategy range needs both begin and end (σ from 0 to 1)")
+            if self.begin >= self.end:
+                raise ValueError(f"begin must be below end (got {self.begin} ≥ {self.end})")
+        elif self.strategy == "later" and self.end is not None:
+            raise ValueError("end: strategy later weights [begin, 1]; set begin, or use strategy range")
+        elif self.strategy == "earlier" and self.begin is not None:
+            raise ValueError("begin: strategy earlier weights [0, end]; set end, or use strategy range")
+        elif self.strategy == "balanced" and (self.begin is not None or self.end is not None):
+            raise ValueError("strategy balanced applies no bias; begin/end need earlier, later or range")
+        return self
 
 
 class TrainConfig(Strict):
@@ -93,11 +121,16 @@ class TrainConfig(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     blocks_to_swap: int = Field(0, ge=0)
     compile: bool = False
+    # causal_lm only: LM head + cross-entropy in chunks, never the full logits (engine/chunked_loss.py).
+    # auto = on from a vocabulary of engine.chunked_loss.AUTO_MIN_VOCAB (65,536) tokens.
+    chunked_loss: Literal["auto"] | bool = "auto"
     # flux only. sigmoid: sigma = sigmoid(N(0,1)) (logit-normal, mid-noise heavy); linear: sigma ~ U(0,1);
     # shift: U(0,1) moved toward high noise by the resolution-dependent shift of FLUX's scheduler.
     timestep_sampling: Literal["sigmoid", "linear", "shift"] = "sigmoid"
     # flux only: the guidance value fed to FLUX.1-dev's guidance embedding while training (ignored by schnell).
     guidance: float = Field(1.0, ge=0.0, le=100.0)
+    # flux only: emphasise high or low noise levels (engine/timestep_bias.py).
+    timestep_bias: TimestepBias = Field(default_factory=TimestepBias)
 
 
 class SampleConfig(Strict):
@@ -192,8 +225,9 @@ class JobConfig(Strict):
 
 # Keys that only mean something for one family; setting them on the other is a mistake worth naming.
 IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "flip", "repeats")
-TEXT_DATA_KEYS = ("text_field", "seq_len", "packing")
-FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance")
+TEXT_DATA_KEYS = ("text_field", "seq_len", "packing", "train_on")
+FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance", "timestep_bias")
+LM_TRAIN_KEYS = ("chunked_loss",)
 
 
 # The constructor arguments train.optimizer_args may set, per optimizer. Left out on purpose: lr and
@@ -245,6 +279,7 @@ def _family_keys_check(cfg: JobConfig) -> None:
             raise ValueError(f"{', '.join(wrong)}: only for model.family flux (this job is causal_lm)")
     elif family == "flux":
         wrong = [f"data.{k}" for k in TEXT_DATA_KEYS if k in cfg.data.model_fields_set]
+        wrong += [f"train.{k}" for k in LM_TRAIN_KEYS if k in cfg.train.model_fields_set]
         if wrong:
             raise ValueError(f"{', '.join(wrong)}: only for model.family causal_lm (flux reads images and captions)")
         if cfg.model.quantize is not None:
@@ -369,7 +404,7 @@ def _check_paths(cfg: JobConfig) -> None:
 
         if Path(mp).is_absolute() and not (Path(mp) / "config.json").is_file():
             raise JobInvalid(f"model.path: {mp} holds no transformers model (no config.json)")
-        check_text_source(dp, cfg.data.text_field)
+        check_text_source(dp, cfg.data.text_field, cfg.data.train_on)
     elif cfg.model.family == "flux":
         from engine.data.images import check_image_folder
 
@@ -419,4 +454,6 @@ def dump_job(cfg: JobConfig) -> str:
     else:
         for k in TEXT_DATA_KEYS:
             d["data"].pop(k, None)
+        for k in LM_TRAIN_KEYS:
+            d["train"].pop(k, None)
     return yaml.safe_dump(d, sort_keys=False)

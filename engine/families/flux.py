@@ -75,19 +75,31 @@ def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
 
 
 def sample_sigmas(kind: str, batch: int, image_seq_len: int, sched: dict[str, float],
-                  generator: torch.Generator) -> torch.Tensor:
-    """Noise levels σ in [0, 1] for one batch (see the module docstring for the three kinds)."""
+                  generator: torch.Generator, bias=None) -> torch.Tensor:
+    """Noise levels σ in [0, 1] for one batch (see the module docstring for the three kinds).
+
+    `bias` (train.timestep_bias) reweights the density (engine/timestep_bias.py); balanced leaves it alone.
+    """
+    if bias is not None and bias.strategy != "balanced":
+        from engine.timestep_bias import sample_biased
+
+        shift = _shift_exp(image_seq_len, sched) if kind == "shift" else 1.0
+        return sample_biased(kind, batch, shift, bias.strategy, bias.multiplier, bias.begin, bias.end, generator)
     if kind == "sigmoid":
         return torch.sigmoid(torch.randn(batch, generator=generator))
     t = torch.rand(batch, generator=generator)
     if kind == "linear":
         return t
+    e = _shift_exp(image_seq_len, sched)
+    return e * t / (e * t + (1 - t))
+
+
+def _shift_exp(image_seq_len: int, sched: dict[str, float]) -> float:
+    """e^μ of FLUX's resolution-dependent shift (diffusers' calculate_shift with the scheduler's settings)."""
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-    mu = calculate_shift(image_seq_len, sched["base_image_seq_len"], sched["max_image_seq_len"],
-                         sched["base_shift"], sched["max_shift"])
-    e = math.exp(mu)
-    return e * t / (e * t + (1 - t))
+    return math.exp(calculate_shift(image_seq_len, sched["base_image_seq_len"], sched["max_image_seq_len"],
+                                    sched["base_shift"], sched["max_shift"]))
 
 
 def apply_lora(transformer: torch.nn.Module, cfg: JobConfig) -> torch.nn.Module:
@@ -235,7 +247,8 @@ class Flux:
             pooled = torch.where(drop[:, None], batch["empty_pooled"].expand_as(pooled), pooled)
         noise = torch.randn(x0.shape, generator=generator).to(device)
         seq_len = (h // 2) * (w // 2)
-        sigma = sample_sigmas(cfg.train.timestep_sampling, b, seq_len, self.sched, generator).to(device)
+        sigma = sample_sigmas(cfg.train.timestep_sampling, b, seq_len, self.sched, generator,
+                              cfg.train.timestep_bias).to(device)
         x0, noise = x0.float(), noise.float()
         s = sigma[:, None, None, None]
         x_t = (1 - s) * x0 + s * noise
