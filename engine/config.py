@@ -45,6 +45,8 @@ class LoraConfig(Strict):
     rank: int = Field(16, ge=1, le=1024)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # The adapter weights' storage dtype (engine/adapters.py): fp32 keeps small updates a bf16 weight would lose.
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # A list of module-name suffixes, or one regular expression matched against the full module path.
     # None (the default) means the family's own default list (engine/families/*.py: DEFAULT_TARGETS).
     targets: Union[list[str], str, None] = None

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from engine.adapters import compute_autocast
 from engine.checkpoint import AsyncCheckpointer, CheckpointStore, ConfigMismatch, Snapshot
 from engine.config import JobConfig, JobInvalid, load_job
 from engine.data.order import Cursor, sample_indices
@@ -286,7 +287,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             for _ in range(cfg.train.grad_accum):
                 batch = prefetcher.get(consumed)
                 consumed += micro
-                loss = family.loss(model, batch, generator) / cfg.train.grad_accum
+                with compute_autocast(cfg.model.dtype, cfg.lora.dtype, device):
+                    loss = family.loss(model, batch, generator) / cfg.train.grad_accum
                 loss.backward()
                 prefetcher.prefetch(consumed)  # the next batch is collated and copied while the GPU works
                 loss_sum += float(loss.detach())

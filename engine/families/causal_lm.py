@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.adapters import set_adapter_dtype
 from engine.blockswap import place_model
 from engine.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
@@ -83,11 +84,10 @@ class CausalLM:
             task_type="CAUSAL_LM",
         )
         try:
-            # With a bf16/fp8 base the adapters stay in the model dtype (bf16 LoRA compute); peft's default
-            # would upcast them to fp32. QLoRA/int8 keep peft's default.
-            model = get_peft_model(model, lcfg, autocast_adapter_dtype=quantize is not None)
+            model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
         except ValueError as e:
             raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+        set_adapter_dtype(model, cfg.lora.dtype)  # fp32 by default over any base (engine/adapters.py)
         self._chunked = use_chunked_loss(model, cfg, log)
         if quantize is None:
             # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the

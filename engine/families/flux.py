@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from engine.adapters import set_adapter_dtype
 from engine.blockswap import place_model
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.precision import apply_base_precision, quantization_config
@@ -221,6 +222,7 @@ class Flux:
         if cfg.train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         apply_lora(transformer, cfg)
+        set_adapter_dtype(transformer, cfg.lora.dtype)  # fp32 by default over any base (engine/adapters.py)
         if qconf is None:
             # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
             # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
