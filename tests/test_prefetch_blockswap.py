@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from engine.blockswap import BlockSwapper, find_blocks
 from engine.prefetch import Prefetcher
@@ -232,6 +233,82 @@ def test_find_blocks_on_llama_and_flux_in_forward_order():
                                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                                   guidance_embeds=False, axes_dims_rope=(2, 2, 4))
     assert find_blocks(flux) == list(flux.transformer_blocks) + list(flux.single_transformer_blocks)
+
+
+def tiny_lora_flux(device: torch.device, dtype: torch.dtype):
+    """diffusers' real FluxTransformer2DModel (2 double-stream + 3 single-stream blocks, tiny dims) with LoRA."""
+    from diffusers import FluxTransformer2DModel
+    from peft import LoraConfig
+
+    from engine.families.flux import DEFAULT_TARGETS
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3,
+                                   attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=16, guidance_embeds=False, axes_dims_rope=(2, 2, 4))
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=DEFAULT_TARGETS, init_lora_weights=False))
+    return model.to(device, dtype) if dtype != torch.float32 else model.to(device)
+
+
+def flux_loss(model) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    dev, dt = model.device, model.dtype
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dev, dt)
+
+    out = model(hidden_states=rand(2, 16, 16), encoder_hidden_states=rand(2, 4, 32), pooled_projections=rand(2, 16),
+                timestep=torch.rand(2, generator=g).to(dev, dt), img_ids=torch.zeros(16, 3, device=dev),
+                txt_ids=torch.zeros(4, 3, device=dev), return_dict=False)[0]
+    return out.float().pow(2).mean()
+
+
+def watch_device_buffers(swapper: BlockSwapper) -> list[tuple[int, StorageWeakRef]]:
+    """A weak reference to the storage of every device buffer the swapper loads (it sees when one is freed)."""
+    loaded: list[tuple[int, StorageWeakRef]] = []
+    load = swapper._load
+
+    def recording_load(i):
+        fresh = i not in swapper._resident
+        load(i)
+        if fresh and i in swapper._resident:
+            loaded.append((i, StorageWeakRef(swapper._resident[i][1].untyped_storage())))
+
+    swapper._load = recording_load
+    return loaded
+
+
+ON_GPU = pytest.param("cuda", torch.bfloat16, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+
+
+@pytest.mark.parametrize(("device", "dtype"), [("cpu", torch.float32), ON_GPU])
+def test_real_flux_blocks_evicted_in_the_forward_are_freed_and_nothing_autograd_saved_aliases_them(device, dtype):
+    # Flux's RMSNorm weights (norm_q, norm_k, norm_added_*) live in the block's flat buffer, and autograd
+    # saves them for `x * weight` (CPU) or the fused RMSNorm's backward (CUDA): what it keeps must follow
+    # the eviction, never pin the device copy until backward.
+    device = torch.device(device)
+    model = tiny_lora_flux(device, dtype)
+    ref = flux_loss(tiny_lora_flux(device, dtype))
+    swapper = BlockSwapper(find_blocks(model), 4, device)
+    in_buffers = {id(p) for i in swapper.swapped for p in swapper._params[i]}
+    norms = {n for n, p in model.named_parameters() if id(p) in in_buffers and ".norm_" in n}
+    assert {n.split(".attn.")[1] for n in norms} == {"norm_q.weight", "norm_k.weight", "norm_added_q.weight",
+                                                    "norm_added_k.weight"}
+    loaded = watch_device_buffers(swapper)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = flux_loss(model)
+    evicted = [(i, buf) for i, buf in loaded if i not in swapper.resident()]
+    assert sorted(i for i, _ in evicted) == [1, 2, 3]  # block 4 (the last) stays for the backward
+    aliasing = sorted({(i, tuple(t.shape)) for t in saved for i, buf in evicted
+                       if not buf.expired() and StorageWeakRef(t.untyped_storage()).cdata == buf.cdata})
+    assert aliasing == []
+    assert [i for i, buf in evicted if not buf.expired()] == []  # and nothing else holds them either
+    loss.backward()
+    assert torch.allclose(loss.detach(), ref.detach(), rtol=0 if device.type == "cpu" else 1e-3)
+    assert all(p.grad is not None for n, p in model.named_parameters() if p.requires_grad and "lora_B" in n)
 
 
 def test_fp8_llama_with_lora_trains_identically_with_and_without_swapping(micro_model):
