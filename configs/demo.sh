@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make demo`: the service. Starts `lorad serve` in a temporary home, drops the quickstart job into its
-# inbox, shows `lorad status` until the job is done, prints where the adapter is, and stops the daemon
-# cleanly (SIGTERM). About a minute on 2 CPU cores.
+# inbox, prints the dashboard's address (open it while the job runs), shows `lorad status` until the job is
+# done, prints where the adapter is, and stops the daemon cleanly (SIGTERM). About a minute on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -13,6 +13,7 @@ HOME_DIR=$DEMO/home
 cat > "$DEMO/daemon.yaml" <<YAML
 allowed_roots: ["{home}", "$REPO"]
 tick_s: 0.25
+web: {listen: "127.0.0.1:${LORAD_DEMO_PORT:-0}"}   # port 0: any free port; lorad web-url says which
 YAML
 
 echo "== lorad serve --home $HOME_DIR   (daemon log: $DEMO/daemon.log)"
@@ -21,6 +22,7 @@ DAEMON=$!
 trap 'kill -TERM $DAEMON 2>/dev/null || true' EXIT
 for _ in $(seq 100); do $LORAD ping --home "$HOME_DIR" >/dev/null 2>&1 && break; sleep 0.2; done
 $LORAD ping --home "$HOME_DIR"
+echo "== dashboard (open it now; it stays up while the demo job runs): $($LORAD web-url --home "$HOME_DIR")"
 
 # A job file in the inbox names its paths relative to the inbox, so give the data path absolutely;
 # write it next to the inbox and rename it in, so the daemon never sees half a file.

@@ -403,6 +403,11 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return _out(args, data, lambda d: print(d["message"]))
 
 
+def cmd_web_url(args: argparse.Namespace) -> int:
+    data = _call(args, p.WebUrl())
+    return _out(args, data, lambda d: print(d["url"]))
+
+
 # ================================================================ parser
 class _Parser(argparse.ArgumentParser):
     """Usage mistakes are one line on stderr and exit 2 (argparse's own code), never a traceback."""
@@ -545,6 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)
+    p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
+    p_.set_defaults(fn=cmd_web_url)
     return ap
 
 

@@ -41,6 +41,7 @@ class Context:
     supervisor: Any
     started_at: float
     socket_path: Path
+    web_url: str | None = None  # the dashboard's address once it listens (None: disabled or unavailable)
 
     def wake(self) -> None:
         if self.supervisor is not None:
@@ -222,9 +223,20 @@ def power(ctx: Context, req: p.Power) -> dict[str, Any]:
     return {**out, **power_api.power_report(policy)}
 
 
+def web_url(ctx: Context, req: p.WebUrl) -> dict[str, Any]:
+    """`lorad web-url`: the dashboard's address with its token (socket users may read it: same people)."""
+    from daemon.web.auth import read_token
+
+    token = read_token(ctx.home)
+    if ctx.web_url is None or token is None:
+        raise HandlerError("refused", "the dashboard is not running (web.enabled: false, or its address was "
+                                      "unusable: see the daemon's log)")
+    return {"url": f"{ctx.web_url}?token={token}", "base": ctx.web_url}
+
+
 HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
-    "cancel": cancel, "priority": priority, "drain": drain, "power": power,
+    "cancel": cancel, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
 }
 
 

@@ -81,8 +81,12 @@ class Power(_Msg):
     clear: bool = False  # drop the manual limit (back to caps.default_w / the driver's limit)
 
 
+class WebUrl(_Msg):
+    verb: Literal["web-url"] = "web-url"
+
+
 # A new verb: a request class above, added here, and a handler in daemon/handlers.py.
-REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain, Power]
+REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain, Power, WebUrl]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}

@@ -35,6 +35,7 @@ from daemon.server import SocketInUse, SocketServer
 from daemon.settings import ConfigInvalid, DaemonConfig, load_config
 from daemon.store import Store, StoreUnusable, unusable_reason
 from daemon.supervisor import Supervisor
+from daemon.web.wiring import start_dashboard
 from engine.fsio import RealFs, ensure_dir_durable
 
 EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
@@ -130,6 +131,7 @@ def serve(home: Path, config_path: str | None) -> int:
               file=sys.stderr)
         lock.release()
         return 1
+    web = start_dashboard(home, cfg, ctx, log)
     inbox.start()
     log.info("ready", socket=str(sock_path), devices=[d for d in devs], seconds=round(time.time() - t0, 3))
     notifier.ready(sup.status_line())
@@ -146,6 +148,8 @@ def serve(home: Path, config_path: str | None) -> int:
         inbox.stop()
         sup.shutdown(cfg.stop_grace_s)
         server.close()
+        if web is not None:
+            web.close()
         try:
             policy.close()
         except Exception as e:  # noqa: BLE001

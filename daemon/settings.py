@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from daemon.power.settings import PowerSettings
+from daemon.web.settings import WebSettings
 from engine.config import MAX_JOB_FILE_BYTES
 
 
@@ -48,6 +49,7 @@ class DaemonConfig(BaseModel):
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
 
     power: PowerSettings = Field(default_factory=PowerSettings)
+    web: WebSettings = Field(default_factory=WebSettings)
 
     def roots(self, home: Path) -> list[Path]:
         out = []

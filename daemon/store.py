@@ -69,6 +69,8 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, priority, seq);
 CREATE INDEX IF NOT EXISTS attempts_by_job ON attempts(job_id, n);
+-- The dashboard's events tail of one job (added later: IF NOT EXISTS builds it once on an older state.db).
+CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
 """
 
 # Progress columns a heartbeat may update without a state change.

@@ -33,6 +33,7 @@ def fast_config(tmp_root: Path, **over: Any) -> dict[str, Any]:
         "backoff_max_s": 2.0,
         "stop_grace_s": 60.0,
         "power": {"telemetry": {"backend": "off"}},
+        "web": {"listen": "127.0.0.1:0"},  # tests run side by side: never the fixed default port
     }
     cfg.update(over)
     return cfg

@@ -1,0 +1,44 @@
+"""Start the dashboard inside the daemon: its token, read-only store view, metrics and listener, in one call."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from daemon import protocol as p
+from daemon.web.auth import ensure_token
+
+
+def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
+    """The running WebListener, or None (disabled in the config, or its address unusable: said once, not fatal)."""
+    if not cfg.web.enabled:
+        return None
+    # Imported here: a daemon with `web.enabled: false` never loads starlette, uvicorn or prometheus-client.
+    from daemon import handlers, metrics
+    from daemon.web.app import Dashboard, build_app
+    from daemon.web.listener import WebListener
+    from daemon.web.storeview import StoreView
+
+    token = ensure_token(home, cfg.socket_group, log)
+    view = StoreView(Path(home) / "state.db")
+
+    def call(req: p.BaseModel) -> dict[str, Any]:
+        return json.loads(handlers.dispatch(ctx, req))  # the socket verb's own handler and error mapping
+
+    def health() -> dict[str, Any]:
+        return {**handlers.ping(ctx, p.Ping()), "inbox_stuck": len(ctx.intake.stuck) if ctx.intake else 0}
+
+    dash = Dashboard(home, view, cfg.web, call, token, metrics.registry(view, health, Path(home) / "rejected"),
+                     schedule=cfg.power.schedule.model_dump(), max_body_bytes=cfg.max_request_bytes)
+    listener = WebListener(build_app(dash), cfg.web.listen)
+    try:
+        listener.start()
+    except OSError as e:
+        log.error("web_unavailable", listen=cfg.web.listen, error=str(e),
+                  message="running without the dashboard; set web.listen to a free address")
+        view.close()
+        return None
+    ctx.web_url = listener.url
+    log.info("web", url=listener.url, token_file=str(Path(home) / "web.token"))
+    return listener
