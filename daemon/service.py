@@ -28,6 +28,7 @@ from daemon.inbox import InboxWatcher
 from daemon.intake import Intake
 from daemon.lock import AlreadyRunning, HomeLock
 from daemon.log import setup as setup_log
+from daemon.notifications import Notifications
 from daemon.notify import Notifier
 from daemon.policy import NullPolicy
 from daemon.recovery import reconcile
@@ -112,7 +113,9 @@ def serve(home: Path, config_path: str | None) -> int:
     policy = make_policy(cfg, home, store, log)
     devs = devices_mod.detect(cfg.devices)
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
-    sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier)
+    notifications = Notifications(cfg.notify, log)
+    sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
+                     notifications=notifications)
     sup.shutting_down = stop.is_set()
     sups.append(sup)
     sock_path = cfg.socket_path(home)
@@ -155,6 +158,7 @@ def serve(home: Path, config_path: str | None) -> int:
         except Exception as e:  # noqa: BLE001
             log.error("policy_close_failed", error=str(e))
         store.close()
+        notifications.close()  # what is queued gets its chance (a few seconds at most)
         notifier.close()
         log.info("stopped", seconds=round(time.time() - t0, 1))
         lock.release()

@@ -9,6 +9,7 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from daemon.notifications import NotifySettings
 from daemon.power.settings import PowerSettings
 from daemon.web.settings import WebSettings
 from engine.config import MAX_JOB_FILE_BYTES
@@ -50,6 +51,7 @@ class DaemonConfig(BaseModel):
 
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)
+    notify: NotifySettings = Field(default_factory=NotifySettings)
 
     def roots(self, home: Path) -> list[Path]:
         out = []

@@ -38,6 +38,7 @@ import yaml
 from daemon import proc, states
 from daemon.lock import write_pid
 from daemon.log import job_event
+from daemon.notifications import event_of_exit
 from daemon.policy import NullPolicy, Policy, RunningJob
 from daemon.settings import DaemonConfig
 from daemon.store import Store, UnknownJob
@@ -157,7 +158,7 @@ def last_error_line(stderr_path: Path) -> str | None:
 
 class Supervisor:
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
-                 intake=None, inbox=None, policy: Policy | None = None, notifier=None):
+                 intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None):
         self.home = Path(home)
         self.cfg = cfg
         self.store = store
@@ -167,6 +168,7 @@ class Supervisor:
         self.inbox = inbox
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
+        self.notifications = notifications  # daemon.notifications.Notifications: webhook / command per event
         self.children: dict[str, Child] = {}
         self.pending: dict[str, Pending] = {}  # job id → bookkeeping not yet written (trainer already gone)
         self._lock_holders_seen: dict[str, set[tuple[int, int] | None]] = {}  # job id → earlier trainers asked to stop
@@ -286,10 +288,18 @@ class Supervisor:
                      state=d.state, reason=d.reason)
         job_event(c.workdir, c.job_id, "trainer_exited", level=level, exit_code=code, state=d.state, reason=d.reason,
                   retry_in_s=d.retry_in)
+        if (what := event_of_exit(d.state, d.reason)) is not None:
+            self._tell(what, c.job_id, c.name, state=d.state, reason=d.reason, step=c.step, total=c.total,
+                       exit_code=code, workdir=str(c.workdir))
         try:
             self.policy.on_job_end(c.job_id, code)
         except Exception as e:  # noqa: BLE001
             self.log.error("policy_failed", hook="on_job_end", error=str(e))
+
+    def _tell(self, event: str, job_id: str, name: str, **detail: Any) -> None:
+        """A notification (webhook / command); only queued here, delivered on the notifier's own thread."""
+        if self.notifications is not None:
+            self.notifications.emit(event, job_id, name, **detail)
 
     # ---------------------------------------------------------------- heartbeats
     def _heartbeats(self) -> None:
@@ -353,6 +363,8 @@ class Supervisor:
             c.dirty = True
         elif kind in ("invalid_job", "disk_error"):
             c.last_error = str(ev.get("message", kind))
+        elif kind == "checkpoint_slow":
+            self._tell("checkpoint_slow", c.job_id, c.name, step=ev.get("step"), seconds=ev.get("seconds"))
         elif kind == "done":
             c.step = int(ev.get("step", c.step))
             c.dirty = True
@@ -462,6 +474,7 @@ class Supervisor:
             msg = f"cannot use the job directory {workdir}: {e.strerror or e}"
             self.store.transition(job_id, states.QUEUED, states.FAILED, msg, last_error=msg)
             self.log.error("job_dir_unusable", job=job_id, error=msg)
+            self._tell("failed", job_id, job["name"], state=states.FAILED, reason=msg, workdir=str(workdir))
             return False
         try:
             try:

@@ -76,6 +76,10 @@ FAKE_TRAINER = textwrap.dedent("""
         print(json.dumps({"event": "step", "step": step, "total": 1000, "loss": 1.0, "s_per_step": 0.05}), flush=True)
         if "checkpoints" in flags and step % 2 == 0:
             print(json.dumps({"event": "checkpoint_committed", "step": step, "path": f"ckpt-{step}"}), flush=True)
+        if "slow_checkpoint" in flags and step == 2:
+            print(json.dumps({"event": "checkpoint_slow", "step": step, "seconds": 31.0}), flush=True)
+        if "finish" in flags and step == 3:
+            sys.exit(0)
         time.sleep(0.05)
         if stop:
             if "slow" in flags:
@@ -499,3 +503,27 @@ def test_trainers_start_with_the_checkpoint_signal_blocked_until_their_handler_i
     run_ticks(sup, lambda: report.exists() and report.read_text() != "")
     assert report.read_text() == "1"
     assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+
+
+class RecNotifications:
+    def __init__(self):
+        self.sent: list[tuple[str, str, dict]] = []
+
+    def emit(self, event, job_id, name=None, **detail):
+        self.sent.append((event, job_id, detail))
+
+
+def test_a_slow_checkpoint_a_power_stop_and_a_finished_job_are_notified(sup, tmp_path):
+    sup.notifications = RecNotifications()
+    c = adopt_fake(sup, tmp_path, "slow_checkpoint")
+    run_ticks(sup, lambda: sup.notifications.sent)
+    sup.policy.decision = Decision(stop_running="outside the run window", may_start=False)
+    run_ticks(sup, lambda: not sup.children)
+    sup.policy.decision = Decision(may_start=False)  # the stopped job stays queued
+    done = adopt_fake(sup, tmp_path, "finish")
+    run_ticks(sup, lambda: not sup.children)
+    sent = sup.notifications.sent
+    assert [(e, j) for e, j, _ in sent] == [("checkpoint_slow", c.job_id), ("stopped_by_power", c.job_id),
+                                            ("succeeded", done.job_id)]
+    assert sent[0][2]["seconds"] == 31.0 and sent[1][2]["reason"].startswith("policy")
+    assert sent[2][2]["state"] == states.SUCCEEDED and sent[2][2]["exit_code"] == 0

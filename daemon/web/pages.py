@@ -25,6 +25,7 @@ table{border-collapse:collapse;width:100%;background:#fff}
 th,td{padding:4px 8px;border-bottom:1px solid #e3e6ea;text-align:left;white-space:nowrap}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
 td.note{white-space:normal;color:#8a3b12;max-width:420px}
+table.summary{width:auto;min-width:420px}td.path{white-space:normal;word-break:break-all}
 .bar{width:140px;height:10px;background:#e3e6ea;border-radius:5px;overflow:hidden;display:inline-block}
 .bar i{display:block;height:100%;background:#3b6fe0}
 .st{padding:1px 7px;border-radius:9px;font-size:12px;background:#e3e6ea}
@@ -49,10 +50,12 @@ textarea{width:100%;height:320px;font:12px monospace}
 section{margin:14px 0}h2{font-size:16px;margin:8px 0}
 """
 
-# Ours: refresh the #live part in place; stop while the tab is hidden; keep going after a failed fetch.
+# Ours: refresh the #live part in place; wait while the tab is hidden or a field in it is being edited; keep
+# going after a failed fetch.
 LIVE_JS = """
 (function(){var el=document.getElementById('live');if(!el)return;var ms=+el.dataset.poll||2000;
-function tick(){if(document.hidden){setTimeout(tick,ms);return}
+function tick(){var a=document.activeElement;
+if(document.hidden||(a&&a.tagName==='INPUT'&&el.contains(a))){setTimeout(tick,ms);return}
 var u=new URL(location.href);u.searchParams.set('live','1');u.searchParams.delete('said');
 fetch(u,{credentials:'same-origin'}).then(function(r){return r.ok?r.text():null})
 .then(function(t){if(t!==null){el.innerHTML=t;el.dataset.refreshed=String(Date.now())}})
@@ -199,7 +202,7 @@ def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: in
 
 def checkpoints_table(cks: Iterable[dict[str, Any]]) -> str:
     rows = "".join(f"<tr><td class=num>{c['step']}</td><td>{when(c.get('ts'))}</td>"
-                   f"<td class=num>{num(c.get('seconds'), '{:.2f}')}</td><td>{e(c.get('path'))}</td></tr>"
+                   f"<td class=num>{num(c.get('seconds'), '{:.2f}')}</td><td class=path>{e(c.get('path'))}</td></tr>"
                    for c in sorted(cks, key=lambda c: c["step"], reverse=True)[:20])
     if not rows:
         return "<section><h2>Checkpoints</h2><p>none committed yet</p></section>"
