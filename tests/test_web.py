@@ -236,7 +236,7 @@ def test_power_page_and_schedule(tmp_path):
                           "caps": [{"days": "*", "start": "08:00", "end": "18:00", "limit_w": 200}]}
     ts = TelemetryStore(site.home / "state.db")
     now = time.time()
-    ts.add_samples([Sample(ts=now - 60 + i, gpu=0, power_w=250.0, energy_mj=None, energy_source="x", sm_mhz=1500,
+    ts.add_samples([Sample(ts=now - 120 + 10 * i, gpu=0, power_w=250.0, energy_mj=None, energy_source="x", sm_mhz=1500,
                            mem_mhz=5000, temp_c=70, util_gpu=99, util_mem=40, limit_w=300,
                            throttle=["sw_power_cap"] if i % 2 else [], simulated=True) for i in range(10)])
     ts.close()
@@ -313,3 +313,14 @@ def test_web_config_is_strict(tmp_path):
     cfg.write_text("web:\n  listn: 127.0.0.1:1\n")
     with pytest.raises(ConfigInvalid, match="web.listn"):
         load_config(cfg)
+
+
+def test_a_long_job_is_drawn_thinned_with_its_true_count(site, client):
+    jid = site.add_job("long", total=5000)
+    with open(site.workdir(jid) / "events.jsonl", "w") as f:
+        for s in range(1, 5001):
+            f.write(step_line(s, 1.0 / s, 1000.0 + s, total=5000))
+    signed_in(client, site.token)
+    page = client.get(f"/jobs/{jid}").text
+    drawn, reported = map(int, re.search(r'id="chart-loss".*?data-points="(\d+)" data-reported="(\d+)"', page).groups())
+    assert reported == 5000 and 500 <= drawn <= 1001

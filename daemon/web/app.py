@@ -29,13 +29,14 @@ from starlette.routing import Route
 from daemon import protocol as p
 from daemon.web import auth, pages
 from daemon.web import submit as submit_help
-from daemon.web.charts import Line, line_chart
+from daemon.web.charts import Line, line_chart, thin
 from daemon.web.settings import WebSettings, is_loopback
 from daemon.web.storeview import StoreView
 
 Caller = Callable[[BaseModel], dict[str, Any]]
 SAMPLE_NAME = re.compile(r"^[\w.-]+\.png$")
 POWER_WINDOW_S = 3600
+POWER_BUCKET_S = 6.0  # the power page's charts: one point per GPU per 6 s (600 in the hour)
 NEAREST_SAMPLE_S = 10.0  # a step's W is the telemetry sample nearest in time, if one is this close
 SESSION_DAYS = 7
 
@@ -149,13 +150,14 @@ class Dashboard:
         return self._page(request, job_id, inner, extra=f"<h2>{pages.e(j['name'])} <small>{pages.e(job_id)}</small></h2>")
 
     def job_charts(self, job_id: str, series) -> str:
-        steps = sorted(series.steps)
-        pts = [(s, series.steps[s]) for s in steps]
+        steps = series.sorted_steps()
+        # Only the steps a chart can draw are looked at: the cost stays flat however long the job.
+        pts = [(s, series.steps[s]) for s in thin(steps)]
 
         def col(key: str) -> list[tuple[float, float]]:
             return [(s, float(v[key])) for s, v in pts if isinstance(v.get(key), (int, float))]
 
-        loss_lines = [Line("loss", col("loss"), "s0")]
+        loss_lines = [Line("loss", col("loss"), "s0", reported=len(steps))]
         if series.val:
             loss_lines.append(Line("validation loss", sorted(series.val.items()), "s1"))
         watts = self._watts_by_step(job_id, pts)
@@ -178,9 +180,10 @@ class Dashboard:
             ts, w = v.get("ts"), None
             if ts is not None and times:
                 i = bisect.bisect_left(times, ts)
-                best = min((k for k in (i - 1, i) if 0 <= k < len(times)), key=lambda k: abs(times[k] - ts))
-                if abs(times[best] - ts) <= NEAREST_SAMPLE_S:
-                    w = samples[best][1]
+                if i > 0 and (i == len(times) or ts - times[i - 1] < times[i] - ts):
+                    i -= 1
+                if abs(times[i] - ts) <= NEAREST_SAMPLE_S:
+                    w = samples[i][1]
             out.append((s, w))
         return out
 
@@ -256,7 +259,9 @@ class Dashboard:
             return denied
         reply = self._ask(p.Power())
         report = reply.get("data") if reply.get("ok") else {"notes": [reply.get("message")]}
-        rows = self.view.gpu_samples(time.time() - POWER_WINDOW_S)
+        since = time.time() - POWER_WINDOW_S
+        rows = self.view.gpu_samples(since, bucket_s=POWER_BUCKET_S)
+        throttled = self.view.throttle_counts(since)
         charts = []
         for gpu in sorted({r["gpu"] for r in rows}):
             mine = [r for r in rows if r["gpu"] == gpu]
@@ -265,10 +270,7 @@ class Dashboard:
             def col(key: str, mine=mine, t0=t0) -> list[tuple[float, float]]:
                 return [((r["ts"] - t0) / 60, float(r[key])) for r in mine if r[key] is not None]
 
-            throttles: dict[str, int] = {}
-            for r in mine:
-                for why in filter(None, (r["throttle"] or "").split(",")):
-                    throttles[why] = throttles.get(why, 0) + 1
+            throttles = throttled.get(gpu, {})
             charts.append(f"<h3>GPU {gpu}{' (SIMULATED)' if mine[-1]['simulated'] else ''}</h3><div class=charts>"
                           + line_chart("power and limit", [Line("W", col("power_w"), "s0"),
                                                            Line("limit", col("limit_w"), "s1")],

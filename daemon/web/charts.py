@@ -12,8 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
+from typing import Any
 
-MAX_POINTS = 2000
+MAX_POINTS = 1000  # more than the 640-px-wide plot can show
 W, H = 640, 200
 PAD_L, PAD_R, PAD_T, PAD_B = 56, 12, 24, 28
 
@@ -23,6 +24,7 @@ class Line:
     name: str
     points: Sequence[tuple[float, float]]  # (x, y), x ascending
     css: str = "s0"  # the stroke colour class (see pages.CSS)
+    reported: int | None = None  # how many points there were before the caller thinned them (default: len(points))
 
 
 def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
@@ -47,8 +49,8 @@ def fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def thin(points: Sequence[tuple[float, float]], most: int = MAX_POINTS) -> list[tuple[float, float]]:
-    """Every k-th point (and always the last) so that at most `most` remain."""
+def thin(points: Sequence[Any], most: int = MAX_POINTS) -> list[Any]:
+    """Every k-th item (and always the last) so that at most about `most` remain."""
     if len(points) <= most:
         return list(points)
     k = math.ceil(len(points) / most)
@@ -95,7 +97,7 @@ def line_chart(title: str, lines: Sequence[Line], x_label: str = "step", unit: s
         drawn = thin(pts)
         coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in drawn)
         parts.append(f'<polyline class="line {escape(ln.css)}" data-series="{escape(ln.name)}" '
-                     f'data-points="{len(drawn)}" data-reported="{len(pts)}" points="{coords}"/>')
+                     f'data-points="{len(drawn)}" data-reported="{ln.reported or len(pts)}" points="{coords}"/>')
         if len(lines) > 1:
             parts.append(f'<text class="legend {escape(ln.css)}" x="{W - PAD_R - 4}" y="{PAD_T + 14 + 14 * i}" '
                          f'text-anchor="end">{escape(ln.name)}</text>')

@@ -45,6 +45,12 @@ class Series:
     samples: dict[int, dict[str, Any]] = field(default_factory=dict)
     last_checkpoint_ts: float | None = None
     used: float = 0.0
+    _order: list[int] = field(default_factory=list)  # steps sorted, rebuilt only when new steps came
+
+    def sorted_steps(self) -> list[int]:
+        if len(self._order) != len(self.steps):
+            self._order = sorted(self.steps)
+        return self._order
 
     def add(self, ev: dict[str, Any]) -> None:
         kind = ev.get("event")
@@ -136,9 +142,26 @@ class StoreView:
                           (job_id,))
         return [(r["ts"], r["power_w"]) for r in rows]
 
-    def gpu_samples(self, since: float) -> list[dict[str, Any]]:
-        return self.query("SELECT ts, gpu, power_w, limit_w, sm_mhz, mem_mhz, temp_c, util_gpu, throttle, simulated"
-                          " FROM power_samples WHERE ts >= ? ORDER BY ts", (since,))
+    def gpu_samples(self, since: float, bucket_s: float | None = None) -> list[dict[str, Any]]:
+        """Telemetry since `since`, oldest first; with bucket_s, averaged per GPU over buckets that long
+        (a chart 640 px wide gains nothing from 3600 points an hour)."""
+        if bucket_s is None:
+            return self.query("SELECT ts, gpu, power_w, limit_w, sm_mhz, mem_mhz, temp_c, util_gpu, throttle, "
+                              "simulated FROM power_samples WHERE ts >= ? ORDER BY ts", (since,))
+        return self.query("SELECT MIN(ts) AS ts, gpu, AVG(power_w) AS power_w, MIN(limit_w) AS limit_w, "
+                          "AVG(sm_mhz) AS sm_mhz, AVG(mem_mhz) AS mem_mhz, MAX(temp_c) AS temp_c, "
+                          "AVG(util_gpu) AS util_gpu, MAX(simulated) AS simulated FROM power_samples "
+                          "WHERE ts >= ? GROUP BY gpu, CAST(ts / ? AS INTEGER) ORDER BY ts", (since, bucket_s))
+
+    def throttle_counts(self, since: float) -> dict[int, dict[str, int]]:
+        """Per GPU, how many samples since `since` named each throttle reason."""
+        out: dict[int, dict[str, int]] = {}
+        for r in self.query("SELECT gpu, throttle, COUNT(*) AS n FROM power_samples WHERE ts >= ? AND throttle != '' "
+                            "GROUP BY gpu, throttle", (since,)):
+            for why in filter(None, (r["throttle"] or "").split(",")):
+                mine = out.setdefault(r["gpu"], {})
+                mine[why] = mine.get(why, 0) + r["n"]
+        return out
 
     def latest_gpu_samples(self, within_s: float = 120.0) -> dict[int, dict[str, Any]]:
         out: dict[int, dict[str, Any]] = {}
