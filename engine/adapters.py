@@ -1,4 +1,13 @@
-"""The trainable adapter's weights: their dtype (`lora.dtype`) and the compute around them.
+"""The trainable adapter: its kind (`lora.type`, built by peft), its weights' dtype (`lora.dtype`), the compute.
+
+`lora.type` picks the peft tuner, never a hand-written layer:
+
+    lora   LoraConfig: W + (alpha/r)·B·A
+    dora   LoraConfig(use_dora=True): LoRA's direction plus a trained per-output-row magnitude
+    lokr   LoKrConfig: W + (alpha/r)·(w1 ⊗ w2), the Kronecker factors sized by `lora.factor` (peft's
+           decompose_factor; -1 = as square as possible), w2 low-rank when r is small, w1 too with
+           `lora.decompose_both`
+    loha   LoHaConfig: W + (alpha/r)·(w1a·w1b) ⊙ (w2a·w2b), a Hadamard product of two rank-r products
 
 Why fp32 by default: with a bf16 base the adapters used to be bf16 too, with no fp32 copy. bf16 keeps 8
 bits of mantissa, so an update smaller than about 1/256 of a weight is rounded away: at a small (or late,
@@ -19,6 +28,38 @@ import contextlib
 import torch
 
 from engine.sample import DTYPES
+
+
+def peft_config(lora, targets, task_type: str | None = None):
+    """The peft config for `lora` (the job's lora section) on `targets`."""
+    import peft
+
+    common = dict(r=lora.rank, target_modules=targets, task_type=task_type)
+    if lora.type in ("lora", "dora"):
+        return peft.LoraConfig(lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.type == "dora",
+                               init_lora_weights=True, **common)
+    if lora.type == "lokr":
+        return peft.LoKrConfig(alpha=lora.alpha, decompose_factor=lora.factor, decompose_both=lora.decompose_both,
+                               **common)
+    return peft.LoHaConfig(alpha=lora.alpha, **common)
+
+
+def check_base_precision(lora, precision: str) -> None:
+    """DoRA needs the base weight as a float tensor (peft takes its norm); an FP8 base has none to give."""
+    if lora.type == "dora" and precision == "fp8":
+        from engine.config import JobInvalid
+
+        raise JobInvalid("lora.type, model.base_precision: dora computes the norm of the base weights, which an "
+                         "fp8 base does not hold as floats (auto picks fp8 on GPUs with FP8 tensor cores); "
+                         "set model.base_precision: bf16 for dora")
+
+
+def adapter_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Module path -> peft tuner layer (any lora.type) holding the "default" adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return {name: mod for name, mod in model.named_modules()
+            if isinstance(mod, BaseTunerLayer) and "default" in getattr(mod, "scaling", {})}
 
 
 def set_adapter_dtype(model: torch.nn.Module, dtype_name: str) -> None:

@@ -47,6 +47,24 @@ class LoraConfig(Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     # The adapter weights' storage dtype (engine/adapters.py): fp32 keeps small updates a bf16 weight would lose.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The peft tuner (engine/adapters.py); factor and decompose_both shape LoKr's Kronecker factors.
+    type: Literal["lora", "dora", "lokr", "loha"] = "lora"
+    factor: int = Field(-1, ge=-1, le=1024)
+    decompose_both: bool = False
+
+    @model_validator(mode="after")
+    def _type_keys(self):
+        if self.type != "lokr":
+            # by value, not by presence: the normalised job file (dump_job) writes every key at its default
+            wrong = [f"lora.{k}" for k, default in (("factor", -1), ("decompose_both", False))
+                     if getattr(self, k) != default]
+            if wrong:
+                raise ValueError(f"{', '.join(wrong)}: only for lora.type lokr (this job's lora.type is {self.type})")
+        if self.type in ("lokr", "loha") and self.dropout:
+            raise ValueError(f"lora.dropout: {self.type} has no input dropout in peft; set lora.dropout: 0")
+        if self.factor == 0:
+            raise ValueError("lora.factor: must be -1 (as square as possible) or a positive factor size")
+        return self
     # A list of module-name suffixes, or one regular expression matched against the full module path.
     # None (the default) means the family's own default list (engine/families/*.py: DEFAULT_TARGETS).
     targets: Union[list[str], str, None] = None
@@ -287,9 +305,17 @@ def _family_keys_check(cfg: JobConfig) -> None:
         if cfg.model.quantize is not None:
             raise ValueError("model.quantize: nf4 is for causal_lm; for flux use model.base_precision")
         if "formats" not in cfg.output.model_fields_set:
-            cfg.output.formats = ["diffusers"]  # the family-aware default
+            # the family-aware default; diffusers' load_lora_weights reads LoRA and DoRA only
+            cfg.output.formats = ["comfyui"] if cfg.lora.type in ("lokr", "loha") else ["diffusers"]
         if "peft" in cfg.output.formats:
             raise ValueError("output.formats: 'peft' is for causal_lm; flux writes 'diffusers' and/or 'comfyui'")
+        if cfg.lora.type in ("lokr", "loha") and "diffusers" in cfg.output.formats:
+            raise ValueError(f"output.formats, lora.type: diffusers' load_lora_weights cannot read a {cfg.lora.type} "
+                             "adapter; write output.formats: [comfyui] (LyCORIS keys ComfyUI loads)")
+        if cfg.lora.type == "dora" and "comfyui" in cfg.output.formats:
+            raise ValueError("output.formats, lora.type: ComfyUI applies a DoRA magnitude with its own (LyCORIS) "
+                             "weight-norm convention, not peft's, so the file would not reproduce the trained "
+                             "model; write output.formats: [diffusers] for dora")
         if cfg.sample.every_steps is not None and not cfg.sample.prompts:
             raise ValueError("sample.prompts: sample.every_steps is set but there are no prompts to render")
         for k in ("width", "height"):

@@ -49,8 +49,30 @@ diagonal of up (zeros elsewhere, zeros for a part that was not trained), and
 alpha' = k · alpha, so alpha'/r' = alpha/r and the update of every row block
 is exactly B_j·A_j scaled as trained.
 
+LoKr and LoHa (lora.type) go into the ComfyUI file only (diffusers' load_lora_weights reads LoRA and
+DoRA; validation refuses the other combinations). They cannot be fused like LoRA (a Kronecker or Hadamard
+product of parts is not a product of stacked parts), and need not be: ComfyUI's Flux key map
+(comfy/lora.py model_lora_keys_unet over comfy/utils.py flux_to_diffusers) also reads LyCORIS keys named
+after the diffusers modules and applies each to its slice of the fused BFL weight itself:
+
+    lycoris_<diffusers module path with dots as underscores>.<tensor>  ->  diffusion_model.<BFL weight>
+                                                                           (rows of q, k, v or mlp for the
+                                                                           fused linears; norm_out's halves
+                                                                           swapped by ComfyUI)
+
+with the tensor names of ComfyUI's LoKr and LoHa loaders (comfy/weight_adapter/lokr.py, loha.py):
+
+    LoKr  lokr_w1 | lokr_w1_a + lokr_w1_b,  lokr_w2 | lokr_w2_a + lokr_w2_b,  alpha
+          ComfyUI adds (alpha / dim) · kron(w1, w2), dim = the rank of w2's factors if w2 is factored, else of
+          w1's; with neither factored it ignores alpha and adds kron(w1, w2)
+    LoHa  hada_w1_a, hada_w1_b, hada_w2_a, hada_w2_b, alpha
+          ComfyUI adds (alpha / hada_w1_b.shape[0]) · (w1a·w1b) ⊙ (w2a·w2b)
+
+peft scales both by alpha / r; we write alpha' = (alpha / r) · dim so ComfyUI applies the same scale, and for
+an unfactored LoKr we fold the scale into lokr_w1 (the product is bilinear).
+
 Both files carry safetensors metadata: base model, rank, alpha, steps,
-trigger, dataset hash, lorad version (and kohya's ss_* names in the ComfyUI
+trigger, dataset hash, lorad version, adapter type (and kohya's ss_* names in the ComfyUI
 file).
 """
 
@@ -121,15 +143,52 @@ def bfl_target(module: str) -> tuple[str, tuple[str, ...] | None]:
     raise ValueError(f"no ComfyUI/BFL name for Flux module {module!r}")
 
 
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
 def lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.nn.Module]]:
     """Diffusers module path -> (A [r, in], B [out, r], the base linear) for every LoRA layer, on the CPU."""
     out = {}
     for name, mod in model.named_modules():
         if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
-            a = mod.lora_A["default"].weight.detach().to("cpu", torch.float32).contiguous()
-            b = mod.lora_B["default"].weight.detach().to("cpu", torch.float32).contiguous()
-            out[name] = (a, b, mod.get_base_layer())
+            out[name] = (_cpu(mod.lora_A["default"].weight), _cpu(mod.lora_B["default"].weight), mod.get_base_layer())
     return out
+
+
+def dora_magnitudes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Diffusers module path -> DoRA magnitude [out] for every DoRA layer (none for plain LoRA)."""
+    return {name: _cpu(mod.lora_magnitude_vector["default"].weight) for name, mod in model.named_modules()
+            if "default" in getattr(mod, "lora_magnitude_vector", {})}
+
+
+def _factor(layer, name: str) -> torch.Tensor | None:
+    params = getattr(layer, name)
+    return _cpu(params["default"]) if "default" in params else None
+
+
+def lycoris_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """LoKr/LoHa layers as LyCORIS keys over diffusers module names, scaled for ComfyUI (module docstring)."""
+    from engine.adapters import adapter_layers
+
+    sd: dict[str, torch.Tensor] = {}
+    for name, layer in adapter_layers(model).items():
+        bfl_target(name)  # a module ComfyUI has no BFL weight for is an error here, not a silently ignored key
+        key = "lycoris_" + name.replace(".", "_")
+        scale = float(layer.scaling["default"])
+        if hasattr(layer, "hada_w1_a"):
+            parts = {p: _factor(layer, p) for p in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+            dim = parts["hada_w1_b"].shape[0]
+        else:
+            parts = {p: t for p in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+                     if (t := _factor(layer, p)) is not None}
+            dim = next((parts[p].shape[0] for p in ("lokr_w2_b", "lokr_w1_b") if p in parts), None)
+            if dim is None:  # neither factor is low-rank: ComfyUI ignores alpha, so the scale goes into w1
+                parts["lokr_w1"] = parts["lokr_w1"] * scale
+        sd.update({f"{key}.{p}": t for p, t in parts.items()})
+        if dim is not None:
+            sd[f"{key}.alpha"] = torch.tensor(scale * dim)
+    return sd
 
 
 def _metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
@@ -144,15 +203,20 @@ def _metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
         "dataset_hash": str(meta.get("dataset_hash", "")),
         "lorad_config_hash": str(meta.get("config_hash", "")),
         "lorad_targets": json.dumps(cfg.lora.targets) if cfg.lora.targets is not None else "flux-default",
+        "lorad_adapter_type": cfg.lora.type,
     }
 
 
-def diffusers_state_dict(mods, alpha: float) -> dict[str, torch.Tensor]:
+def diffusers_state_dict(mods, alpha: float, magnitudes: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """diffusers' peft layout; a DoRA magnitude is peft's `lora_magnitude_vector` key, which diffusers reads as
+    use_dora."""
     sd = {}
     for name, (a, b, _base) in mods.items():
         sd[f"transformer.{name}.lora_A.weight"] = a
         sd[f"transformer.{name}.lora_B.weight"] = b
         sd[f"transformer.{name}.alpha"] = torch.tensor(float(alpha))
+    for name, m in (magnitudes or {}).items():
+        sd[f"transformer.{name}.lora_magnitude_vector"] = m
     return sd
 
 
@@ -204,14 +268,18 @@ def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> 
     mods = lora_modules(model)
     md = _metadata(cfg, meta)
     names = []
-    if "diffusers" in cfg.output.formats:
-        save_file(diffusers_state_dict(mods, cfg.lora.alpha), str(out_dir / DIFFUSERS_FILE), metadata=md)
+    lycoris = cfg.lora.type in ("lokr", "loha")
+    if "diffusers" in cfg.output.formats:  # lora or dora (validation refuses the rest)
+        save_file(diffusers_state_dict(mods, cfg.lora.alpha, dora_magnitudes(model)), str(out_dir / DIFFUSERS_FILE),
+                  metadata=md)
         names.append(DIFFUSERS_FILE)
-    if "comfyui" in cfg.output.formats:
-        kohya = {"ss_network_module": "networks.lora_flux", "ss_network_dim": str(cfg.lora.rank),
-                 "ss_network_alpha": str(cfg.lora.alpha), "ss_base_model_version": "flux1",
-                 "ss_output_name": cfg.name}
-        save_file(comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha), str(out_dir / COMFYUI_FILE),
-                  metadata={**md, **kohya})
+    if "comfyui" in cfg.output.formats:  # lora, lokr or loha
+        kohya = {"ss_network_module": "lycoris.kohya" if lycoris else "networks.lora_flux",
+                 "ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.alpha),
+                 "ss_base_model_version": "flux1", "ss_output_name": cfg.name}
+        if lycoris:
+            kohya["ss_network_args"] = json.dumps({"algo": cfg.lora.type})
+        sd = lycoris_state_dict(model) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha)
+        save_file(sd, str(out_dir / COMFYUI_FILE), metadata={**md, **kohya})
         names.append(COMFYUI_FILE)
     return names

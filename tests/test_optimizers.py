@@ -1,5 +1,6 @@
 """Prodigy, schedule-free AdamW and SCAO: their state survives checkpoints bit-exactly, their defaults and
-arguments are validated, and schedule-free's evaluation weights are what samples and the export see."""
+arguments are validated, and schedule-free's evaluation weights are what samples and the export see. The
+stop/resume runs also cover the adapter types DoRA, LoKr and LoHa."""
 
 from __future__ import annotations
 
@@ -190,12 +191,17 @@ def _stopping_at(monkeypatch, calls: list[int]) -> StopFlag:
     return stop
 
 
-@pytest.mark.parametrize("name", NEW_OPTIMIZERS)
-def test_a_job_stopped_twice_and_resumed_equals_the_uninterrupted_run(name, micro_model, tmp_path, monkeypatch):
+# Each run pairs a new optimizer with a new adapter type, so three runs cover all six (lora itself is covered by
+# tests/test_resume_exact.py's SIGKILL runs, which share every code path below but the optimizer and the tuner).
+PAIRS = [("prodigy", "dora"), ("adamw_schedulefree", "lokr"), ("scao", "loha")]
+
+
+@pytest.mark.parametrize("name,kind", PAIRS, ids=[f"{o}+{t}" for o, t in PAIRS])
+def test_a_job_stopped_twice_and_resumed_equals_the_uninterrupted_run(name, kind, micro_model, tmp_path, monkeypatch):
     cfg = tiny_job(micro_model, tmp_path, train={"optimizer": name, "steps": 6, "lr": 1.0 if name == "prodigy" else 2e-3,
                                                    "optimizer_args": ARGS.get(name, {}),
                                                    **({"schedule": "constant"} if name == "adamw_schedulefree" else {})},
-                   checkpoint={"every_steps": 2})
+                   lora={"type": kind, "rank": 8, "dropout": 0.1 if kind == "dora" else 0.0}, checkpoint={"every_steps": 2})
     ref = tmp_path / "ref"
     assert train(cfg, ref, progress="none") == 0
     wd = tmp_path / "stopped"

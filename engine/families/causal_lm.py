@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.adapters import set_adapter_dtype
+from engine.adapters import check_base_precision, peft_config, set_adapter_dtype
 from engine.blockswap import place_model
 from engine.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
@@ -49,7 +49,7 @@ class CausalLM:
         return self._tokenizer
 
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(cfg, workdir)
@@ -59,6 +59,7 @@ class CausalLM:
         # model.quantize: nf4 is the older spelling of base_precision: nf4.
         choice = "nf4" if cfg.model.quantize == "nf4" else cfg.model.base_precision
         precision, _ = resolve_precision(choice, device)
+        check_base_precision(cfg.lora, precision)
         quantize = precision if precision in ("nf4", "int8") else None
         qconf = quantization_config(precision, DTYPES[cfg.model.dtype])
         if qconf is not None:
@@ -76,13 +77,8 @@ class CausalLM:
         elif cfg.train.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
-        lcfg = LoraConfig(
-            r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS,
-            task_type="CAUSAL_LM",
-        )
+        targets = cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS
+        lcfg = peft_config(cfg.lora, targets, task_type="CAUSAL_LM")
         try:
             model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
         except ValueError as e:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from engine.adapters import set_adapter_dtype
+from engine.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype
 from engine.blockswap import place_model
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
 from engine.precision import apply_base_precision, quantization_config
@@ -104,17 +104,9 @@ def _shift_exp(image_seq_len: int, sched: dict[str, float]) -> float:
 
 
 def apply_lora(transformer: torch.nn.Module, cfg: JobConfig) -> torch.nn.Module:
-    """Freeze the transformer and add a peft LoRA adapter (named "default") to the target modules."""
-    from peft import LoraConfig
-
+    """Freeze the transformer and add the peft adapter of lora.type (named "default") to the target modules."""
     transformer.requires_grad_(False)
-    lcfg = LoraConfig(
-        r=cfg.lora.rank,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS,
-        init_lora_weights=True,
-    )
+    lcfg = peft_config(cfg.lora, cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS)
     try:
         transformer.add_adapter(lcfg)
     except ValueError as e:
@@ -197,6 +189,7 @@ class Flux:
         self.cfg = cfg
         path = resolve_model_path(cfg, workdir)
         precision, _ = resolve_precision(cfg.model.base_precision, device)
+        check_base_precision(cfg.lora, precision)
         # nf4/int8: bitsandbytes quantises while loading (diffusers' BitsAndBytesConfig; it needs a CUDA GPU).
         qconf = quantization_config(precision, DTYPES[cfg.model.dtype], library="diffusers")
         kwargs = {"quantization_config": qconf} if qconf is not None else {}
@@ -228,7 +221,7 @@ class Flux:
             # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
             place_model(transformer, device, swap)
         n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-        log.info("lora", trainable_params=n, modules=sum(1 for m in transformer.modules() if hasattr(m, "lora_A")))
+        log.info("lora", trainable_params=n, modules=len(adapter_layers(transformer)), type=cfg.lora.type)
         return transformer
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
