@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean browser
 
 venv: $(STAMP)
 
@@ -20,8 +20,19 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	bash configs/demo.sh
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -x --timeout=600 tests
+
+# The dashboard's browser test drives Debian's chromium through chromedriver (tests/test_web_browser.py).
+# Installed here when missing and we may (root, apt-get); otherwise that one test is skipped and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium and chromium-driver (apt-get) for the dashboard's browser test"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+	      || echo "could not install chromium: the browser test will be skipped"; \
+	  else echo "no /usr/bin/chromium and not root with apt-get: the browser test will be skipped"; fi; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine daemon tests bench

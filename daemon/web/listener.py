@@ -29,6 +29,9 @@ class WebListener:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         s = socket.socket(family, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: uvicorn writes a response's head and body separately, and with
+        # Nagle's algorithm the body would wait for the client's delayed ACK (~40 ms on every page).
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             s.bind((self.host, self.port))
             s.listen(128)

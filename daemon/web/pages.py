@@ -44,7 +44,7 @@ svg .line{fill:none;stroke-width:1.5}.s0{stroke:#3b6fe0;fill:#3b6fe0}.s1{stroke:
 .said{background:#fff7d6;padding:6px 10px;border:1px solid #ecd98b;margin-bottom:8px}
 .err{color:#b3261e}.bad{background:#ffe9e6}
 pre.yaml{background:#fff;border:1px solid #e3e6ea;padding:0;margin:0}
-pre.yaml span{display:block;padding:0 8px}pre.yaml .lineno{color:#99a;display:inline-block;width:3em}
+pre.yaml span{display:block;padding:0 8px;white-space:pre-wrap;word-break:break-all}pre.yaml .lineno{color:#99a;display:inline-block;width:3em}
 pre.yaml .why{display:inline;color:#b3261e;font-weight:600;margin-left:2em}
 textarea{width:100%;height:320px;font:12px monospace}
 section{margin:14px 0}h2{font-size:16px;margin:8px 0}
