@@ -58,7 +58,10 @@ def _key(**parts: Any) -> str:
 
 
 def latent_key(item: Item, flip: bool, mid: str, dtype: str) -> str:
-    return _key(kind="latent", image=item.record.sha256, bucket=list(item.bucket), flip=flip, model=mid, dtype=dtype)
+    # The mask (data.masks) is cached with the latent; without one the key is what it always was.
+    mask = {} if item.mask is None else {"mask": item.mask.sha256}
+    return _key(kind="latent", image=item.record.sha256, bucket=list(item.bucket), flip=flip, model=mid, dtype=dtype,
+                **mask)
 
 
 def text_key(text: str, mid: str, max_len: int, dtype: str) -> str:
@@ -152,6 +155,7 @@ class Plan:
     item_text: list[str]                    # per item index
     empty_text: str                         # key of "" (caption dropout)
     prompt_texts: list[str]                 # keys of sample.prompts, in order
+    item_class_text: list[str] | None = None  # per item: its caption with the trigger → train.dop's class word
 
 
 def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Plan:
@@ -173,7 +177,17 @@ def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Pl
         k = text_key(p, mid, max_len, dt)
         texts.setdefault(k, p)
         prompts.append(k)
-    return Plan(latents, texts, item_latent, item_text, empty, prompts)
+    class_texts = None
+    if cfg.train.dop is not None:
+        from engine.dop import class_prompt
+
+        class_texts = []
+        for it in items:
+            c = class_prompt(it.record.caption, cfg.data.trigger, cfg.train.dop.preservation_class)
+            k = text_key(c, mid, max_len, dt)
+            texts.setdefault(k, c)
+            class_texts.append(k)
+    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts)
 
 
 def _device() -> torch.device:
@@ -205,6 +219,12 @@ def encode_latents(cache: Cache, todo: dict[str, tuple[Item, bool]], model_path:
             with torch.no_grad():
                 mean = vae.encode(x[None].to(device, vae.dtype)).latent_dist.mean
             out[name] = ((mean - shift) * scale)[0].to(DTYPES[cfg.model.dtype])
+            if item.mask is not None:  # data.masks: the mask on this latent's grid, stored beside it
+                from engine.data.masks import mask_for_bucket
+
+                suffix = name.removeprefix("latent")
+                out["mask" + suffix] = mask_for_bucket(item.record, item.mask, item.bucket, flipped,
+                                                       tuple(out[name].shape[-2:]))
         cache.put(key, "latent", f"{item.record.rel}@{item.bucket[0]}x{item.bucket[1]}", out)
         cache.flush()  # after every entry: a kill loses at most the one being encoded
         tick(item.record.rel)

@@ -82,6 +82,27 @@ class LoraConfig(Strict):
         return v
 
 
+class MaskConfig(Strict):
+    """flux only: a per-image loss mask (engine/data/masks.py): a folder of same-name masks, or the alpha channel."""
+
+    path: str | None = None
+    alpha: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (not self.alpha):
+            raise ValueError("give exactly one of path (a folder of masks named like the images) or alpha: true")
+        return self
+
+
+class RegularisationConfig(Strict):
+    """flux only: a second image folder (class images, own captions) mixed into the order with its own loss weight."""
+
+    path: str
+    weight: float = Field(1.0, gt=0.0, le=100.0)
+    repeats: int = Field(1, ge=1, le=10000)
+
+
 class DataConfig(Strict):
     path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files (causal_lm); a folder of images (flux)")
     # causal_lm only
@@ -98,6 +119,8 @@ class DataConfig(Strict):
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0)
     flip: bool = False
     repeats: int = Field(1, ge=1, le=10000)
+    masks: MaskConfig | None = None
+    regularisation: RegularisationConfig | None = None
 
 
 class TimestepBias(Strict):
@@ -123,6 +146,13 @@ class TimestepBias(Strict):
         elif self.strategy == "balanced" and (self.begin is not None or self.end is not None):
             raise ValueError("strategy balanced applies no bias; begin/end need earlier, later or range")
         return self
+
+
+class DopConfig(Strict):
+    """flux only: differential output preservation (engine/families/flux.py: Flux.loss)."""
+
+    preservation_class: str = Field(min_length=1, max_length=200)
+    weight: float = Field(1.0, gt=0.0, le=100.0)
 
 
 class TrainConfig(Strict):
@@ -151,6 +181,8 @@ class TrainConfig(Strict):
     guidance: float = Field(1.0, ge=0.0, le=100.0)
     # flux only: emphasise high or low noise levels (engine/timestep_bias.py).
     timestep_bias: TimestepBias = Field(default_factory=TimestepBias)
+    # flux only: keep the class (train.dop.preservation_class) as the base model draws it; needs data.trigger.
+    dop: DopConfig | None = None
 
 
 class SampleConfig(Strict):
@@ -244,9 +276,10 @@ class JobConfig(Strict):
 
 
 # Keys that only mean something for one family; setting them on the other is a mistake worth naming.
-IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "flip", "repeats")
+IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "flip", "repeats", "masks",
+                   "regularisation")
 TEXT_DATA_KEYS = ("text_field", "seq_len", "packing", "train_on")
-FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance", "timestep_bias")
+FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance", "timestep_bias", "dop")
 LM_TRAIN_KEYS = ("chunked_loss",)
 
 
@@ -316,6 +349,9 @@ def _family_keys_check(cfg: JobConfig) -> None:
             raise ValueError("output.formats, lora.type: ComfyUI applies a DoRA magnitude with its own (LyCORIS) "
                              "weight-norm convention, not peft's, so the file would not reproduce the trained "
                              "model; write output.formats: [diffusers] for dora")
+        if cfg.train.dop is not None and not cfg.data.trigger:
+            raise ValueError("train.dop: differential output preservation replaces data.trigger with the class word "
+                             "in each caption; set data.trigger")
         if cfg.sample.every_steps is not None and not cfg.sample.prompts:
             raise ValueError("sample.prompts: sample.every_steps is set but there are no prompts to render")
         for k in ("width", "height"):
@@ -409,6 +445,10 @@ def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         if local.exists() or not looks_like_hub_id(mp):
             cfg.model.path = str(local)
     cfg.data.path = _resolve(cfg.data.path, base_dir)
+    if cfg.data.masks is not None and cfg.data.masks.path is not None:
+        cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
+    if cfg.data.regularisation is not None:
+        cfg.data.regularisation.path = _resolve(cfg.data.regularisation.path, base_dir)
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -439,6 +479,10 @@ def _check_paths(cfg: JobConfig) -> None:
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
             raise JobInvalid(f"model.path: {mp} is not a FLUX.1 diffusers directory (no transformer/config.json)")
         check_image_folder(dp)
+        if cfg.data.masks is not None and cfg.data.masks.path is not None and not Path(cfg.data.masks.path).is_dir():
+            raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")
+        if cfg.data.regularisation is not None:
+            check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
 
 
 def load_yaml_text(text: str, source: str) -> Any:

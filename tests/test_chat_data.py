@@ -12,6 +12,7 @@ from engine.data.chat import FALLBACK_TEMPLATE
 from engine.data.text import TokenDataset, encode_documents, read_documents
 from engine.families.causal_lm import CausalLM
 from tests.conftest import tiny_job
+from tests.fakes import RecLog
 
 # A template of the Llama-3 kind (header, content, end-of-turn marker), as a published tokenizer carries one.
 TEMPLATE = (
@@ -25,17 +26,6 @@ CONVERSATION = [
     {"role": "user", "content": "Another?"},
     {"role": "assistant", "content": "Ochre, then umber."},
 ]
-
-
-class Log:
-    def __init__(self):
-        self.warnings: list[str] = []
-
-    def warning(self, event, **kw):
-        self.warnings.append(event)
-
-    def info(self, event, **kw):
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +46,9 @@ def _token_loss(logits: torch.Tensor, ids: torch.Tensor, positions: list[int]) -
 def test_chat_loss_is_the_cross_entropy_of_the_assistant_tokens_only(lm):
     model, tok = lm
     tok.chat_template = TEMPLATE
-    log = Log()
+    log = RecLog()
     [(ids, labels)] = encode_documents([CONVERSATION], tok, "completions", log)
-    assert log.warnings == []  # the tokenizer's own template was used
+    assert log.named("chat_template_fallback") == []  # the tokenizer's own template was used
     batch = TokenDataset([(ids, labels)], tok.pad_token_id, len(ids) + 3, packing=False).collate([0])
     with torch.no_grad():
         loss = CausalLM().loss(model, batch, torch.Generator())
@@ -83,7 +73,7 @@ def test_chat_loss_is_the_cross_entropy_of_the_assistant_tokens_only(lm):
 def test_train_on_all_labels_every_token_of_the_conversation(lm):
     model, tok = lm
     tok.chat_template = TEMPLATE
-    [(ids, labels)] = encode_documents([CONVERSATION], tok, "all", Log())
+    [(ids, labels)] = encode_documents([CONVERSATION], tok, "all", RecLog())
     assert labels == ids
 
 
@@ -92,9 +82,9 @@ def test_a_tokenizer_without_a_chat_template_gets_the_fallback_and_a_warning(mic
 
     tok = AutoTokenizer.from_pretrained(micro_model)
     assert not tok.chat_template
-    log = Log()
+    log = RecLog()
     [(ids, labels)] = encode_documents([CONVERSATION[1:3]], tok, "completions", log)
-    assert log.warnings == ["chat_template_fallback"] and tok.chat_template == FALLBACK_TEMPLATE
+    assert [e for lvl, e, _ in log.events if lvl == "warning"] == ["chat_template_fallback"] and tok.chat_template == FALLBACK_TEMPLATE
     assert tok.decode([t for t in labels if t != -100]) == "Teal.</s>\n"
 
 

@@ -9,7 +9,7 @@ from engine.chunked_loss import chunked_cross_entropy
 from engine.config import JobInvalid
 from engine.families.causal_lm import CausalLM
 from tests.conftest import tiny_job
-from tests.test_chat_data import Log
+from tests.fakes import RecLog
 
 
 def test_chunked_cross_entropy_equals_the_plain_one_with_its_gradients():
@@ -44,7 +44,7 @@ def test_a_lora_model_trains_the_same_with_the_chunked_loss(micro_model, tmp_pat
 
     cfg = tiny_job(micro_model, tmp_path, train={"chunked_loss": True})
     family = CausalLM()
-    model = family.load_model(cfg, tmp_path, torch.device("cpu"), Log())
+    model = family.load_model(cfg, tmp_path, torch.device("cpu"), RecLog())
     model.eval()  # no LoRA dropout: both paths see the same function
     tok = family.tokenizer(cfg, tmp_path)
     docs = encode_documents(["Packed text for a loss.", "And a second document."], tok, None)
@@ -62,16 +62,16 @@ def test_a_lora_model_trains_the_same_with_the_chunked_loss(micro_model, tmp_pat
 def test_lora_on_lm_head_is_refused_with_chunked_loss_naming_both_keys(micro_model, tmp_path):
     cfg = tiny_job(micro_model, tmp_path, train={"chunked_loss": True}, lora={"targets": ["q_proj", "lm_head"]})
     with pytest.raises(JobInvalid, match=r"^train.chunked_loss: .*lm_head.*lora.targets"):
-        CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), Log())
+        CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), RecLog())
 
 
 def test_auto_stays_off_below_the_vocabulary_threshold_and_for_an_lm_head_lora(micro_model, tmp_path):
     from engine.families import causal_lm
 
     family = CausalLM()
-    family.load_model(tiny_job(micro_model, tmp_path), tmp_path, torch.device("cpu"), Log())
+    family.load_model(tiny_job(micro_model, tmp_path), tmp_path, torch.device("cpu"), RecLog())
     assert not family._chunked  # 259 tokens
-    log = Log()
+    log = RecLog()
     cfg = tiny_job(micro_model, tmp_path, lora={"targets": ["q_proj", "lm_head"]})
     saved = causal_lm.AUTO_MIN_VOCAB
     causal_lm.AUTO_MIN_VOCAB = 100
@@ -79,7 +79,7 @@ def test_auto_stays_off_below_the_vocabulary_threshold_and_for_an_lm_head_lora(m
         family.load_model(cfg, tmp_path, torch.device("cpu"), log)
     finally:
         causal_lm.AUTO_MIN_VOCAB = saved
-    assert not family._chunked and log.warnings == ["chunked_loss_off"]
+    assert not family._chunked and [e for lvl, e, _ in log.events if lvl == "warning"] == ["chunked_loss_off"]
 
 
 def test_chunked_loss_is_a_causal_lm_key(tmp_path):

@@ -49,13 +49,13 @@ def list_images(folder: Path) -> list[Path]:
     )
 
 
-def check_image_folder(path: Path) -> None:
+def check_image_folder(path: Path, key: str = "data.path") -> None:
     """Cheap validation at job-load time: a directory that holds at least one image."""
     path = Path(path)
     if not path.is_dir():
-        raise JobInvalid(f"data.path: {path} must be a folder of images with same-name .txt captions (model.family flux)")
+        raise JobInvalid(f"{key}: {path} must be a folder of images with same-name .txt captions (model.family flux)")
     if not list_images(path):
-        raise JobInvalid(f"data.path: {path} contains no images ({', '.join(IMAGE_EXTS)})")
+        raise JobInvalid(f"{key}: {path} contains no images ({', '.join(IMAGE_EXTS)})")
 
 
 def bucket_step(resolution: int) -> int:
@@ -106,12 +106,23 @@ class ImageRecord:
 
 
 @dataclass(frozen=True)
+class MaskSource:
+    """Where an image's loss mask comes from: a mask file (path, its sha256) or, with path None, its alpha channel."""
+
+    path: Path | None
+    sha256: str
+
+
+@dataclass(frozen=True)
 class Item:
-    """One training sample: an image at one resolution's bucket."""
+    """One training sample: an image at one resolution's bucket (regularisation images weigh `loss_weight`)."""
 
     record: ImageRecord
     resolution: int
     bucket: tuple[int, int]
+    mask: MaskSource | None = None
+    loss_weight: float = 1.0
+    repeats: int | None = None  # per epoch; None = the order's own (data.repeats)
 
 
 def make_caption(raw: str | None, trigger: str | None) -> str:
@@ -150,8 +161,12 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
     return records
 
 
-def make_items(records: list[ImageRecord], resolutions: list[int]) -> list[Item]:
-    return [Item(r, res, assign_bucket(r.width, r.height, res)) for r in records for res in sorted(set(resolutions))]
+def make_items(records: list[ImageRecord], resolutions: list[int], masks: dict[str, MaskSource] | None = None,
+               loss_weight: float = 1.0, repeats: int | None = None) -> list[Item]:
+    """Every record at each resolution; `masks` by record.rel, `loss_weight` and `repeats` for all of them."""
+    masks = masks or {}
+    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats)
+            for r in records for res in sorted(set(resolutions))]
 
 
 def dataset_hash(records: list[ImageRecord]) -> str:
@@ -166,11 +181,12 @@ class BucketOrder:
     """Deterministic single-bucket batches over `items` (see the module docstring)."""
 
     def __init__(self, items: list[Item], batch_size: int, repeats: int, seed: int):
+        """Each item appears `repeats` times per epoch, or item.repeats where set (regularisation images)."""
         self.batch_size = batch_size
         self.seed = seed
         by_bucket: dict[tuple[int, int], list[int]] = {}
         for i, it in enumerate(items):
-            by_bucket.setdefault(it.bucket, []).extend([i] * repeats)
+            by_bucket.setdefault(it.bucket, []).extend([i] * (repeats if it.repeats is None else it.repeats))
         self.buckets = sorted(by_bucket.items())
         self.n_batches = sum(math.ceil(len(m) / batch_size) for _, m in self.buckets)
         self._epochs: dict[int, tuple[tuple[int, ...], ...]] = {}  # a memo only: values depend on the epoch alone

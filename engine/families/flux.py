@@ -44,6 +44,8 @@ import torch
 from engine.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype
 from engine.blockswap import place_model
 from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+from engine.data.image_sets import extra_batch, regularisation_items, training_masks
+from engine.masked_loss import weighted_flow_loss
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
 
@@ -140,6 +142,7 @@ class FluxDataset:
         }
         if "latent_flip" in lat[0]:
             batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+        batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat))
         return batch
 
 
@@ -163,7 +166,8 @@ class Flux:
         self.cfg = cfg
         path = resolve_model_path(cfg, workdir)
         self.records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
-        self.items = make_items(self.records, cfg.data.resolution)
+        self.items = make_items(self.records, cfg.data.resolution, training_masks(cfg, self.records, log))
+        self.items += regularisation_items(cfg, log)
         self.cache, self.plan, self.report = cache_mod.ensure(cfg, self.items, workdir, path, log, bar=bar)
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> FluxDataset:
@@ -174,7 +178,9 @@ class Flux:
         order = BucketOrder(self.items, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
         buckets = sorted({f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items})
         log.info("dataset", images=len(self.records), samples_per_epoch=len(order), buckets=buckets,
-                 captions_missing=sum(r.caption_missing for r in self.records))
+                 captions_missing=sum(r.caption_missing for r in self.records),
+                 masks=sum(it.mask is not None for it in self.items),
+                 regularisation=sum(it.repeats is not None for it in self.items))
         return FluxDataset(self.items, order, self.cache, self.plan)
 
     def dataset_hash(self) -> str:
@@ -255,17 +261,37 @@ class Flux:
         guidance = None
         if model.config.guidance_embeds:
             guidance = torch.full((b,), cfg.train.guidance, device=device, dtype=torch.float32)
-        pred = model(
-            hidden_states=packed,
-            timestep=sigma.to(dtype),
-            guidance=guidance,
-            pooled_projections=pooled.to(dtype),
-            encoder_hidden_states=embeds.to(dtype),
-            txt_ids=txt_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
-        return torch.nn.functional.mse_loss(pred.float(), FluxPipeline._pack_latents(target, b, c, h, w))
+
+        def predict(embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+            return model(
+                hidden_states=packed,
+                timestep=sigma.to(dtype),
+                guidance=guidance,
+                pooled_projections=pooled.to(dtype),
+                encoder_hidden_states=embeds.to(dtype),
+                txt_ids=txt_ids,
+                img_ids=img_ids,
+                return_dict=False,
+            )[0]
+
+        pred = predict(embeds, pooled)
+        target = FluxPipeline._pack_latents(target, b, c, h, w)
+        if "masks" not in batch and "loss_weight" not in batch:
+            loss = torch.nn.functional.mse_loss(pred.float(), target)
+        else:
+            mask = None
+            if "masks" in batch:  # [B, h, w] per latent pixel, packed like the latents (all channels alike)
+                m = batch["masks"]
+                if "latents_flip" in batch:
+                    m = torch.where(flip[:, None, None], batch["masks_flip"], m)
+                mask = FluxPipeline._pack_latents(m[:, None].expand(b, c, h, w).float().to(device), b, c, h, w)
+            loss = weighted_flow_loss(pred.float(), target, mask, batch.get("loss_weight"))
+        if cfg.train.dop is not None:
+            from engine.dop import preservation_loss
+
+            loss = loss + cfg.train.dop.weight * preservation_loss(model, predict, batch["class_prompt_embeds"],
+                                                                   batch["class_pooled"])
+        return loss
 
     # ---------------------------------------------------------------- samples and export
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
