@@ -36,6 +36,14 @@ def rows_per_chunk(vocab: int) -> int:
     return max(16, CHUNK_BYTES // (4 * vocab))
 
 
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # In the LM head's dtype, as the model's own lm_head computes them, then fp32 as transformers' loss upcasts.
+    # Explicit rather than left to autocast (lora.dtype wider than the base): the backward runs outside it, and
+    # the recomputed logits must be the forward's.
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return (h.to(weight.dtype) @ weight.T).float()
+
+
 class _LMHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, rows):  # hidden [N, H], weight [V, H], labels [N]
@@ -44,7 +52,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, n, rows):
             y = labels[s:s + rows]
-            z = (hidden[s:s + rows] @ weight.T).float()
+            z = _logits(hidden[s:s + rows], weight)
             lse[s:s + rows] = torch.logsumexp(z, dim=-1)
             picked = z.gather(1, y.clamp(min=0)[:, None])[:, 0]
             total += ((lse[s:s + rows] - picked) * (y != IGNORE)).sum()
@@ -64,7 +72,7 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         scale = grad.float() / count
         for s in range(0, hidden.shape[0], rows):
             h, y = hidden[s:s + rows], labels[s:s + rows]
-            dz = (h @ weight.T).float()
+            dz = _logits(h, weight)
             dz.sub_(lse[s:s + rows, None]).exp_()  # softmax, in place: one chunk-sized buffer
             valid = y != IGNORE
             dz[valid.nonzero()[:, 0], y[valid]] -= 1.0

@@ -32,6 +32,20 @@ def test_chunked_cross_entropy_equals_the_plain_one_with_its_gradients():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_under_autocast_the_chunked_loss_computes_the_lm_head_in_its_own_dtype():
+    """lora.dtype wider than a bf16 base runs the loss under autocast; fp32 hidden states meet a bf16 head."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 20, 16, generator=g, requires_grad=True)
+    weight = torch.randn(100, 16, generator=g).bfloat16()
+    labels = torch.randint(0, 100, (1, 20), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chunked_cross_entropy(hidden, weight, labels, rows=6)
+    loss.backward()
+    plain = torch.nn.functional.cross_entropy((hidden[0, :-1].detach().bfloat16() @ weight.T).float(), labels[0, 1:])
+    assert hidden.grad.dtype == torch.float32 and hidden.grad.abs().sum() > 0
+    torch.testing.assert_close(loss.detach(), plain, rtol=1e-5, atol=1e-5)
+
+
 def _lora_grads(model, family, batch):
     model.zero_grad(set_to_none=True)
     loss = family.loss(model, batch, torch.Generator())
