@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -201,6 +202,7 @@ def test_the_quality_keys_are_flux_only(tmp_path):
 def _uninterrupted(job: Path, wd: Path) -> Path:
     t = run_engine(job, wd, timeout=400)
     assert t.proc.returncode == 0, t.stderr[-3000:]
+    assert t.named("cache_start")[0]["to_encode"] == 0
     return wd
 
 
@@ -216,9 +218,12 @@ def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
     return wd, resumed[0]["from_step"]
 
 
-def test_a_killed_job_with_bias_masks_regularisation_and_dop_resumes_bit_identical(tmp_path, tiny_flux):
+def test_a_killed_job_with_bias_masks_regularisation_and_dop_resumes_bit_identical(tmp_path, tiny_flux, prepared):
     job = tmp_path / "quality.yaml"
     job.write_text(yaml.safe_dump(quality_job(tmp_path, tiny_flux), sort_keys=False))
+    # The same images, masks and captions as `prepared`: its cache (keyed by content) saves each run the encoding.
+    for wd in ("uninterrupted", "interrupted"):
+        shutil.copytree(Path(prepared[0].data.path).parent / "work" / "cache", tmp_path / wd / "cache")
     with ThreadPoolExecutor(max_workers=2) as pool:
         ref = pool.submit(_uninterrupted, job, tmp_path / "uninterrupted")
         got = pool.submit(_killed_then_resumed, job, tmp_path / "interrupted")
