@@ -123,8 +123,10 @@ class CausalLM:
 
 def _chunk_blocker(base: torch.nn.Module) -> str | None:
     """Why this model's LM head cannot go through engine.chunked_loss (which reads its weight directly), or None."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     head = base.get_output_embeddings()
-    if hasattr(head, "lora_A"):
+    if isinstance(head, BaseTunerLayer):  # any lora.type (LoRA, DoRA, LoKr, LoHa) wraps the module in one
         return "lm_head carries a LoRA adapter (lora.targets matches lm_head)"
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dtype not in DTYPES.values():
         return f"its LM head is a {type(head).__name__} with no plain weight"
