@@ -344,3 +344,19 @@ def test_the_listener_does_not_hold_small_responses_back_for_acks(site):
             assert r.status == 200
     finally:
         web.close()
+
+
+def test_the_view_reads_a_store_no_daemon_has_open_and_never_writes_it(tmp_path):
+    import sqlite3
+
+    from daemon.store import Store
+    from daemon.web.storeview import StoreView
+
+    store = Store(tmp_path / "state.db")
+    store.add_job("a-1", "a", tmp_path, 0, 5, "test")
+    store.close()  # as after a clean stop: no -wal / -shm files left
+    view = StoreView(tmp_path / "state.db")
+    assert [j["id"] for j in view.jobs()] == ["a-1"]
+    with pytest.raises(sqlite3.OperationalError, match="readonly"):
+        view.query("DELETE FROM jobs")
+    view.close()

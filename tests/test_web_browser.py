@@ -128,6 +128,12 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
         assert n + 5 <= points == pairs <= steps_reported(workdir)
         assert re.search(r"\d+/150", shown("table.summary"))
         browser.save_screenshot(str(SHOTS / "4-resumed.png"))
+        too_wide = browser.execute_script(
+            "var w = document.documentElement.clientWidth, out = [];"
+            "document.querySelectorAll('main *').forEach(function (e) {"
+            "  if (e.getBoundingClientRect().right > w + 1) out.push(e.tagName + '#' + e.id + '.' + e.className); });"
+            "return out.slice(0, 8)")
+        assert too_wide == [], f"wider than the window: {too_wide}"
         assert d.terminate() == 0
     finally:
         if browser is not None:
