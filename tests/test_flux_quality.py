@@ -238,3 +238,26 @@ def fh_bytes(path: Path) -> dict[str, bytes]:
     from safetensors.torch import load_file
 
     return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in load_file(str(path)).items()}
+
+
+def test_the_new_keys_at_their_defaults_leave_existing_jobs_hashes_alone_and_set_they_count(tmp_path):
+    from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
+
+    def hashes(base: dict, overs: list[dict]) -> list[str]:
+        return [parse_job(deep_update(base, o), tmp_path, check_paths=False).identity_hash() for o in overs]
+
+    flux = fh.flux_job_dict("builtin:tiny-flux", tmp_path)
+    same, *changed = hashes(flux, [
+        {"train": {"timestep_bias": {"strategy": "balanced", "multiplier": 2.0}}},
+        {"train": {"timestep_bias": {"strategy": "later"}}},
+        {"train": {"dop": {"preservation_class": "person"}}},
+        {"data": {"masks": {"alpha": True}}},
+        {"data": {"regularisation": {"path": "reg"}}},
+    ])
+    assert same == parse_job(flux, tmp_path, check_paths=False).identity_hash()
+    assert len({same, *changed}) == 5
+    lm = tiny_job_dict("builtin:tiny-llama", QUICKSTART_DATA)
+    same, *changed = hashes(lm, [{"train": {"chunked_loss": "auto"}}, {"train": {"chunked_loss": True}},
+                                 {"data": {"train_on": "all"}}])
+    assert same == parse_job(lm, tmp_path, check_paths=False).identity_hash()
+    assert len({same, *changed}) == 3
