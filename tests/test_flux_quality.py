@@ -261,3 +261,25 @@ def test_the_new_keys_at_their_defaults_leave_existing_jobs_hashes_alone_and_set
                                  {"data": {"train_on": "all"}}])
     assert same == parse_job(lm, tmp_path, check_paths=False).identity_hash()
     assert len({same, *changed}) == 3
+
+
+def test_alpha_masks_come_from_each_images_alpha_channel(tmp_path):
+    from PIL import Image
+
+    from engine.data.images import assign_bucket, scan
+    from engine.data.masks import find_masks, mask_for_bucket
+
+    rgba = np.zeros((48, 96, 4), np.uint8)
+    rgba[..., :3] = 120
+    rgba[:, :48, 3] = 255  # opaque left half
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "cut-out.png")
+    Image.fromarray(np.full((48, 96, 3), 90, np.uint8)).save(tmp_path / "opaque.png")
+    records = scan(tmp_path, "txt", "sks")
+    log = RecLog()
+    found = find_masks(records, None, True, log)
+    assert list(found) == ["cut-out.png"] and [e["image"] for e in log.named("mask_missing")] == ["opaque.png"]
+    rec = records[0]
+    bucket = assign_bucket(rec.width, rec.height, 48)
+    m = mask_for_bucket(rec, found["cut-out.png"], bucket, False, (bucket[1] // 8, bucket[0] // 8))
+    w = m.shape[1]
+    assert (m[:, : w // 2 - 1] == 1).all() and (m[:, w // 2 + 1:] == 0).all()
