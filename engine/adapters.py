@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from engine.sample import DTYPES
+from engine.dtypes import torch_dtype
 
 
 def peft_config(lora, targets, task_type: str | None = None):
@@ -64,7 +64,7 @@ def adapter_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def set_adapter_dtype(model: torch.nn.Module, dtype_name: str) -> None:
     """Store every trainable (adapter) parameter in `lora.dtype`; the frozen base keeps its own dtype."""
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     for p in model.parameters():
         if p.requires_grad and p.dtype != dtype:
             p.data = p.data.to(dtype)
@@ -72,7 +72,7 @@ def set_adapter_dtype(model: torch.nn.Module, dtype_name: str) -> None:
 
 def compute_autocast(model_dtype_name: str, adapter_dtype_name: str, device: torch.device):
     """A context for the forward and loss: autocast to the base dtype when the adapters are stored wider."""
-    model_dtype, adapter_dtype = DTYPES[model_dtype_name], DTYPES[adapter_dtype_name]
+    model_dtype, adapter_dtype = torch_dtype(model_dtype_name), torch_dtype(adapter_dtype_name)
     if model_dtype == adapter_dtype or model_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=model_dtype)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 
 
 @dataclass

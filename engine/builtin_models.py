@@ -1,10 +1,13 @@
-"""Small models lorad can build offline, for the quickstart, demos and tests.
+"""Small models lorad can build offline, for the quickstart, demos and tests, and where a job's model lives.
 
 `model.path: builtin:tiny-llama` materialises a randomly initialised
 Llama-architecture model (fixed seed, so every machine builds the same
 weights) and a byte-level tokenizer into a directory with `save_pretrained`,
 then the normal loader reads it back — the real loading code runs, and
-nothing is downloaded.
+nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
+pipeline (engine/tiny_flux.py).
+
+Importable without torch: job validation (config.py) reads BUILTIN_MODELS.
 """
 
 from __future__ import annotations
@@ -12,9 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.fsio import RealFs, ensure_dir_durable
+
+BUILTIN_PREFIX = "builtin:"
 
 TINY_LLAMA = dict(
     hidden_size=256,
@@ -27,9 +34,13 @@ TINY_LLAMA = dict(
     tie_word_embeddings=False,
 )
 
-BUILTIN_MODELS = {"tiny-llama": "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters)."}
-# Built by engine/tiny_flux.py (model.family: flux), not by materialise() below.
-BUILTIN_MODELS["tiny-flux"] = "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights."
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    family: str                         # the model.family it belongs to
+    description: str
+    marker: str                         # the file whose presence means the directory is complete
+    build: Callable[[Path], None]       # writes the model directory to the given (temporary) path
 
 
 def byte_level_tokenizer():
@@ -60,28 +71,50 @@ def build_tiny_llama(dest: Path, seed: int = 1234) -> None:
     tok.save_pretrained(dest)
 
 
+def _build_tiny_flux(dest: Path) -> None:
+    from engine.tiny_flux import build_tiny_flux
+
+    build_tiny_flux(dest)
+
+
+BUILTIN_MODELS = {
+    "tiny-llama": BuiltinModel(
+        "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
+        "config.json", build_tiny_llama),
+    "tiny-flux": BuiltinModel(
+        "flux", "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights.",
+        "model_index.json", _build_tiny_flux),
+}
+
+
 def materialise(name: str, cache_dir: Path) -> Path:
     """Build builtin model `name` under cache_dir once (atomically) and return its directory."""
-    if name not in BUILTIN_MODELS:
-        raise KeyError(name)
+    model = BUILTIN_MODELS[name]
     dest = Path(cache_dir) / name
-    if (dest / "config.json").exists():
+    if (dest / model.marker).exists():
         return dest
     fs = RealFs()
     ensure_dir_durable(fs, dest.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=dest.parent))
     try:
-        build_tiny_llama(tmp)
-        for f in tmp.iterdir():
-            fs.fsync(f)
-        fs.fsync_dir(tmp)
+        model.build(tmp)
+        for root, _dirs, files in os.walk(tmp):
+            for f in files:
+                fs.fsync(Path(root) / f)
+            fs.fsync_dir(Path(root))
         try:
             os.rename(tmp, dest)
         except OSError:
-            # Another process won the race; its copy is identical.
-            shutil.rmtree(tmp, ignore_errors=True)
+            pass  # another process built an identical copy first
         fs.fsync_dir(dest.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def resolve_model_path(model_path: str, workdir: Path) -> str:
+    """`model.path` to load from: a local directory or hub id as given; builtin:NAME is built once under workdir."""
+    if model_path.startswith(BUILTIN_PREFIX):
+        return str(materialise(model_path[len(BUILTIN_PREFIX):], Path(workdir) / "builtin-models"))
+    return model_path

@@ -1,33 +1,28 @@
-"""The Flux latent and text-embedding cache under WORKDIR/cache/ (`lorad cache JOB`, and before training).
+"""A content-keyed cache of encoded tensors under WORKDIR/cache/: what a family encodes once before training.
 
-Training a Flux LoRA never needs the VAE encoder, CLIP or T5 at step time:
-every image is encoded once per bucket to VAE latents, and every caption (and
-the empty caption used for caption dropout, and every sample prompt) once to
-T5 sequence embeddings + the CLIP pooled embedding. Then the encoders are
-freed.
+    cache/manifest.json          {"format": 1, "entries": {KEY: {file, size, sha256, kind, source}}}
+    cache/KIND-KEY.safetensors   the tensors of one entry
 
-    cache/manifest.json                {"format": 1, "entries": {KEY: {file, size, sha256, kind, source}}}
-    cache/latent-KEY.safetensors       latent [C, h, w] (+ latent_flip with data.flip), scaled and shifted
-    cache/text-KEY.safetensors         prompt_embeds [L, D] (T5), pooled [D'] (CLIP)
+A key is a hash of everything an entry's tensors depend on (`content_key`);
+the family picks the parts (engine/families/flux_encode.py: the image bytes,
+bucket, model and dtype of a latent; the text, model and length of a text
+embedding), so a changed input re-encodes only its own entries. Each file is
+committed atomically (temp name, fsync, rename, fsync the directory) before the
+manifest that names it is rewritten the same way; a file whose size or sha256
+does not match the manifest is reported (`cache_corrupt`) and encoded again;
+entries the job no longer needs are pruned.
 
-A key is a hash of everything the tensor depends on: for a latent the image
-bytes, the bucket, the flip flag, the model (path@revision) and dtype; for a
-text the final caption text, the model, the T5 length and dtype. So an edited
-caption re-encodes that caption only, a new image only that image, a new
-bucket list only what moved. Each file is committed atomically (temp name,
-fsync, rename, fsync the directory) before the manifest that names it is
-rewritten the same way; a file whose size or sha256 does not match the
-manifest is reported (`cache_corrupt`) and encoded again.
-
-Latents are the VAE posterior mean, `(mean - shift_factor) * scaling_factor`,
-as the Flux pipeline expects them; sampling the posterior would add noise
-that flow matching adds anyway.
+`ensure` is the skeleton a family fills in: the entries the job needs, in
+groups of one kind, each group with an encoder that loads its model, encodes
+what is missing and lets the model go when it returns.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -40,50 +35,19 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.config import JobConfig, JobInvalid
-from engine.data.images import Item, load_for_bucket
+from engine.config import JobConfig  # JobConfig, JobInvalid and sys: for cache_job below (moving to daemon/)
+from engine.errors import JobInvalid
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SOURCE_CHARS = 200  # of an entry's source kept in the manifest
+LABEL_CHARS = 60  # of an entry's label in progress events
 
 
-def model_id(cfg: JobConfig, model_path: str) -> str:
-    return f"{model_path}@{cfg.model.revision or 'main'}"
-
-
-def _key(**parts: Any) -> str:
+def content_key(**parts: Any) -> str:
+    """The key of an entry: a hash of everything its tensors depend on (JSON-serialisable parts)."""
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def latent_key(item: Item, flip: bool, mid: str, dtype: str) -> str:
-    # The mask (data.masks) is cached with the latent; without one the key is what it always was.
-    mask = {} if item.mask is None else {"mask": item.mask.sha256}
-    return _key(kind="latent", image=item.record.sha256, bucket=list(item.bucket), flip=flip, model=mid, dtype=dtype,
-                **mask)
-
-
-def text_key(text: str, mid: str, max_len: int, dtype: str) -> str:
-    return _key(kind="text", text=text, model=mid, max_len=max_len, dtype=dtype)
-
-
-def t5_length(model_path: str, revision: str | None) -> int:
-    """T5 tokens per caption: what the pipeline uses (512 for dev), capped by the tokenizer's own limit."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer_2", revision=revision)
-    limit = getattr(tok, "model_max_length", 512) or 512
-    return int(min(512, limit))
-
-
-@dataclass
-class CacheReport:
-    latents_encoded: list[str]
-    texts_encoded: list[str]
-    reused: int
-    corrupt: list[str]
-    seconds: float
 
 
 class Cache:
@@ -145,159 +109,93 @@ class Cache:
                 p.unlink()
 
 
+@dataclass(frozen=True)
+class Need:
+    """One entry a job needs: its key, what its encoder reads, and how it is named."""
+
+    key: str
+    source: str  # in the manifest (cut to SOURCE_CHARS) and in the report, e.g. "a.png@64x48" or the caption
+    payload: Any  # what the group's encoder encodes (an image and a flip flag, a text, ...)
+    label: str | None = None  # in progress events; the source when None
+
+
+# encode(todo, done): load the model, call done(need, tensors) for each need in turn, let the model go on return.
+Done = Callable[[Need, dict[str, torch.Tensor]], None]
+Encoder = Callable[[list[Need], Done], None]
+
+
 @dataclass
-class Plan:
-    """What the job needs from the cache: latent keys per item, text keys per distinct text."""
+class Group:
+    """The entries of one kind (the file prefix, e.g. "latent") and the encoder that makes them."""
 
-    latents: dict[str, tuple[Item, bool]]   # key -> (item, flip)
-    texts: dict[str, str]                   # key -> text
-    item_latent: list[str]                  # per item index
-    item_text: list[str]                    # per item index
-    empty_text: str                         # key of "" (caption dropout)
-    prompt_texts: list[str]                 # keys of sample.prompts, in order
-    item_class_text: list[str] | None = None  # per item: its caption with the trigger → train.dop's class word
+    kind: str
+    needs: dict[str, Need]  # by key
+    encode: Encoder
 
 
-def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Plan:
-    mid, dt = model_id(cfg, model_path), cfg.model.dtype
-    latents: dict[str, tuple[Item, bool]] = {}
-    texts: dict[str, str] = {}
-    item_latent, item_text = [], []
-    for it in items:
-        k = latent_key(it, cfg.data.flip, mid, dt)
-        latents.setdefault(k, (it, cfg.data.flip))
-        item_latent.append(k)
-        t = text_key(it.record.caption, mid, max_len, dt)
-        texts.setdefault(t, it.record.caption)
-        item_text.append(t)
-    empty = text_key("", mid, max_len, dt)
-    texts.setdefault(empty, "")
-    prompts = []
-    for p in cfg.sample.prompts:
-        k = text_key(p, mid, max_len, dt)
-        texts.setdefault(k, p)
-        prompts.append(k)
-    class_texts = None
-    if cfg.train.dop is not None:
-        from engine.dop import class_prompt
-
-        class_texts = []
-        for it in items:
-            c = class_prompt(it.record.caption, cfg.data.trigger, cfg.train.dop.preservation_class)
-            k = text_key(c, mid, max_len, dt)
-            texts.setdefault(k, c)
-            class_texts.append(k)
-    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+@dataclass
+class CacheReport:
+    encoded: dict[str, list[str]]  # kind -> sources encoded by this call, sorted
+    reused: int
+    corrupt: list[str]
+    seconds: float
 
 
 def _release() -> None:
-    """Give the encoders' memory back (called after the encode functions, whose locals held them, return)."""
+    """Give an encoder's memory back (called after it returned, so nothing holds its model any more)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def encode_latents(cache: Cache, todo: dict[str, tuple[Item, bool]], model_path: str, cfg: JobConfig,
-                   tick: Callable[[str], None]) -> None:
-    import numpy as np
-    from diffusers import AutoencoderKL
-
-    device = _device()
-    vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae", revision=cfg.model.revision,
-                                        dtype=DTYPES[cfg.model.dtype]).to(device).eval()
-    shift = vae.config.shift_factor or 0.0
-    scale = vae.config.scaling_factor
-    for key, (item, flip) in todo.items():
-        out = {}
-        for name, flipped in [("latent", False)] + ([("latent_flip", True)] if flip else []):
-            im = load_for_bucket(item.record.path, item.bucket, flip=flipped)
-            x = torch.from_numpy(np.asarray(im, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1.0
-            with torch.no_grad():
-                mean = vae.encode(x[None].to(device, vae.dtype)).latent_dist.mean
-            out[name] = ((mean - shift) * scale)[0].to(DTYPES[cfg.model.dtype])
-            if item.mask is not None:  # data.masks: the mask on this latent's grid, stored beside it
-                from engine.data.masks import mask_for_bucket
-
-                suffix = name.removeprefix("latent")
-                out["mask" + suffix] = mask_for_bucket(item.record, item.mask, item.bucket, flipped,
-                                                       tuple(out[name].shape[-2:]))
-        cache.put(key, "latent", f"{item.record.rel}@{item.bucket[0]}x{item.bucket[1]}", out)
-        cache.flush()  # after every entry: a kill loses at most the one being encoded
-        tick(item.record.rel)
+def _missing(cache: Cache, needs: dict[str, Need], corrupt: list[str], log) -> dict[str, Need]:
+    """The needs whose entry is absent or fails verification (those are logged and listed in `corrupt`)."""
+    out = {}
+    for key, need in needs.items():
+        why = cache.verify(key)
+        if why is None:
+            continue
+        if why != "not cached":
+            corrupt.append(cache.entries[key]["file"])
+            log.warning("cache_corrupt", file=cache.entries[key]["file"], reason=why, message="encoding it again")
+        out[key] = need
+    return out
 
 
-def encode_texts(cache: Cache, todo: dict[str, str], model_path: str, cfg: JobConfig, max_len: int,
-                 tick: Callable[[str], None]) -> None:
-    from diffusers import FluxPipeline
+def ensure(root: Path, groups: list[Group], log, bar=None, fs: FileLayer | None = None) -> tuple[Cache, CacheReport]:
+    """Make every entry of `groups` present and valid under `root`, encoding only what is not; prune the rest.
 
-    device = _device()
-    # The pipeline's own encode_prompt, so cached embeddings are exactly what inference computes.
-    pipe = FluxPipeline.from_pretrained(model_path, transformer=None, vae=None, revision=cfg.model.revision,
-                                        dtype=DTYPES[cfg.model.dtype])
-    pipe.text_encoder.to(device)
-    pipe.text_encoder_2.to(device)
-    for key, text in todo.items():
-        with torch.no_grad():
-            embeds, pooled, _ids = pipe.encode_prompt(text, prompt_2=None, device=device, max_sequence_length=max_len)
-        cache.put(key, "text", text[:200], {"prompt_embeds": embeds[0], "pooled": pooled[0]})
-        cache.flush()
-        tick(text[:60])
-
-
-def ensure(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str, log, bar=None,
-           fs: FileLayer | None = None) -> tuple[Cache, Plan, CacheReport]:
-    """Make every latent and text embedding the job needs present and valid; encode only what is not."""
+    Groups are encoded in order, each encoder's model freed before the next loads. `bar(done, total, label)`
+    is called after each entry, as is a `cache_progress` event.
+    """
     t0 = time.monotonic()
-    cache = Cache(Path(workdir) / "cache", fs)
-    max_len = t5_length(model_path, cfg.model.revision)
-    p = plan(cfg, items, model_path, max_len)
+    cache = Cache(root, fs)
     corrupt: list[str] = []
-
-    def missing(keys: dict) -> dict:
-        out = {}
-        for k, v in keys.items():
-            why = cache.verify(k)
-            if why is None:
-                continue
-            if why != "not cached":
-                corrupt.append(cache.entries[k]["file"])
-                log.warning("cache_corrupt", file=cache.entries[k]["file"], reason=why, message="encoding it again")
-            out[k] = v
-        return out
-
-    lat_todo, txt_todo = missing(p.latents), missing(p.texts)
-    total = len(lat_todo) + len(txt_todo)
-    reused = len(p.latents) + len(p.texts) - total
-    log.info("cache_start", to_encode=total, latents=len(lat_todo), texts=len(txt_todo), reused=reused,
+    todo = {g.kind: _missing(cache, g.needs, corrupt, log) for g in groups}
+    total = sum(len(t) for t in todo.values())
+    reused = sum(len(g.needs) for g in groups) - total
+    log.info("cache_start", to_encode=total, **{f"{g.kind}s": len(todo[g.kind]) for g in groups}, reused=reused,
              dir=str(cache.root))
-    done = 0
+    progress = itertools.count(1)
 
-    def tick(what: str) -> None:
-        nonlocal done
-        done += 1
-        log.info("cache_progress", done=done, total=total, item=what)
+    def commit(kind: str, need: Need, tensors: dict[str, torch.Tensor]) -> None:
+        cache.put(need.key, kind, need.source[:SOURCE_CHARS], tensors)
+        cache.flush()  # after every entry: a kill loses at most the one being encoded
+        done, label = next(progress), (need.label or need.source)[:LABEL_CHARS]
+        log.info("cache_progress", done=done, total=total, item=label)
         if bar is not None:
-            bar(done, total, what)
+            bar(done, total, label)
 
-    if lat_todo:
-        encode_latents(cache, lat_todo, model_path, cfg, tick)
-        _release()
-    if txt_todo:
-        encode_texts(cache, txt_todo, model_path, cfg, max_len, tick)
-        _release()
-    cache.prune(set(p.latents) | set(p.texts))
-    report = CacheReport(
-        latents_encoded=sorted(f"{it.record.rel}@{it.bucket[0]}x{it.bucket[1]}" for it, _ in lat_todo.values()),
-        texts_encoded=sorted(txt_todo.values()), reused=reused, corrupt=corrupt,
-        seconds=round(time.monotonic() - t0, 3),
-    )
-    log.info("cache_done", latents_encoded=len(report.latents_encoded), texts_encoded=len(report.texts_encoded),
-             reused=reused, corrupt=len(corrupt), seconds=report.seconds)
-    return cache, p, report
+    for g in groups:
+        if todo[g.kind]:
+            g.encode(list(todo[g.kind].values()), functools.partial(commit, g.kind))
+            _release()
+    cache.prune({key for g in groups for key in g.needs})
+    report = CacheReport(encoded={g.kind: sorted(n.source for n in todo[g.kind].values()) for g in groups},
+                         reused=reused, corrupt=corrupt, seconds=round(time.monotonic() - t0, 3))
+    log.info("cache_done", **{f"{g.kind}s_encoded": len(report.encoded[g.kind]) for g in groups}, reused=reused,
+             corrupt=len(corrupt), seconds=report.seconds)
+    return cache, report
 
 
 def cache_job(cfg: JobConfig, workdir: Path, progress: str = "bar") -> int:

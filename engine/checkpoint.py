@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from engine.errors import ConfigMismatch, NewerCheckpoint
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable
 
 FORMAT_VERSION = 1
@@ -82,14 +83,6 @@ class Loaded:
 class Skipped:
     name: str
     reason: str
-
-
-class ConfigMismatch(Exception):
-    """The newest valid checkpoint was written by a job with different training settings."""
-
-
-class NewerCheckpoint(ConfigMismatch):
-    """A checkpoint written by a newer lorad: never set aside (pruning would delete it), never walked past."""
 
 
 CHECKPOINT_FILES = ("adapter.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "state.json")

@@ -17,14 +17,12 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine.builtin_models import BUILTIN_MODELS, BUILTIN_PREFIX
+from engine.errors import JobInvalid  # daemon/ imports it from here too, until the daemon rework is merged
+
 MAX_JOB_FILE_BYTES = 256 * 1024
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-BUILTIN_PREFIX = "builtin:"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-class JobInvalid(Exception):
-    """A job file that can never run as written. The engine exits 65 on it."""
 
 
 class Strict(BaseModel):
@@ -36,9 +34,16 @@ class ModelConfig(Strict):
     path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Deprecated: the older spelling of base_precision: nf4. Kept as written (not rewritten into base_precision)
+    # because the identity hash covers the keys as written: checkpoints of old job files must still resume.
     quantize: Literal["nf4"] | None = None
     base_precision: Literal["auto", "bf16", "fp8", "nf4", "int8"] = "auto"
     trust_remote_code: bool = False
+
+    @property
+    def effective_base_precision(self) -> str:
+        """base_precision, with the deprecated quantize: nf4 mapped onto it: what the families load."""
+        return "nf4" if self.quantize == "nf4" else self.base_precision
 
 
 class LoraConfig(Strict):
@@ -242,7 +247,11 @@ class JobConfig(Strict):
     def _cross_checks(self):
         if self.train.warmup_steps > self.train.steps:
             raise ValueError(f"train.warmup_steps ({self.train.warmup_steps}) exceeds train.steps ({self.train.steps})")
-        quantized = "nf4" if self.model.quantize == "nf4" else self.model.base_precision
+        if self.model.quantize is not None and self.model.base_precision not in ("auto", self.model.quantize):
+            raise ValueError(f"model.quantize: {self.model.quantize} contradicts model.base_precision: "
+                             f"{self.model.base_precision}; model.quantize is deprecated, set only "
+                             f"model.base_precision")
+        quantized = self.model.effective_base_precision
         if self.train.blocks_to_swap and quantized in ("nf4", "int8"):
             # bitsandbytes places nf4/int8 weights on the GPU itself while loading, with state tied to that
             # placement; streaming them is untested territory, so say so instead of failing mid-run.
@@ -252,6 +261,12 @@ class JobConfig(Strict):
         _family_keys_check(self)
         _optimizer_check(self.train)
         return self
+
+    def deprecated_keys(self) -> list[tuple[str, str]]:
+        """(key, what to write instead) for every deprecated key this job sets; the engine warns about each."""
+        if self.model.quantize is not None:
+            return [("model.quantize", f"model.base_precision: {self.model.quantize}")]
+        return []
 
     def identity_hash(self) -> str:
         """Hash of everything that decides the trained weights.
@@ -321,7 +336,8 @@ def _optimizer_check(train: TrainConfig) -> None:
 
 def _family_keys_check(cfg: JobConfig) -> None:
     family = cfg.model.family
-    builtin_family = {"tiny-flux": "flux"}.get(cfg.model.path.removeprefix(BUILTIN_PREFIX), "causal_lm")
+    builtin = BUILTIN_MODELS.get(cfg.model.path.removeprefix(BUILTIN_PREFIX))
+    builtin_family = builtin.family if builtin is not None else "causal_lm"  # an unknown name: _check_paths says so
     if cfg.model.path.startswith(BUILTIN_PREFIX) and builtin_family != family:
         raise ValueError(f"model.path: {cfg.model.path} is a {builtin_family} model, but model.family is {family}")
     if family == "causal_lm":
@@ -415,12 +431,8 @@ def parse_job(raw: Any, base_dir: Path, source: str = "job", check_paths: bool =
     except ValidationError as e:
         models = _section_models()
         problems = [_describe(err, models) for err in e.errors()]
-        # Several union branches may fail for one key; keep the distinct messages.
-        seen: list[str] = []
-        for p in problems:
-            if p not in seen:
-                seen.append(p)
-        raise JobInvalid(f"{source}: " + "; ".join(seen)) from None
+        # Several union branches may fail for one key; keep the distinct messages, in order.
+        raise JobInvalid(f"{source}: " + "; ".join(dict.fromkeys(problems))) from None
     _resolve_paths(cfg, base_dir)
     if check_paths:
         _check_paths(cfg)
@@ -454,8 +466,6 @@ def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
 def _check_paths(cfg: JobConfig) -> None:
     mp = cfg.model.path
     if mp.startswith(BUILTIN_PREFIX):
-        from engine.builtin_models import BUILTIN_MODELS
-
         name = mp[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_MODELS:
             raise JobInvalid(f"model.path: unknown built-in model {name!r} (available: {', '.join(BUILTIN_MODELS)})")

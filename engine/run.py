@@ -13,24 +13,31 @@ cleanly after a checkpoint (resumable), anything else is a crash.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.adapters import compute_autocast
-from engine.checkpoint import AsyncCheckpointer, CheckpointStore, ConfigMismatch, Snapshot
-from engine.config import JobConfig, JobInvalid, load_job
-from engine.data.order import Cursor, sample_indices
+from engine.cadence import SLOW_SAVE, Save, SaveCadence
+from engine.checkpoint import AsyncCheckpointer, CheckpointStore, SaveResult, Snapshot
+from engine.config import JobConfig, load_job
+from engine.data.order import Cursor
+from engine.dtypes import pick_device
+from engine.errors import ConfigMismatch, DiskError, JobInvalid
 from engine.events import EventLog
 from engine.families import get_family
-from engine.families.base import hub_refusal
+from engine.families.base import Family, hub_refusal
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
 from engine.optim import (
     build_optimizer,
@@ -45,20 +52,21 @@ from engine.optim import (
 )
 from engine.prefetch import Prefetcher
 from engine.progress import make_progress
+from engine.quiet import quiet_libraries, warnings_to_events
 from engine.rng import capture, restore, seed_everything
 from engine.sample import sample_due
 from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 
-VERSION = "0.1.0"
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lorad")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+source"  # a source tree that was never installed
 
 
-class DiskError(Exception):
-    """A checkpoint or output could not be written (disk full, read-only, ...)."""
-
-
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+VERSION = _version()
 
 
 def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -144,74 +152,84 @@ def train(
     fs = fs or RealFs()
     stop = stop or StopFlag()
     workdir = Path(workdir).resolve()
+    quiet_libraries()  # before the model libraries are imported: they read their switches then
     try:
         ensure_dir_durable(fs, workdir)
         log = EventLog(workdir / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
     except OSError as e:
         # No events file to write to yet: the one line on stderr is the whole report.
-        _say(progress, f"lorad: cannot create the job directory {workdir} ({e.strerror or e})")
+        _say(f"lorad: cannot create the job directory {workdir} ({e.strerror or e})")
         return EXIT_IO
     try:
-        return _train(cfg, workdir, progress, fs, stop, log)
+        if progress == "json":  # a daemon child: real library warnings stay on stderr, i.e. in trainer.log
+            return _train(cfg, workdir, progress, fs, stop, log)
+        with warnings_to_events(log):  # a terminal: lorad's own lines only
+            return _train(cfg, workdir, progress, fs, stop, log)
     except JobInvalid as e:
         log.error("invalid_job", message=str(e))
-        _say(progress, f"lorad: invalid job: {e}")
+        _say(f"lorad: invalid job: {e}")
         return EXIT_INVALID
     except ConfigMismatch as e:
         log.error("invalid_job", message=str(e))
-        _say(progress, f"lorad: {e}")
+        _say(f"lorad: {e}")
         return EXIT_INVALID
     except DiskError as e:
         log.error("disk_error", message=str(e))
-        _say(progress, f"lorad: {e}")
+        _say(f"lorad: {e}")
         return EXIT_IO
     except OSError as e:
         if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
             msg = (f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run "
                    "again")
             log.error("disk_error", message=msg)
-            _say(progress, f"lorad: {msg}")
+            _say(f"lorad: {msg}")
             return EXIT_IO
         if (why := hub_refusal(e, cfg)) is None:
             raise
         log.error("invalid_job", message=why)
-        _say(progress, f"lorad: invalid job: {why}")
+        _say(f"lorad: invalid job: {why}")
         return EXIT_INVALID
     finally:
         log.close()
 
 
-def _say(progress: str, line: str) -> None:
+def _say(line: str) -> None:
+    """A line for the person at the terminal (`lorad run`); under the daemon it lands in trainer.log."""
     print(line, file=sys.stderr, flush=True)
 
 
-def quiet_libraries() -> None:
-    """Our events and bar report progress; the libraries' own bars and deprecation chatter only clutter them."""
-    import warnings
+@dataclass
+class Position:
+    """Where training stands: what a checkpoint records besides the weights, the optimizer and the RNGs."""
 
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
+    step: int = 0
+    consumed: int = 0  # samples drawn, over all epochs: the data order's cursor
+    train_seconds: float = 0.0
 
-    for lib in (transformers_logging, diffusers_logging):
-        lib.set_verbosity_error()
-        lib.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|diffusers|peft)\.")
+    def state(self, dataset_size: int, cfg: JobConfig) -> dict[str, Any]:
+        c = Cursor(self.consumed, dataset_size)
+        return {"step": self.step, "samples_consumed": self.consumed, "epoch": c.epoch, "position": c.position,
+                "dataset_size": dataset_size, "train_seconds": self.train_seconds,
+                "config_hash": cfg.identity_hash()}
 
 
 def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: StopFlag, log: EventLog) -> int:
     t_start = time.monotonic()
-    quiet_libraries()
     device = pick_device()
     family = get_family(cfg.model.family)
     log.info("start", version=VERSION, pid=os.getpid(), device=str(device), family=cfg.model.family,
              steps=cfg.train.steps, config_hash=cfg.identity_hash())
+    for key, use in cfg.deprecated_keys():
+        log.warning("deprecated_key", key=key, use=use, message=f"{key} is deprecated: write {use} instead")
+        _say(f"lorad: warning: {key} is deprecated: write {use} instead")
 
-    # -- data and model
+    # -- data
     log.info("phase", phase="prepare")
     family.prepare(cfg, workdir, log)
     dataset = family.build_dataset(cfg, workdir, log)
-    n = len(dataset)
     generator = seed_everything(cfg.train.seed)
+
+    # -- model and optimizer
     log.info("phase", phase="load_model")
     model = family.load_model(cfg, workdir, device, log)
     apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
@@ -219,138 +237,65 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     optimizer = build_optimizer(list(params.values()), cfg.train)
     if (advice := optimizer_advice(cfg.train)) is not None:
         log.warning("optimizer_advice", message=advice)
-        _say(progress, f"lorad: warning: {advice}")
+        _say(f"lorad: warning: {advice}")
 
     # -- resume
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
-    loaded, skipped = store.load_latest()
-    for s in skipped:
-        log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)
-        # Also on stderr: `lorad run` shows a progress bar, not the event stream, and a skipped save must be seen.
-        _say(progress, f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
-    step, consumed, elapsed_before = 0, 0, 0.0
-    if loaded is not None:
-        state = restore_checkpoint(loaded, params, optimizer, generator, log)
-        step, consumed, elapsed_before = state["step"], state["samples_consumed"], state.get("train_seconds", 0.0)
-        if state.get("dataset_size") != n:
-            log.warning("dataset_changed", was=state.get("dataset_size"), now=n,
-                        message="the dataset changed since this checkpoint; the order continues by sample count")
-        log.info("resumed", from_step=step, checkpoint=loaded.path.name, skipped=[s.name for s in skipped],
-                 seconds_since_start=round(time.monotonic() - t_start, 3))
-        if progress != "json" and step < cfg.train.steps:  # `lorad run`: said when it happens, not after
-            _say(progress, f"lorad: resumed job {cfg.name} from step {step} (checkpoint {loaded.path.name})")
-    if step >= cfg.train.steps and output_step(workdir, cfg) == step:
-        log.info("done", step=step, output=str(workdir / "output"), already=True)
+    at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start)
+    if at.step >= cfg.train.steps and output_step(workdir, cfg) == at.step:
+        log.info("done", step=at.step, output=str(workdir / "output"), already=True)
         return EXIT_OK
 
-    # -- loop
+    # -- loop: step, log, save, stop
     saver = AsyncCheckpointer(store)
-    bar = make_progress(progress, total=cfg.train.steps, start=step)
-    micro = cfg.train.batch_size
-    last_save_t = time.monotonic()
-    last_saved_step = step
-    step_times: list[float] = []
-    train_seconds = elapsed_before
-    model.train()
-    # A dataset may own its order (Flux: one aspect-ratio bucket per batch); both are pure in (seed, position).
-    pick = getattr(dataset, "indices_at", None) or (lambda seed, start, count: sample_indices(seed, n, start, count))
+    cadence = SaveCadence(cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, last_step=cfg.train.steps,
+                          saved_step=at.step, now=time.monotonic())
+    bar = make_progress(progress, total=cfg.train.steps, start=at.step)
+    seed, micro = cfg.train.seed, cfg.train.batch_size
     # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels run;
     # on the CPU a passthrough.
-    prefetcher = Prefetcher(lambda cursor: dataset.collate(pick(cfg.train.seed, cursor, micro)), device)
+    batches = Prefetcher(lambda cursor: dataset.collate(dataset.indices_at(seed, cursor, micro)), device)
 
-    def state_now() -> dict[str, Any]:
-        c = Cursor(consumed, n)
-        return {"step": step, "samples_consumed": consumed, "epoch": c.epoch, "position": c.position,
-                "dataset_size": n, "train_seconds": train_seconds, "config_hash": cfg.identity_hash()}
+    def checkpoint() -> Snapshot:
+        return snapshot(at.step, params, optimizer, generator, at.state(len(dataset), cfg))
 
-    last_write_s = 0.0  # how long the last save took to commit
-    slow_warned: int | None = None
-
-    def handle_saves(results) -> None:
-        nonlocal last_saved_step, last_write_s
-        for r in results:
-            if r.error is not None:
-                _raise_save_error(r, store)
-            last_saved_step = max(last_saved_step, r.step)
-            last_write_s = r.seconds
-            log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
-
+    step_times: list[float] = []
+    model.train()
     try:
-        while step < cfg.train.steps:
-            if stop.requested:
-                break
+        while at.step < cfg.train.steps and not stop.requested:
             t0 = time.monotonic()
-            lr = lr_at(step, cfg.train)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            loss_sum = 0.0
-            for _ in range(cfg.train.grad_accum):
-                batch = prefetcher.get(consumed)
-                consumed += micro
-                with compute_autocast(cfg.model.dtype, cfg.lora.dtype, device):
-                    loss = family.loss(model, batch, generator) / cfg.train.grad_accum
-                loss.backward()
-                prefetcher.prefetch(consumed)  # the next batch is collated and copied while the GPU works
-                loss_sum += float(loss.detach())
-            if cfg.train.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.train.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            dt = time.monotonic() - t0
-            train_seconds += dt
-            step_times.append(dt)
-            s_per_step = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
-            eta = s_per_step * (cfg.train.steps - step)
-            log.info("step", step=step, total=cfg.train.steps, loss=round(loss_sum, 6), lr=lr,
-                     s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
-            bar.update(step, loss_sum, s_per_step)
+            loss, lr = train_step(family, model, optimizer, params, batches, generator, at, cfg)
+            at.step += 1
+            step_times.append(time.monotonic() - t0)
+            at.train_seconds += step_times[-1]
+            s_per_step = statistics.median_high(step_times[-20:])
+            log.info("step", step=at.step, total=cfg.train.steps, loss=round(loss, 6), lr=lr,
+                     s_per_step=round(s_per_step, 4), eta_s=round(s_per_step * (cfg.train.steps - at.step), 1),
+                     samples=at.consumed)
+            bar.update(at.step, loss, s_per_step)
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
-                with eval_weights(optimizer, params) if sample_due(cfg, step) else nullcontext():
-                    family.on_step_end(model, step, cfg, workdir, log)
+                with eval_weights(optimizer, params) if sample_due(cfg, at.step) else nullcontext():
+                    family.on_step_end(model, at.step, cfg, workdir, log)
 
-            handle_saves(saver.poll())
-            if stop.take_save_request() and step < cfg.train.steps:
-                # An urgent save (UPS on battery): wait for any save in flight, then write this step now.
-                handle_saves(saver.wait())
-                log.info("phase", phase="urgent_checkpoint", step=step)
-                saver.submit(snapshot(step, params, optimizer, generator, state_now()))
-                last_save_t = time.monotonic()
-                continue
-            # Work is lost back to the last *snapshot*, and a snapshot is safe only once committed: starting each
-            # save as much earlier as the last one took to write keeps the work at risk within every_seconds.
-            every_s = cfg.checkpoint.every_seconds
-            due = (cfg.checkpoint.every_steps is not None and step - last_saved_step >= cfg.checkpoint.every_steps) or (
-                every_s is not None and time.monotonic() - last_save_t + last_write_s >= every_s
-            )
-            if (every_s is not None and saver.busy() and saver.in_flight_step != slow_warned
-                    and time.monotonic() - saver.started > every_s):
-                slow_warned = saver.in_flight_step
-                log.warning("checkpoint_slow", step=slow_warned, seconds=round(time.monotonic() - saver.started, 1),
-                            message="a checkpoint save is taking longer than checkpoint.every_seconds, so more work "
-                                    "than that is at risk until it lands (a slow disk, or every core busy "
-                                    "training: see LORAD_CKPT_WRITER_NICE)")
-            if due and not saver.busy() and step < cfg.train.steps:
-                saver.submit(snapshot(step, params, optimizer, generator, state_now()), background=True)
-                last_save_t = time.monotonic()
+            save_if_due(at.step, stop.take_save_request(), saver, cadence, checkpoint, log)
 
         # -- final or stop checkpoint, written synchronously
-        handle_saves(saver.wait())
-        if step > last_saved_step:
-            log.info("phase", phase="final_checkpoint", step=step)
-            saver.submit(snapshot(step, params, optimizer, generator, state_now()))
-            handle_saves(saver.wait())
+        record_saves(saver.wait(), cadence, store, log)
+        if at.step > cadence.saved_step:
+            log.info("phase", phase="final_checkpoint", step=at.step)
+            saver.submit(checkpoint())
+            record_saves(saver.wait(), cadence, store, log)
     finally:
         bar.close()
         # Never leave a writer thread behind on an exception.
         if saver.busy():
             saver.wait()
 
-    if step < cfg.train.steps:
-        log.info("stopped", step=step, reason=stop.reason, checkpoint=last_saved_step)
+    if at.step < cfg.train.steps:
+        log.info("stopped", step=at.step, reason=stop.reason, checkpoint=cadence.saved_step)
         return EXIT_STOPPED
 
-    meta = {"steps": step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
+    meta = {"steps": at.step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
     use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
@@ -358,10 +303,85 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     except OSError as e:
         if is_disk_full(e):
             raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
-                            f"checkpoint step-{step:08d} is committed, free space and run again") from None
+                            f"checkpoint step-{at.step:08d} is committed, free space and run again") from None
         raise
-    log.info("done", step=step, output=str(out), train_seconds=round(train_seconds, 2))
+    log.info("done", step=at.step, output=str(out), train_seconds=round(at.train_seconds, 2))
     return EXIT_OK
+
+
+def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: int, cfg: JobConfig, log,
+           progress: str, t_start: float) -> Position:
+    """Load the newest checkpoint that verifies into the parameters, optimizer and generator; where to go on from."""
+    loaded, skipped = store.load_latest()
+    for s in skipped:
+        log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)
+        # Also on stderr: `lorad run` shows a progress bar, not the event stream, and a skipped save must be seen.
+        _say(f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
+    if loaded is None:
+        return Position()
+    state = restore_checkpoint(loaded, params, optimizer, generator, log)
+    at = Position(state["step"], state["samples_consumed"], state.get("train_seconds", 0.0))
+    if state.get("dataset_size") != dataset_size:
+        log.warning("dataset_changed", was=state.get("dataset_size"), now=dataset_size,
+                    message="the dataset changed since this checkpoint; the order continues by sample count")
+    log.info("resumed", from_step=at.step, checkpoint=loaded.path.name, skipped=[s.name for s in skipped],
+             seconds_since_start=round(time.monotonic() - t_start, 3))
+    if progress != "json" and at.step < cfg.train.steps:  # `lorad run`: said when it happens, not after
+        _say(f"lorad: resumed job {cfg.name} from step {at.step} (checkpoint {loaded.path.name})")
+    return at
+
+
+def train_step(family: Family, model, optimizer, params, batches: Prefetcher, generator, at: Position,
+               cfg: JobConfig) -> tuple[float, float]:
+    """One optimizer step over train.grad_accum micro-batches drawn from `at.consumed` on (advanced); (loss, lr)."""
+    train = cfg.train
+    lr = lr_at(at.step, train)
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    loss_sum = 0.0
+    for _ in range(train.grad_accum):
+        batch = batches.get(at.consumed)
+        at.consumed += train.batch_size
+        with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
+            loss = family.loss(model, batch, generator) / train.grad_accum
+        loss.backward()
+        batches.prefetch(at.consumed)  # the next batch is collated and copied while the GPU works
+        loss_sum += float(loss.detach())
+    if train.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, lr
+
+
+def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: SaveCadence,
+                checkpoint: Callable[[], Snapshot], log) -> None:
+    """After each step: note the saves that landed, start the one the cadence asks for, report a slow one.
+
+    urgent: a "checkpoint now" arrived (SIGUSR1, the UPS is on battery).
+    """
+    record_saves(saver.poll(), cadence, saver.store, log)
+    if urgent:
+        cadence.urgent()
+    now = time.monotonic()
+    due = cadence.due(step, now, writing=saver.busy())
+    if due is Save.URGENT:  # the save in flight lands first: one save at a time
+        record_saves(saver.wait(), cadence, saver.store, log)
+        log.info("phase", phase="urgent_checkpoint", step=step)
+    if due is not None:
+        saver.submit(checkpoint(), background=due is Save.PERIODIC)
+        cadence.started(time.monotonic())
+    elif (late := cadence.slow(saver.in_flight_step if saver.busy() else None, saver.started, now)) is not None:
+        log.warning("checkpoint_slow", step=saver.in_flight_step, seconds=round(late, 1), message=SLOW_SAVE)
+
+
+def record_saves(results: list[SaveResult], cadence: SaveCadence, store: CheckpointStore, log) -> None:
+    """Tell the cadence and the log about saves that landed; a save that failed ends the run (DiskError)."""
+    for r in results:
+        if r.error is not None:
+            _raise_save_error(r, store)
+        cadence.saved(r.step, r.seconds)
+        log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
 
 
 def _raise_save_error(r, store: CheckpointStore) -> None:
@@ -391,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_job(args.job)
     except JobInvalid as e:
-        print(f"lorad: invalid job: {e}", file=sys.stderr)
+        _say(f"lorad: invalid job: {e}")
         return EXIT_INVALID
     return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
 

@@ -3,7 +3,7 @@
 Every `sample.every_steps` steps each prompt in `sample.prompts` is rendered
 with the LoRA as it is now, with a fixed seed per prompt (sample.seed + i), so
 the images of successive steps differ only by what the LoRA learned. The
-prompt embeddings were computed with the captions (engine/cache.py), so no
+prompt embeddings were computed with the captions (engine/families/flux_encode.py), so no
 text encoder is loaded during training; the VAE decoder is loaded at the first
 render and kept.
 
@@ -22,9 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.dtypes import torch_dtype
 from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sample_due(cfg, step: int) -> bool:
@@ -33,7 +32,9 @@ def sample_due(cfg, step: int) -> bool:
     return bool(every and cfg.sample.prompts and step % every == 0)
 
 
-class Sampler:
+class SampleRenderer:
+    """Renders `sample.prompts` with the LoRA as it is (engine/families/flux.py calls it every sample.every_steps)."""
+
     def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None):
         self.cfg, self.model_path, self.workdir = cfg, model_path, Path(workdir)
         self.fs = fs or RealFs()
@@ -47,7 +48,7 @@ class Sampler:
         if self.pipe is None:
             rev = self.cfg.model.revision
             vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", revision=rev,
-                                                dtype=DTYPES[self.cfg.model.dtype])
+                                                dtype=torch_dtype(self.cfg.model.dtype))
             sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path, subfolder="scheduler", revision=rev)
             self.pipe = FluxPipeline(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
                                      text_encoder_2=None, tokenizer_2=None, transformer=transformer)

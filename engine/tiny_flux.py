@@ -1,4 +1,4 @@
-"""A tiny random FLUX.1 pipeline, built offline, for tests, demos and `builtin:tiny-flux`.
+"""A tiny random FLUX.1 pipeline, built offline, for tests, demos and `builtin:tiny-flux` (engine/builtin_models.py).
 
 It has the same layout as a real FLUX.1-dev diffusers directory (transformer/,
 vae/, text_encoder/ + tokenizer/ for CLIP, text_encoder_2/ + tokenizer_2/ for
@@ -11,13 +11,8 @@ character-level CLIP and T5 tokenizers built with the `tokenizers` backend.
 
 from __future__ import annotations
 
-import os
-import shutil
 import string
-import tempfile
 from pathlib import Path
-
-from engine.fsio import RealFs, ensure_dir_durable
 
 TEXT_DIM = 32       # T5 d_model = transformer joint_attention_dim
 POOLED_DIM = 32     # CLIP hidden size = transformer pooled_projection_dim
@@ -98,28 +93,3 @@ def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True) 
     pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
                         text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
     pipe.save_pretrained(dest, safe_serialization=True)
-
-
-def materialise_tiny_flux(cache_dir: Path) -> Path:
-    """Build the tiny pipeline under cache_dir once (atomically) and return its directory."""
-    dest = Path(cache_dir) / "tiny-flux"
-    if (dest / "model_index.json").exists():
-        return dest
-    fs = RealFs()
-    ensure_dir_durable(fs, dest.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-flux.tmp-", dir=dest.parent))
-    try:
-        build_tiny_flux(tmp)
-        for root, _dirs, files in os.walk(tmp):
-            for f in files:
-                fs.fsync(Path(root) / f)
-            fs.fsync_dir(Path(root))
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            pass  # another process built an identical copy first
-        fs.fsync_dir(dest.parent)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return dest

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.adapters import compute_autocast
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
 from engine.optim import build_optimizer
 from tests.conftest import tiny_job

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from engine.config import JobInvalid
 from engine.data.chat import FALLBACK_TEMPLATE
 from engine.data.text import TokenDataset, encode_documents, read_documents
+from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
 from tests.conftest import tiny_job
 from tests.fakes import RecLog

@@ -126,7 +126,7 @@ def test_only_the_newest_set_aside_invalid_checkpoints_are_kept(tmp_path):
 
 
 def test_a_checkpoint_from_a_newer_lorad_is_neither_walked_past_nor_set_aside(trained, tmp_path):
-    from engine.checkpoint import NewerCheckpoint
+    from engine.errors import NewerCheckpoint
 
     _, cfg, workdir, _ = trained
     ck = tmp_path / "checkpoints"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.chunked_loss import chunked_cross_entropy
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
 from tests.conftest import tiny_job
 from tests.fakes import RecLog

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import JobInvalid, dump_job, load_job, parse_job
+from engine.config import dump_job, load_job, parse_job
+from engine.errors import JobInvalid
 from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job, tiny_job_dict
 
 EXAMPLES = sorted((REPO / "configs" / "examples").glob("*.yaml"))
@@ -282,3 +283,49 @@ def test_a_job_with_no_checkpoint_trigger_at_all_is_refused(tmp_path, micro_mode
     with pytest.raises(JobInvalid, match="every_steps and every_seconds are both null"):
         parse_job(d, tmp_path)
     parse_job(deep_update(d, {"checkpoint": {"every_seconds": 30}}), tmp_path)  # either one is enough
+
+
+def test_the_deprecated_model_quantize_still_means_base_precision_nf4(tmp_path, micro_model):
+    for also in ({}, {"base_precision": "auto"}, {"base_precision": "nf4"}):
+        cfg = tiny_job(micro_model, tmp_path, model={"quantize": "nf4", **also})
+        assert cfg.model.effective_base_precision == "nf4"
+        assert cfg.deprecated_keys() == [("model.quantize", "model.base_precision: nf4")]
+    # Kept as written in the identity: checkpoints of job files that use it still resume.
+    assert tiny_job(micro_model, tmp_path, model={"quantize": "nf4"}).identity()["model"] == {
+        "path": str(micro_model), "dtype": "float32", "quantize": "nf4"}
+    assert tiny_job(micro_model, tmp_path).deprecated_keys() == []
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "int8"])
+def test_model_quantize_contradicting_base_precision_is_refused_naming_both_keys(precision, tmp_path, micro_model):
+    with pytest.raises(JobInvalid) as e:
+        tiny_job(micro_model, tmp_path, model={"quantize": "nf4", "base_precision": precision})
+    assert "model.quantize: nf4" in str(e.value) and f"model.base_precision: {precision}" in str(e.value)
+
+
+def test_a_contradictory_quantize_is_exit_65_in_one_line(tmp_path, micro_model, capsys, keep_signal_handlers):
+    from engine.run import main as engine_run
+
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
+                                              {"model": {"quantize": "nf4", "base_precision": "fp8"}})))
+    assert engine_run(["--job", str(job), "--workdir", str(tmp_path / "w")]) == 65
+    line = _one_line(capsys.readouterr().err)
+    assert "model.quantize: nf4 contradicts model.base_precision: fp8" in line
+
+
+def test_a_run_with_model_quantize_warns_that_the_key_is_deprecated(tmp_path, micro_model, capsys, monkeypatch):
+    import engine.run as run
+    from tests.conftest import read_events
+
+    class StopsAtPrepare:
+        def prepare(self, cfg, workdir, log):
+            raise JobInvalid("stopped before loading anything")  # the warning comes first; no nf4 load on a CPU
+
+    monkeypatch.setattr(run, "get_family", lambda name: StopsAtPrepare())
+    cfg = tiny_job(micro_model, tmp_path, model={"quantize": "nf4"})
+    assert run.train(cfg, tmp_path / "w", progress="none") == 65
+    assert "lorad: warning: model.quantize is deprecated: write model.base_precision: nf4 instead" in \
+        capsys.readouterr().err
+    said = [e for e in read_events(tmp_path / "w") if e["event"] == "deprecated_key"]
+    assert [(e["level"], e["key"], e["use"]) for e in said] == [("warning", "model.quantize", "model.base_precision: nf4")]

@@ -184,7 +184,7 @@ def test_a_claimed_file_left_by_a_crash_is_finished_once(intake):
 
 
 def test_submit_over_the_socket_is_validated_by_the_daemon_too(intake):
-    from engine.config import JobInvalid
+    from engine.errors import JobInvalid
 
     with pytest.raises(JobInvalid, match="file name"):
         intake.submit_text("../../x.yaml", yaml.safe_dump(good_job()))

@@ -38,9 +38,9 @@ def prepare(job_path: Path, workdir: Path):
 def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_path):
     wd = tmp_path / "work"
     rep, log, fam = prepare(job, wd)
-    assert len(rep.latents_encoded) == N_IMAGES * N_RES  # every image at every resolution's bucket
+    assert len(rep.encoded["latent"]) == N_IMAGES * N_RES  # every image at every resolution's bucket
     # distinct captions (the caption-less image is the trigger alone), the empty caption, the sample prompt
-    assert sorted(rep.texts_encoded) == sorted(
+    assert sorted(rep.encoded["text"]) == sorted(
         ["sks, " + c for _, _, _, c in IMAGES if c] + ["sks", "", PROMPT])
     assert log.named("cache_progress")[-1]["done"] == log.named("cache_progress")[-1]["total"] == 10 + 7
     manifest = json.loads((wd / "cache" / "manifest.json").read_text())
@@ -51,7 +51,7 @@ def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_pat
     assert set(lat) == {"latent", "latent_flip"} and lat["latent"].shape[0] == 4
 
     rep2, _, _ = prepare(job, wd)
-    assert rep2.latents_encoded == [] and rep2.texts_encoded == [] and rep2.reused == 17
+    assert rep2.encoded["latent"] == [] and rep2.encoded["text"] == [] and rep2.reused == 17
 
 
 def test_the_encoders_are_freed_after_caching(job, tmp_path):
@@ -71,8 +71,8 @@ def test_changing_one_caption_re_encodes_only_that_caption(job, tmp_path):
     prepare(job, wd)
     (tmp_path / "data" / "tall-0.txt").write_text("a green tower, overgrown\n")
     rep, _, fam = prepare(job, wd)
-    assert rep.texts_encoded == ["sks, a green tower, overgrown"]
-    assert rep.latents_encoded == []
+    assert rep.encoded["text"] == ["sks, a green tower, overgrown"]
+    assert rep.encoded["latent"] == []
     # the old caption's embedding is gone from the manifest and the directory
     sources = [e["source"] for e in json.loads((wd / "cache" / "manifest.json").read_text())["entries"].values()]
     assert "sks, a green tower" not in sources and "sks, a green tower, overgrown" in sources
@@ -83,8 +83,8 @@ def test_a_new_image_is_encoded_alone_at_each_resolution(job, tmp_path):
     prepare(job, wd)
     make_images(tmp_path / "data", images=[("extra.png", 50, 50, "a yellow sun")], seed=9)
     rep, _, _ = prepare(job, wd)
-    assert rep.latents_encoded == ["extra.png@48x48", "extra.png@64x64"]
-    assert rep.texts_encoded == []  # same caption text as square-0.png: shared
+    assert rep.encoded["latent"] == ["extra.png@48x48", "extra.png@64x64"]
+    assert rep.encoded["text"] == []  # same caption text as square-0.png: shared
 
 
 def test_corrupt_truncated_and_missing_cache_files_are_detected_and_re_encoded(job, tmp_path):
@@ -101,7 +101,7 @@ def test_corrupt_truncated_and_missing_cache_files_are_detected_and_re_encoded(j
     rep, log, _ = prepare(job, wd)
     assert sorted(rep.corrupt) == sorted(good)
     assert sorted(e["file"] for e in log.named("cache_corrupt")) == sorted(good)
-    assert len(rep.latents_encoded) == 2 and len(rep.texts_encoded) == 1
+    assert len(rep.encoded["latent"]) == 2 and len(rep.encoded["text"]) == 1
     for name, data in good.items():
         assert (wd / "cache" / name).read_bytes() == data  # encoding is deterministic: the same bytes come back
 
@@ -112,7 +112,7 @@ def test_lorad_cache_verb_fills_the_cache_that_training_then_reuses(job, tmp_pat
     wd = home / "jobs" / "tiny-flux"
     assert (wd / "cache" / "manifest.json").is_file()
     rep, _, _ = prepare(job, wd)
-    assert rep.latents_encoded == [] and rep.texts_encoded == []
+    assert rep.encoded["latent"] == [] and rep.encoded["text"] == []
 
 
 def test_lorad_cache_refuses_a_causal_lm_job(tmp_path):

@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from engine.checkpoint import CheckpointStore
-from engine.config import JobInvalid, TrainConfig, parse_job
+from engine.config import TrainConfig, parse_job
+from engine.errors import JobInvalid
 from engine.events import read_events
 from engine.optim import (
     build_optimizer,

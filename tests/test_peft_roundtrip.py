@@ -61,7 +61,7 @@ def test_restore_checkpoint_rejects_an_adapter_for_another_model(write_job, tmp_
     import pytest
 
     from engine.checkpoint import Loaded
-    from engine.config import JobInvalid
+    from engine.errors import JobInvalid
 
     cfg = load_job(write_job())
     model = CausalLM().load_model(cfg, tmp_path, torch.device("cpu"), _Quiet())

@@ -19,7 +19,8 @@ import torch.nn as nn
 
 from engine import fp8
 from engine.blockswap import find_blocks, place_model, swapped_blocks
-from engine.config import JobInvalid, parse_job
+from engine.config import parse_job
+from engine.errors import JobInvalid
 from engine.fp8 import FP8Linear
 from engine.precision import convert_linears_to_fp8, swapped_linear_weights
 from tests import flux_helpers as fh

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import JobInvalid, TimestepBias, parse_job
+from engine.config import TimestepBias, parse_job
+from engine.errors import JobInvalid
 from engine.families.flux import SCHEDULER_DEFAULTS, sample_sigmas
 from tests.flux_helpers import flux_job_dict
 

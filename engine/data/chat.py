@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 
 IGNORE = -100
 

@@ -33,9 +33,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MAX_ASPECT = 2.0
@@ -203,6 +201,8 @@ class BucketOrder:
         return self._epochs[epoch]
 
     def _build_epoch(self, epoch: int) -> tuple[tuple[int, ...], ...]:
+        import numpy as np  # here, not at the top: job validation imports this module on torch-free clients
+
         batches = []
         for b, (_, members) in enumerate(self.buckets):
             rng = np.random.Generator(np.random.PCG64([self.seed, epoch, b, 1]))

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.config import JobInvalid
+from engine.errors import JobInvalid
 
 if TYPE_CHECKING:
     import torch
@@ -169,6 +169,12 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
+        """Sample indices for global positions start .. start+count-1: each epoch a seeded permutation."""
+        from engine.data.order import sample_indices  # lazily: numpy, like torch below, only for training
+
+        return sample_indices(seed, len(self), start, count)
 
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         import torch  # lazily: job validation (daemon, CLI) imports this module without needing torch

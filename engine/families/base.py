@@ -17,8 +17,17 @@ from engine.config import JobConfig
 
 
 class Dataset(Protocol):
-    def __len__(self) -> int: ...
-    def collate(self, indices: list[int]) -> dict[str, Any]: ...
+    def __len__(self) -> int:
+        """Samples per epoch."""
+
+    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
+        """The dataset indices of global sample positions start .. start+count-1 (one micro-batch).
+
+        A pure function of its arguments: resume needs only the count of samples consumed.
+        """
+
+    def collate(self, indices: list[int]) -> dict[str, Any]:
+        """The batch (tensors on the CPU) of these samples."""
 
 
 class Family(Protocol):
@@ -29,7 +38,7 @@ class Family(Protocol):
         """Load the frozen base and wrap it with peft LoRA; only LoRA parameters require grad."""
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> Dataset:
-        """The full, ordered list of training samples; its order is decided by engine.data.order."""
+        """The training samples; their order is the dataset's own `indices_at`."""
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
         """Loss of one micro-batch. Any randomness (noise, timesteps) must come from `generator`."""

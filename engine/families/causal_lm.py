@@ -9,25 +9,17 @@ import torch
 
 from engine.adapters import check_base_precision, peft_config, set_adapter_dtype
 from engine.blockswap import place_model
+from engine.builtin_models import resolve_model_path
 from engine.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
-from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+from engine.config import JobConfig
 from engine.data.text import TokenDataset, encode_documents, read_documents
+from engine.dtypes import DTYPES, torch_dtype
+from engine.errors import JobInvalid
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # LoRA targets when lora.targets is not given: every attention and MLP projection of a Llama-like block.
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
-    """A local directory or hub id as given; builtin:NAME is built once under the job's workdir."""
-    p = cfg.model.path
-    if p.startswith(BUILTIN_PREFIX):
-        from engine.builtin_models import materialise
-
-        return str(materialise(p[len(BUILTIN_PREFIX):], Path(workdir) / "builtin-models"))
-    return p
 
 
 class CausalLM:
@@ -36,13 +28,13 @@ class CausalLM:
         self._chunked = False
 
     def prepare(self, cfg: JobConfig, workdir: Path, log) -> None:
-        resolve_model_path(cfg, workdir)
+        resolve_model_path(cfg.model.path, workdir)
 
     def tokenizer(self, cfg: JobConfig, workdir: Path):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            path = resolve_model_path(cfg, workdir)
+            path = resolve_model_path(cfg.model.path, workdir)
             self._tokenizer = AutoTokenizer.from_pretrained(
                 path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
             )
@@ -52,16 +44,14 @@ class CausalLM:
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
-        path = resolve_model_path(cfg, workdir)
-        kwargs: dict[str, Any] = dict(
-            revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, dtype=DTYPES[cfg.model.dtype]
-        )
-        # model.quantize: nf4 is the older spelling of base_precision: nf4.
-        choice = "nf4" if cfg.model.quantize == "nf4" else cfg.model.base_precision
+        path = resolve_model_path(cfg.model.path, workdir)
+        dtype = torch_dtype(cfg.model.dtype)
+        kwargs: dict[str, Any] = dict(revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code, dtype=dtype)
+        choice = cfg.model.effective_base_precision  # the deprecated model.quantize: nf4 included
         precision, _ = resolve_precision(choice, device)
         check_base_precision(cfg.lora, precision)
         quantize = precision if precision in ("nf4", "int8") else None
-        qconf = quantization_config(precision, DTYPES[cfg.model.dtype])
+        qconf = quantization_config(precision, dtype)
         if qconf is not None:
             kwargs["quantization_config"] = qconf
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -69,7 +59,7 @@ class CausalLM:
         # fp8: swap the frozen linears for FP8 layers before peft wraps them, quantising each on the device
         # as it moves there (the bf16 base never sits on the GPU whole); logs the choice either way.
         swap = cfg.train.blocks_to_swap
-        apply_base_precision(model, choice, device, log, compute_dtype=DTYPES[cfg.model.dtype], blocks_to_swap=swap)
+        apply_base_precision(model, choice, device, log, compute_dtype=dtype, blocks_to_swap=swap)
         if quantize is not None:
             from peft import prepare_model_for_kbit_training
 

@@ -43,13 +43,16 @@ import torch
 
 from engine.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype
 from engine.blockswap import place_model
-from engine.config import BUILTIN_PREFIX, JobConfig, JobInvalid
+from engine.builtin_models import resolve_model_path
+from engine.config import JobConfig
 from engine.data.image_sets import extra_batch, regularisation_items, training_masks
+from engine.dtypes import torch_dtype
+from engine.errors import JobInvalid
+from engine.families.flux_encode import fill_cache
 from engine.masked_loss import weighted_flow_loss
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from engine.quiet import quiet_libraries
 
 # The modules diffusers' Flux LoRA trainer targets: attention q/k/v/out of both streams (incl. the added text
 # projections), both feed-forwards, and the single blocks' q/k/v, proj_mlp and proj_out. Matched against the
@@ -65,16 +68,6 @@ DEFAULT_TARGETS = (
 FP8_SKIP = r"^(x_embedder|context_embedder|time_text_embed|norm_out|proj_out)(\.|$)"
 
 SCHEDULER_DEFAULTS = {"base_image_seq_len": 256, "max_image_seq_len": 4096, "base_shift": 0.5, "max_shift": 1.15}
-
-
-def resolve_model_path(cfg: JobConfig, workdir: Path) -> str:
-    """A local FLUX.1 diffusers directory or hub id as given; builtin:tiny-flux is built under the workdir."""
-    p = cfg.model.path
-    if p.startswith(BUILTIN_PREFIX):
-        from engine.tiny_flux import materialise_tiny_flux
-
-        return str(materialise_tiny_flux(Path(workdir) / "builtin-models"))
-    return p
 
 
 def sample_sigmas(kind: str, batch: int, image_seq_len: int, sched: dict[str, float],
@@ -155,20 +148,21 @@ class Flux:
         self.records = None
         self.report = None
         self.sched = dict(SCHEDULER_DEFAULTS)
-        self.sampler = None
+        self.renderer = None
 
     # ---------------------------------------------------------------- data
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
         """Scan the image folder and make the latent/text cache complete (encoders are freed afterwards)."""
-        from engine import cache as cache_mod
         from engine.data.images import make_items, scan
 
+        # The first thing a Flux job (or `lorad cache`) does: diffusers' loading bars have only an API switch.
+        quiet_libraries(diffusers=True)
         self.cfg = cfg
-        path = resolve_model_path(cfg, workdir)
+        path = resolve_model_path(cfg.model.path, workdir)
         self.records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
         self.items = make_items(self.records, cfg.data.resolution, training_masks(cfg, self.records, log))
         self.items += regularisation_items(cfg, log)
-        self.cache, self.plan, self.report = cache_mod.ensure(cfg, self.items, workdir, path, log, bar=bar)
+        self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> FluxDataset:
         from engine.data.images import BucketOrder
@@ -193,15 +187,16 @@ class Flux:
         from diffusers import FluxTransformer2DModel
 
         self.cfg = cfg
-        path = resolve_model_path(cfg, workdir)
-        precision, _ = resolve_precision(cfg.model.base_precision, device)
+        path = resolve_model_path(cfg.model.path, workdir)
+        dtype = torch_dtype(cfg.model.dtype)
+        precision, _ = resolve_precision(cfg.model.effective_base_precision, device)
         check_base_precision(cfg.lora, precision)
         # nf4/int8: bitsandbytes quantises while loading (diffusers' BitsAndBytesConfig; it needs a CUDA GPU).
-        qconf = quantization_config(precision, DTYPES[cfg.model.dtype], library="diffusers")
+        qconf = quantization_config(precision, dtype, library="diffusers")
         kwargs = {"quantization_config": qconf} if qconf is not None else {}
         try:
             transformer = FluxTransformer2DModel.from_pretrained(
-                path, subfolder="transformer", revision=cfg.model.revision, dtype=DTYPES[cfg.model.dtype], **kwargs
+                path, subfolder="transformer", revision=cfg.model.revision, dtype=dtype, **kwargs
             )
         except RuntimeError as e:
             if qconf is None or "GPU" not in str(e):
@@ -216,8 +211,8 @@ class Flux:
         # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py), each quantised
         # on the device as it moves there, so the 24 GB bf16 transformer is never on the GPU whole.
         swap = cfg.train.blocks_to_swap
-        apply_base_precision(transformer, cfg.model.base_precision, device, log,
-                             compute_dtype=DTYPES[cfg.model.dtype], skip=FP8_SKIP, blocks_to_swap=swap)
+        apply_base_precision(transformer, cfg.model.effective_base_precision, device, log,
+                             compute_dtype=dtype, skip=FP8_SKIP, blocks_to_swap=swap)
         if cfg.train.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
         apply_lora(transformer, cfg)
@@ -299,11 +294,12 @@ class Flux:
 
         if not sample_due(cfg, step):
             return
-        if self.sampler is None:
-            from engine.sample import Sampler
+        if self.renderer is None:
+            from engine.sample import SampleRenderer
 
-            self.sampler = Sampler(cfg, resolve_model_path(cfg, workdir), self.cache, self.plan, Path(workdir))
-        self.sampler.render(model, step, log)
+            self.renderer = SampleRenderer(cfg, resolve_model_path(cfg.model.path, workdir), self.cache, self.plan,
+                                           Path(workdir))
+        self.renderer.render(model, step, log)
 
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         from engine.export_flux import export
