@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
+from daemon.daemon_config import DaemonConfig
 from daemon.log import job_event
-from daemon.settings import DaemonConfig
 from daemon.store import Store
 from engine.config import JobConfig, JobInvalid, dump_job, parse_job
 from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
