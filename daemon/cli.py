@@ -45,8 +45,9 @@ EXIT_CONFIG = 78  # EX_CONFIG: this installation cannot do it (the training stac
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a reader that stopped early
 # What `serve`, `run` and `cache` import (module names): the `train` extra of pyproject.toml.
 TRAINING_STACK = ("torch", "transformers", "diffusers", "peft", "accelerate", "bitsandbytes", "safetensors",
-                  "huggingface_hub", "tokenizers", "PIL", "structlog", "watchdog", "apscheduler", "pynvml", "prodigyopt",
-                  "schedulefree", "scao")
+                  "huggingface_hub", "tokenizers", "PIL", "prodigyopt", "schedulefree", "scao",  # training
+                  "structlog", "watchdog", "apscheduler", "pynvml",  # the daemon
+                  "starlette", "uvicorn", "python_multipart", "prometheus_client")  # its dashboard and /metrics
 
 
 def missing_training_stack() -> list[str]:
