@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Both build the virtualenv first.
+# Two commands on a fresh machine: `make demo` and `make test`. Both build the virtualenv first, with everything:
+# the CPU torch, then lorad with its training stack (`train`) and the test tools (`dev`).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[train,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

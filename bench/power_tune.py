@@ -35,7 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from daemon.power import simulated as simmod  # noqa: E402
-from daemon.power.telemetry import CapRefused, Device, NvmlDevice  # noqa: E402
+from daemon.power.gpu import CapRefused, Device  # noqa: E402
+from daemon.power.telemetry import NvmlDevice  # noqa: E402
 from daemon.power.tuner import Point, choose  # noqa: E402
 
 

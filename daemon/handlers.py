@@ -19,7 +19,8 @@ from daemon import protocol as p
 from daemon import states
 from daemon.intake import recent_rejections
 from daemon.store import AmbiguousJob, Store, UnknownJob
-from engine.config import JobInvalid
+from daemon.version import lorad_version
+from engine.errors import JobInvalid
 
 LOG_CHUNK_BYTES = 256 * 1024
 REJECTIONS_SHOWN = 5  # `lorad status`: the newest inbox rejections ...
@@ -70,7 +71,7 @@ def _row(job: dict[str, Any]) -> dict[str, Any]:
 
 def ping(ctx: Context, req: p.Ping) -> dict[str, Any]:
     sup = ctx.supervisor
-    return {"pid": os.getpid(), "home": str(ctx.home), "socket": str(ctx.socket_path),
+    return {"version": lorad_version(), "pid": os.getpid(), "home": str(ctx.home), "socket": str(ctx.socket_path),
             "uptime_s": round(time.time() - ctx.started_at, 1), "protocol": p.VERSION,
             "draining": ctx.store.get_meta("drain") == "1",
             "running": len(sup.children) if sup is not None else 0,

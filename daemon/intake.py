@@ -28,10 +28,11 @@ from typing import Any
 
 import yaml
 
+from daemon.daemon_config import DaemonConfig
 from daemon.log import job_event
-from daemon.settings import DaemonConfig
 from daemon.store import Store
-from engine.config import JobConfig, JobInvalid, dump_job, parse_job
+from engine.config import JobConfig, dump_job, parse_job
+from engine.errors import JobInvalid
 from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -84,11 +84,6 @@ def signal_group(pid: int, sig: int) -> None:
             pass
 
 
-def stop_and_wait(pid: int, started: int | None, grace_s: float, poll_s: float = 0.1) -> bool:
-    """SIGTERM the group (the trainer checkpoints and exits 75), SIGKILL after grace_s. True if it had to be killed."""
-    return pid in stop_all_and_wait({pid: started}, grace_s, poll_s)
-
-
 def stop_all_and_wait(targets: dict[int, int | None], grace_s: float, poll_s: float = 0.1) -> set[int]:
     """SIGTERM every group first, then wait for all of them together: one grace_s in all, not one each.
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from daemon import proc, states
+from daemon.daemon_config import DaemonConfig
+from daemon.exit_policy import decide_exit
 from daemon.log import job_event
-from daemon.settings import DaemonConfig
 from daemon.store import Store
-from daemon.supervisor import decide_exit
 
 CUT_OFF = "cut off: the daemon or the host went down while this attempt ran"
 

@@ -15,6 +15,7 @@ traceback and a restart loop.
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import sys
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 from daemon import devices as devices_mod
+from daemon.daemon_config import ConfigInvalid, DaemonConfig, load_config
 from daemon.handlers import Context, dispatch
 from daemon.inbox import InboxWatcher
 from daemon.intake import Intake
@@ -30,12 +32,12 @@ from daemon.lock import AlreadyRunning, HomeLock
 from daemon.log import setup as setup_log
 from daemon.notifications import Notifications
 from daemon.notify import Notifier
-from daemon.policy import NullPolicy
 from daemon.recovery import reconcile
+from daemon.run_policy import NullPolicy
 from daemon.server import SocketInUse, SocketServer
-from daemon.settings import ConfigInvalid, DaemonConfig, load_config
 from daemon.store import Store, StoreUnusable, unusable_reason
 from daemon.supervisor import Supervisor
+from daemon.version import lorad_version
 from daemon.web.wiring import start_dashboard
 from engine.fsio import RealFs, ensure_dir_durable
 
@@ -98,7 +100,7 @@ def serve(home: Path, config_path: str | None) -> int:
 
     notifier = Notifier()
     intake = Intake(home, cfg, store, log)
-    log.info("starting", home=str(home), pid=__import__("os").getpid(), config=config_path)
+    log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
     notifier.status("reconciling")
     try:
         reconcile(home, cfg, store, log, intake)

@@ -288,25 +288,12 @@ class Store:
             )
 
     # ------------------------------------------------------------ attempts
-    def start_attempt(self, job_id: str, start_step: int) -> int:
-        with self._tx() as db:
-            return _start_attempt(db, job_id, start_step)
-
-    def set_attempt_pid(self, job_id: str, n: int, pid: int) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
-
     def record_trainer(self, job_id: str, n: int, pid: int, pid_start: int | None) -> None:
         """The trainer's pid (and start time) on the job and on its attempt, in one transaction."""
         with self._tx() as db:
             db.execute("UPDATE jobs SET pid=?, pid_start=?, updated_at=? WHERE id=?",
                        (pid, pid_start, time.time(), job_id))
             db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
-
-    def end_attempt(self, job_id: str, exit_code: int | None, end_step: int, error: str | None) -> None:
-        """Close the open attempt of a job (if any)."""
-        with self._tx() as db:
-            _end_attempt(db, job_id, exit_code, end_step, error)
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -24,7 +24,6 @@ import gc
 import hashlib
 import itertools
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.config import JobConfig  # JobConfig, JobInvalid and sys: for cache_job below (moving to daemon/)
-from engine.errors import JobInvalid
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 
 FORMAT = 1
@@ -196,51 +193,3 @@ def ensure(root: Path, groups: list[Group], log, bar=None, fs: FileLayer | None 
     log.info("cache_done", **{f"{g.kind}s_encoded": len(report.encoded[g.kind]) for g in groups}, reused=reused,
              corrupt=len(corrupt), seconds=report.seconds)
     return cache, report
-
-
-def cache_job(cfg: JobConfig, workdir: Path, progress: str = "bar") -> int:
-    """`lorad cache JOB`: fill the job's cache with a progress bar; return an exit code (0, or 65 for a non-Flux job)."""
-    from engine.events import EventLog
-    from engine.families.flux import Flux
-    from engine.stop import EXIT_INVALID, EXIT_OK
-
-    if cfg.model.family != "flux":
-        print(f"lorad: model.family {cfg.model.family} has no latent cache (only flux jobs do)", file=sys.stderr)
-        return EXIT_INVALID
-    fs = RealFs()
-    ensure_dir_durable(fs, Path(workdir))
-    log = EventLog(Path(workdir) / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
-    bar = _CacheBar() if progress == "bar" else None
-    try:
-        Flux().prepare(cfg, Path(workdir), log, bar=bar)
-    except JobInvalid as e:
-        log.error("invalid_job", message=str(e))
-        print(f"lorad: invalid job: {e}", file=sys.stderr)
-        return EXIT_INVALID
-    finally:
-        if bar is not None:
-            bar.close()
-        log.close()
-    return EXIT_OK
-
-
-class _CacheBar:
-    """A rich progress bar over the encodings still to do (created at the first one)."""
-
-    def __init__(self):
-        self.progress = None
-        self.task = None
-
-    def __call__(self, done: int, total: int, what: str) -> None:
-        if self.progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(TextColumn("[bold]cache"), MofNCompleteColumn(), BarColumn(),
-                                     TextColumn("{task.fields[what]}"), TimeRemainingColumn())
-            self.progress.start()
-            self.task = self.progress.add_task("cache", total=total, what="")
-        self.progress.update(self.task, completed=done, what=what[:40])
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()

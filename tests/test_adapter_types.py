@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import JobInvalid, load_job
+from engine.config import load_job
+from engine.errors import JobInvalid
 from engine.export_flux import COMFYUI_FILE, DIFFUSERS_FILE, bfl_target
 from tests import flux_helpers as fh
 from tests.conftest import tiny_job

@@ -11,8 +11,8 @@ import time
 
 import yaml
 
-from daemon.cli import _run_summary
 from daemon.cli import main as lorad
+from daemon.foreground import run_summary
 from daemon.paths import job_dir
 from engine.events import read_events
 from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
@@ -67,9 +67,9 @@ def test_lorad_run_says_where_it_stopped_where_it_resumed_and_where_the_adapter_
 
 def test_a_stop_before_the_first_checkpoint_says_the_run_starts_again():
     events = [{"event": "start"}, {"event": "stopped", "step": 0, "reason": "SIGINT", "checkpoint": 0}]
-    assert _run_summary(events, 75) == [
+    assert run_summary(events, 75) == [
         "stopped at step 0, before the first checkpoint — run the same command to start again"]
-    assert _run_summary([{"event": "invalid_job"}], 65) == []  # the engine said why already
+    assert run_summary([{"event": "invalid_job"}], 65) == []  # the engine said why already
 
 
 def test_only_this_runs_events_are_read_even_after_a_line_torn_by_a_kill(tmp_path):

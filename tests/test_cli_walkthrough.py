@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from daemon.cli import main as lorad
+from daemon.daemon_config import DaemonConfig
 from daemon.handlers import Context, dispatch
 from daemon.intake import Intake
 from daemon.server import SocketServer
-from daemon.settings import DaemonConfig
 from daemon.store import Store
 from tests.conftest import QUICKSTART_DATA, REPO
 
@@ -198,18 +198,17 @@ def test_the_note_is_cut_at_a_word_with_an_ellipsis_on_one_line_without_trailing
 
 
 def test_shorten_keeps_short_text_and_cuts_long_text_at_a_word():
-    from daemon.cli import _shorten
+    from daemon.render import shorten
 
-    assert _shorten("disk full", 20) == "disk full"
-    assert _shorten("one two\nthree", 20) == "one two three"
-    assert _shorten("the quick brown fox jumps", 16) == "the quick brown…"
-    assert _shorten("/a/very/long/path/without/spaces", 12) == "/a/very/lon…"  # no word to cut at: cut anyway
+    assert shorten("disk full", 20) == "disk full"
+    assert shorten("one two\nthree", 20) == "one two three"
+    assert shorten("the quick brown fox jumps", 16) == "the quick brown…"
+    assert shorten("/a/very/long/path/without/spaces", 12) == "/a/very/lon…"  # no word to cut at: cut anyway
 
 
 def test_the_detail_view_shows_a_dash_where_there_is_no_value(capsys, daemon):
     jid = daemon.submit()
-    daemon.store.transition(jid, "queued", "running")
-    daemon.store.start_attempt(jid, 0)
+    daemon.store.begin_attempt(jid, 0)  # queued → running, attempt 1 (no pid yet)
     code, out, _ = run(capsys, "status", jid, "--home", str(daemon.home))
     rows = dict(ln.split(": ", 1) for ln in out.splitlines() if ": " in ln and not ln.startswith("  #"))
     assert code == 0 and rows["             loss"] == "-" and rows["           s/step"] == "-"

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from daemon import intake as intake_mod
+from daemon.daemon_config import DaemonConfig
 from daemon.inbox import InboxWatcher
 from daemon.intake import Intake
 from daemon.log import setup
-from daemon.settings import DaemonConfig
 from daemon.store import Store
 from engine.config import load_job
 from tests.conftest import QUICKSTART_DATA, REPO
@@ -255,8 +255,8 @@ class ListInbox:
 
 def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says_why(intake, monkeypatch, capsys):
     from daemon import protocol as p
-    from daemon.cli import _print_stuck
     from daemon.handlers import Context, dispatch
+    from daemon.render import print_stuck
     from daemon.supervisor import Supervisor
 
     cfg = intake.cfg.model_copy(update={"inbox_rescan_s": 0.2})
@@ -272,7 +272,7 @@ def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says
                   socket_path=intake.home / "s")
     data = json.loads(dispatch(ctx, p.Status()))["data"]
     assert [s["file"] for s in data["inbox_stuck"]] == ["full.yaml"] and data["inbox_retry_s"] == 0.2
-    _print_stuck(data, 100)
+    print_stuck(data, 100)
     shown = capsys.readouterr().out
     assert "inbox stuck: 1 file(s) not taken yet" in shown and "No space left on device" in shown
     assert str(intake.incoming) in shown

@@ -9,7 +9,6 @@ import errno
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -17,12 +16,13 @@ import yaml
 
 from daemon import intake as intake_mod
 from daemon import proc, states
+from daemon.daemon_config import DaemonConfig
 from daemon.intake import Intake
 from daemon.log import setup
 from daemon.recovery import reconcile
-from daemon.settings import DaemonConfig
 from daemon.store import Store
-from daemon.supervisor import Child, Supervisor
+from daemon.supervisor import Supervisor
+from daemon.trainer import Child
 from tests.test_daemon_intake import good_job
 
 # Stands in for a trainer: exits 75 on SIGTERM, as engine.run does after its final checkpoint.
@@ -39,8 +39,7 @@ def store(tmp_path):
 def running_job(store: Store, tmp_path, name: str, pid: int | None, start: int | None, requested: str | None = None):
     jid = store.new_id(name)
     store.add_job(jid, name, tmp_path / "jobs" / jid, 0, 10, "test")
-    store.transition(jid, states.QUEUED, states.RUNNING, pid=pid, pid_start=start, requested=requested)
-    store.start_attempt(jid, 0)
+    store.begin_attempt(jid, 0, pid=pid, pid_start=start, requested=requested)  # queued → running, attempt 1
     return jid
 
 
@@ -88,9 +87,8 @@ def test_a_clean_shutdown_is_not_a_crash(store, tmp_path):
     time.sleep(0.3)
     c = Child(job_id=jid, name="clean", workdir=tmp_path / "jobs" / jid, popen=popen, pid=popen.pid, pid_start=None,
               gpu=None, attempt=1, start_step=0, total=10, power={})
-    c.reader = threading.Thread(target=sup._read, args=(c,), daemon=True)
     sup.children[jid] = c
-    c.reader.start()
+    c.start_reader(sup.beats, sup.wake)
     sup.shutdown(5)
     assert store.get(jid)["state"] == states.INTERRUPTED
     reconcile(tmp_path, DaemonConfig(backoff_base_s=30), store, setup())

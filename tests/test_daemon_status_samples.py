@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from daemon.cli import _print_detail
 from daemon.handlers import latest_samples
 from daemon.protocol import JobDetail
+from daemon.render import print_detail
 
 
 def _png(path):
@@ -30,7 +30,7 @@ def test_status_detail_prints_every_sample_path(tmp_path, capsys):
     paths = [str(tmp_path / "samples" / "step-00000008" / f"0{i}.png") for i in range(2)]
     detail = JobDetail(id="flux-1", name="flux", state="running", priority=0, step=9, total=20,
                        workdir=str(tmp_path), submitted_at=0.0, samples_step=8, samples=paths)
-    _print_detail({"job": detail.model_dump()})
+    print_detail({"job": detail.model_dump()})
     out = capsys.readouterr().out
     assert "samples (step 8)" in out
     assert all(p in out for p in paths)

@@ -213,10 +213,10 @@ def test_wal_and_full_sync_survive_reopen(tmp_path):
 
 def test_attempts_record_start_end_exit_and_steps(store):
     jid = add(store)
-    n = store.start_attempt(jid, 0)
-    store.set_attempt_pid(jid, n, 1234)
-    store.end_attempt(jid, 1, 7, "boom")
-    n2 = store.start_attempt(jid, 4)
+    n = store.begin_attempt(jid, 0)  # queued → running, as the supervisor starts a trainer
+    store.record_trainer(jid, n, 1234, None)
+    store.end_run(jid, 1, 7, "boom", lambda job: ([(states.QUEUED, "crashed", {})], None))
+    n2 = store.begin_attempt(jid, 4)
     a = store.attempts(jid)
     assert (n, n2) == (1, 2)
     assert a[0]["exit_code"] == 1 and a[0]["end_step"] == 7 and a[0]["error"] == "boom" and a[0]["pid"] == 1234

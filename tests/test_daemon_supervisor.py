@@ -1,4 +1,6 @@
-"""The supervisor's decisions, without torch: exit codes → states, the policy seam, the watchdog's health.
+"""The supervisor's decisions, without torch: trainers' lives and exits, the policy seam, the watchdog's health.
+
+The exit policy itself (exit code × stop reason × crashes → state) is a table in test_exit_policy.py.
 
 The children here are small python scripts that speak the trainer's contract (JSON heartbeats on stdout,
 SIGTERM → exit 75, SIGUSR1 → "checkpoint now"); the real trainer is exercised in test_daemon_service.py.
@@ -19,45 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from daemon import proc, states
+from daemon import lock_contention, proc, shutdown, states
 from daemon import protocol as p
-from daemon import supervisor as supervisor_mod
+from daemon.daemon_config import DaemonConfig
 from daemon.handlers import Context, dispatch
 from daemon.log import setup
-from daemon.policy import Decision
-from daemon.settings import DaemonConfig
+from daemon.run_policy import Decision
 from daemon.store import Store
-from daemon.supervisor import Child, Supervisor, decide_exit
+from daemon.supervisor import Supervisor
+from daemon.trainer import Child
 from tests.daemon_helpers import job_events, wait_until
-
-CFG = DaemonConfig(retry_budget=2, backoff_base_s=10, backoff_max_s=25)
-
-
-@pytest.mark.parametrize("code, stop, retries, state, backoff", [
-    (0, None, 0, states.SUCCEEDED, None),
-    (0, "cancel", 0, states.SUCCEEDED, None),  # finished before the stop took effect: it is done
-    (65, None, 0, states.FAILED, None),  # invalid job: never retried
-    (75, "pause", 0, states.PAUSED, None),
-    (-9, "pause", 0, states.PAUSED, None),  # killed after the grace: still what the user asked for
-    (75, "cancel", 0, states.CANCELLED, None),
-    (75, "shutdown", 0, states.INTERRUPTED, None),
-    (75, "drain", 0, states.INTERRUPTED, None),
-    (75, "policy: outside run window", 0, states.INTERRUPTED, None),
-    (75, None, 0, states.INTERRUPTED, None),  # SIGTERM from outside the daemon
-    (1, None, 1, states.QUEUED, 10),
-    (-11, None, 2, states.QUEUED, 20),  # exponential
-    (74, None, 2, states.QUEUED, 20),  # disk full: retried with backoff
-    (1, None, 3, states.FAILED, None),  # budget of 2 retries spent
-])
-def test_exit_code_and_stop_reason_decide_the_next_state(code, stop, retries, state, backoff):
-    d = decide_exit(code, stop, retries, CFG, "boom")
-    assert d.state == state and d.retry_in == backoff
-    states.check(states.RUNNING, d.state)  # every outcome is an edge of the table
-
-
-def test_backoff_is_capped():
-    assert decide_exit(1, None, 2, DaemonConfig(retry_budget=50, backoff_base_s=10, backoff_max_s=15), "x").retry_in == 15
-
 
 FAKE_TRAINER = textwrap.dedent("""
     import json, signal, sys, time
@@ -147,15 +120,13 @@ def adopt_fake(sup: Supervisor, tmp_path: Path, *flags: str) -> Child:
     wd = tmp_path / "jobs" / jid
     wd.mkdir(parents=True)
     sup.store.add_job(jid, "fake", wd, 0, 1000, "test")
-    sup.store.transition(jid, states.QUEUED, states.RUNNING)
-    sup.store.start_attempt(jid, 0)
+    sup.store.begin_attempt(jid, 0)  # queued → running, attempt 1
     popen = subprocess.Popen([sys.executable, "-c", FAKE_TRAINER, str(tmp_path / "marks"), *flags], stdout=subprocess.PIPE,
                              start_new_session=True)
     c = Child(job_id=jid, name="fake", workdir=wd, popen=popen, pid=popen.pid, pid_start=None, gpu=None, attempt=1,
               start_step=0, total=1000, power={})
-    c.reader = threading.Thread(target=sup._read, args=(c,), daemon=True)
     sup.children[jid] = c
-    c.reader.start()
+    c.start_reader(sup.beats, sup.wake)
     sup.policy.on_job_start(c.running_job())
     return c
 
@@ -213,11 +184,36 @@ def test_a_hung_child_is_killed_as_a_group_and_retried(sup, tmp_path):
     assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
 
 
+LEAVES_A_GRANDCHILD = textwrap.dedent("""
+    import subprocess, sys
+    # A worker in the trainer's own process group (as a data-loader or compile worker would be), left behind.
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL)
+    open(sys.argv[1], "w").write(str(worker.pid))
+    sys.exit(1)
+""")
+
+
+def test_reaping_a_trainer_kills_what_it_left_in_its_process_group(sup, tmp_path):
+    pid_file = tmp_path / "worker.pid"
+    sup.trainer_command = lambda workdir: [sys.executable, "-c", LEAVES_A_GRANDCHILD, str(pid_file)]
+    jid = queue_job(sup, tmp_path)
+    run_ticks(sup, lambda: jid in sup.children)
+    run_ticks(sup, lambda: jid not in sup.children and sup.store.get(jid)["state"] == states.QUEUED)
+    worker = int(pid_file.read_text())
+    try:
+        wait_until(lambda: not proc.alive(worker), 5, "the trainer's left-over worker to be killed")
+    finally:
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_the_watchdog_is_fed_only_while_every_step_works(sup, tmp_path):
     sup.tick()
     assert "WATCHDOG=1" in sup.notifier.sent
     sup.notifier.sent.clear()
-    sup._last_watchdog = 0
+    sup.systemd.last_watchdog = 0
     sup._spawn = lambda: 1 / 0  # a step that keeps failing
     for _ in range(3):
         sup.tick()
@@ -325,7 +321,7 @@ def test_an_exit_that_cannot_be_written_is_kept_and_written_on_a_later_tick(sup,
 
 
 def test_an_exit_still_unwritten_at_shutdown_is_retried_and_then_left_to_recovery(sup, tmp_path, monkeypatch):
-    monkeypatch.setattr(supervisor_mod, "PENDING_GIVE_UP_S", 0.5)
+    monkeypatch.setattr(shutdown, "PENDING_GIVE_UP_S", 0.5)
     c = adopt_fake(sup, tmp_path)
     sup.store.end_run = lambda *a, **k: (_ for _ in ()).throw(sqlite3.OperationalError("disk I/O error"))
     t0 = time.monotonic()
@@ -435,7 +431,7 @@ def test_a_job_held_by_an_earlier_trainer_waits_while_the_next_job_starts(sup, t
 
 def test_the_earlier_trainer_is_asked_to_stop_once_and_the_job_starts_when_it_is_gone(sup, tmp_path, holder,
                                                                                         monkeypatch):
-    monkeypatch.setattr(supervisor_mod, "LOCK_BUSY_RETRY_S", 0.1)  # tried again and again during the test
+    monkeypatch.setattr(lock_contention, "LOCK_BUSY_RETRY_S", 0.1)  # tried again and again during the test
     use_fake_trainers(sup, tmp_path)
     jid = queue_job(sup, tmp_path)
     h = holder(jid)
@@ -455,14 +451,6 @@ def test_a_new_checkpoint_resets_the_crash_count_in_the_store(sup, tmp_path):
     sup.store.update(c.job_id, retries=3)  # crashed three times in a row before this attempt
     run_ticks(sup, lambda: sup.store.get(c.job_id)["checkpoint_step"])
     assert sup.store.get(c.job_id)["retries"] == 0  # an outage now counts as the first crash, not the fourth
-
-
-def test_retry_budget_is_how_many_times_a_crashed_job_is_retried():
-    """retry_budget: N → crashes 1..N are retried (with backoff), crash N+1 in a row fails the job."""
-    cfg = DaemonConfig(retry_budget=3)
-    outcomes = [decide_exit(1, None, n, cfg, "boom").state for n in range(1, 5)]
-    assert outcomes == [states.QUEUED] * 3 + [states.FAILED]
-    assert decide_exit(1, None, 1, DaemonConfig(retry_budget=0), "boom").state == states.FAILED  # 0: never retried
 
 
 def test_a_cancel_landing_while_an_interrupted_exit_is_written_waits_for_it_and_nothing_is_skipped(sup, tmp_path):

@@ -69,7 +69,7 @@ def test_unit_has_the_promised_settings():
                  "DeviceAllow=char-nvidia-frontend rw", "NoNewPrivileges=yes", "ProtectSystem=strict"]:
         assert line in text, line
     stop = int(text.split("TimeoutStopSec=")[1].split()[0])
-    from daemon.settings import DaemonConfig
+    from daemon.daemon_config import DaemonConfig
 
     assert stop > DaemonConfig().stop_grace_s  # systemd must not SIGKILL a trainer that is still checkpointing
 

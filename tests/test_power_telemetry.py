@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from daemon.policy import RunningJob
 from daemon.power import job_power_summary
 from daemon.power import simulated as sim
+from daemon.power.gpu import Sample
 from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
-from daemon.power.telemetry import NvmlDevice, Sample, decode_throttle, open_device
+from daemon.power.telemetry import NvmlDevice, decode_throttle, open_device
 from daemon.power.telemetry_store import TelemetryStore
+from daemon.run_policy import RunningJob
 from tests.fakes import Clock, RecLog
 
 
@@ -197,7 +198,7 @@ def test_nvml_device_reads_a_sample_and_integrates_power_where_the_counter_is_un
     s = d.sample(0)
     assert s.energy_source == "integrated" and s.energy_mj >= 0
     assert len(log.named("energy counter unsupported; integrating power over time")) == 1
-    from daemon.power.telemetry import CapRefused
+    from daemon.power.gpu import CapRefused
 
     with pytest.raises(CapRefused, match="Insufficient Permissions"):
         d.set_limit_w(0, 200)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from rich.console import Console
 
-from daemon.policy import NullPolicy, RunningJob
 from daemon.power import api, view
 from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
+from daemon.run_policy import NullPolicy, RunningJob
 
 
 class NoLog:

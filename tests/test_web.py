@@ -11,9 +11,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from daemon import states
+from daemon.daemon_config import ConfigInvalid, load_config
 from daemon.power.telemetry import Sample
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.settings import ConfigInvalid, load_config
 from daemon.web import auth
 from daemon.web.settings import WebSettings
 from tests.web_helpers import BASE, Site, iso, quick_job_yaml, signed_in, step_line

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon import handlers
+from daemon.daemon_config import DaemonConfig
 from daemon.intake import Intake
-from daemon.settings import DaemonConfig
 from daemon.store import Store
 from daemon.web.app import Dashboard, build_app
 from daemon.web.auth import ensure_token

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.power.telemetry import CapRefused, Device
+from daemon.power.gpu import CapRefused, Device
 
 
 class CapManager:

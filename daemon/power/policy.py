@@ -25,14 +25,15 @@ from typing import Any
 
 import yaml
 
-from daemon.policy import Decision, RunningJob
 from daemon.power.caps import CapManager
+from daemon.power.gpu import Device
 from daemon.power.schedule import Schedule
 from daemon.power.settings import PowerSettings
-from daemon.power.telemetry import Device, Sampler, open_device
+from daemon.power.telemetry import TelemetrySampler, open_device
 from daemon.power.telemetry_store import TelemetryStore
 from daemon.power.tuner import Point, Tuner, candidate_limits, choose, job_shape_key, profiling_steps
 from daemon.power.ups import UpsMonitor
+from daemon.run_policy import Decision, RunningJob
 
 _FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
 _HISTORY = 64  # (time, energy) readings kept per GPU to find the energy at a step's own timestamp
@@ -79,7 +80,7 @@ class PowerPolicy:
         self.device = device if device is not None else open_device(
             settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock)
         self.caps = CapManager(self.device, log) if self.device is not None else None
-        self.sampler = (Sampler(self.device, self._write_samples, settings.telemetry.interval_s, log)
+        self.sampler = (TelemetrySampler(self.device, self._write_samples, settings.telemetry.interval_s, log)
                         if self.device is not None else None)
         sch = settings.schedule
         self.schedule = Schedule(sch, log) if (sch.run_windows or sch.caps or sch.outages_file) else None

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from daemon.power.telemetry import CapRefused, GpuInfo, Sample
+from daemon.power.gpu import CapRefused, GpuInfo, Sample
 
 MODEL_NAME = "SIMULATED lorad-sim-400W"
 MAX_W = 400.0

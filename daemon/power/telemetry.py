@@ -1,4 +1,4 @@
-"""GPU telemetry: one `Device` interface over NVML (or the simulated device), and a 1 Hz sampler.
+"""GPU telemetry: the NVML `Device` (types in daemon/power/gpu.py), the device for a backend, a 1 Hz sampler.
 
 NVML handles live in memory only; what is sampled goes to SQLite through
 `TelemetryStore`. Without a driver the daemon says "telemetry unavailable"
@@ -10,54 +10,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-
-class CapRefused(Exception):
-    """The driver refused a power-limit change (not root, unsupported board, out of range)."""
-
-
-@dataclass
-class GpuInfo:
-    index: int
-    name: str
-    min_w: float  # power-limit constraints
-    max_w: float
-    default_w: float
-    simulated: bool = False
-
-
-@dataclass
-class Sample:
-    ts: float  # wall clock, seconds since the epoch
-    gpu: int
-    power_w: float
-    energy_mj: float  # monotonic total energy since the driver (or our integrator) started
-    energy_source: str  # "counter" (NVML total-energy counter), "integrated" (power x time), "simulated"
-    sm_mhz: float
-    mem_mhz: float
-    temp_c: float
-    util_gpu: float
-    util_mem: float
-    limit_w: float  # the enforced limit
-    throttle: list[str] = field(default_factory=list)  # clock-event reasons, decoded
-    simulated: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class Device(Protocol):
-    simulated: bool
-
-    def count(self) -> int: ...
-    def info(self, gpu: int) -> GpuInfo: ...
-    def sample(self, gpu: int) -> Sample: ...
-    def energy_mj(self, gpu: int) -> float: ...
-    def limit_w(self, gpu: int) -> float: ...
-    def set_limit_w(self, gpu: int, watts: float) -> None: ...
-    def close(self) -> None: ...
+from daemon.power.gpu import CapRefused, Device, GpuInfo, Sample
 
 
 def _throttle_names(pynvml: Any) -> list[tuple[int, str]]:
@@ -202,7 +157,7 @@ def open_device(backend: str, log: Any, simulated_gpus: int = 1, clock: Callable
     return dev
 
 
-class Sampler:
+class TelemetrySampler:
     """Samples every GPU of a device every `interval_s` on its own thread and hands rows to `sink`.
 
     `sample_once()` is the whole job; the thread only repeats it, so tests call it directly.

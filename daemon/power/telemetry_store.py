@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.power.telemetry import Sample
+from daemon.power.gpu import Sample
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS power_samples (
