@@ -1,0 +1,133 @@
+"""The import graph of engine/ and daemon/: no cycles (function-level imports count), engine never imports
+daemon, and every module imports on its own, without another project module having been imported first."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+from tests.conftest import PY, REPO, child_env
+
+PACKAGES = ("engine", "daemon")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its source (top level or inside functions)."""
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import sub` imports the submodule when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for t in targets:
+            # importing a.b.c runs a, a.b and a.b.c; the leaf is the edge that matters for cycles
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):
+                found.add(t)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = project_modules()
+    return {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_sees_a_cycle_through_three_modules():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
+    known = {"engine", "engine.x", "engine.y", "engine.z"}
+    src = tmp_path / "x.py"
+    src.write_text("from . import y\n\ndef f():\n    from engine.z import thing\n")
+    assert imports_of("engine.x", src, known) == {"engine.y", "engine.z"}
+
+
+def test_there_is_no_import_cycle_in_engine_or_daemon():
+    graph = import_graph()
+    assert len(graph) > 40
+    assert cycles(graph) == []
+
+
+def test_engine_never_imports_daemon_anywhere_in_its_graph():
+    graph = import_graph()
+    bad = {m: sorted(d for d in deps if d.split(".")[0] == "daemon") for m, deps in graph.items()
+           if m.split(".")[0] == "engine"}
+    assert {m: d for m, d in bad.items() if d} == {}
+
+
+def test_every_module_imports_on_its_own():
+    """Each module is imported with no other engine/daemon module loaded before it (third-party ones may stay)."""
+    code = (
+        "import importlib, json, sys, traceback\n"
+        f"names = {sorted(n for n in project_modules() if not n.endswith('__main__'))!r}\n"
+        "failed = {}\n"
+        "for n in names:\n"
+        "    for m in [m for m in sys.modules if m.split('.')[0] in ('engine', 'daemon')]:\n"
+        "        del sys.modules[m]\n"
+        "    try:\n"
+        "        importlib.import_module(n)\n"
+        "    except Exception:\n"
+        "        failed[n] = traceback.format_exc(limit=3)[-600:]\n"
+        "print(json.dumps(failed))\n"
+    )
+    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
