@@ -28,6 +28,7 @@ from engine.adapters import compute_autocast
 from engine.checkpoint import AsyncCheckpointer, CheckpointStore, ConfigMismatch, Snapshot
 from engine.config import JobConfig, JobInvalid, load_job
 from engine.data.order import Cursor, sample_indices
+from engine.ema import AdapterEMA
 from engine.events import EventLog
 from engine.families import get_family
 from engine.families.base import hub_refusal
@@ -65,17 +66,18 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def snapshot(step: int, params, optimizer, generator, state: dict[str, Any]) -> Snapshot:
+def snapshot(step: int, params, optimizer, generator, state: dict[str, Any], ema: AdapterEMA | None = None) -> Snapshot:
     """Host copies at a step boundary; the background writer serialises and writes them."""
     adapter = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
     opt_tensors: dict[str, torch.Tensor] = {}
     tree = split_tree(optimizer_state(optimizer), "", opt_tensors)
     opt_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in opt_tensors.items()}
     rng_meta, rng_tensors = capture(generator)
-    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta})
+    extra = {"ema": ema.tensors()} if ema is not None else {}
+    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta}, extra)
 
 
-def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[str, Any]:
+def restore_checkpoint(loaded, params, optimizer, generator, log=None, ema: AdapterEMA | None = None) -> dict[str, Any]:
     missing = set(params) ^ set(loaded.adapter)
     if missing:
         raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: {sorted(missing)[:3]}")
@@ -83,6 +85,8 @@ def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[s
         for n, p in params.items():
             p.copy_(loaded.adapter[n])
     load_optimizer_state(optimizer, join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
+    if ema is not None:
+        ema.load(loaded.extra.get("ema", {}))
     warning = restore(loaded.state["rng"], loaded.rng_tensors, generator)
     if warning and log is not None:
         log.warning("rng_mismatch", message=warning)
@@ -101,7 +105,8 @@ def output_step(workdir: Path, cfg: JobConfig) -> int | None:
         return None
 
 
-def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any]) -> Path:
+def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any],
+                  ema: AdapterEMA | None = None) -> Path:
     """Write the final adapter to output.tmp-*, make it durable, and rename it to output/.
 
     output/ gets a stamp with the step it holds, so that a run whose `steps` was raised after the job
@@ -114,10 +119,15 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
         fs.rmtree(stale)
     tmp = workdir / f"output.tmp-{os.getpid()}"
     fs.mkdir(tmp)
-    names = family.export(model, cfg, tmp, meta)
+    raw = []
+    if ema is not None and cfg.train.ema.export_raw:
+        fs.mkdir(tmp / "raw")
+        raw = [f"raw/{n}" for n in family.export(model, cfg, tmp / "raw", meta)]
+    with ema.swapped_in() if ema is not None else nullcontext():  # train.ema: the average is the output
+        names = family.export(model, cfg, tmp, meta)
     fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(),
                                               "files": sorted(names)}).encode()])
-    names = [*names, OUTPUT_STAMP]
+    names = [*names, *raw, OUTPUT_STAMP]
     mode = normal_file_mode()
     for name in names:
         if (tmp / name).is_file():
@@ -125,6 +135,8 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
             # writes (the service's group shares job directories through its umask).
             os.chmod(tmp / name, mode)
             fs.fsync(tmp / name)
+    if raw:
+        fs.fsync_dir(tmp / "raw")
     fs.fsync_dir(tmp)
     if out.exists():
         shutil.rmtree(out)
@@ -217,6 +229,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
     params = trainable(model)
     optimizer = build_optimizer(list(params.values()), cfg.train)
+    ema = AdapterEMA(params, **cfg.train.ema.model_dump(exclude={"export_raw"})) if cfg.train.ema else None
     if (advice := optimizer_advice(cfg.train)) is not None:
         log.warning("optimizer_advice", message=advice)
         _say(progress, f"lorad: warning: {advice}")
@@ -230,7 +243,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         _say(progress, f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
     step, consumed, elapsed_before = 0, 0, 0.0
     if loaded is not None:
-        state = restore_checkpoint(loaded, params, optimizer, generator, log)
+        state = restore_checkpoint(loaded, params, optimizer, generator, log, ema)
         step, consumed, elapsed_before = state["step"], state["samples_consumed"], state.get("train_seconds", 0.0)
         if state.get("dataset_size") != n:
             log.warning("dataset_changed", was=state.get("dataset_size"), now=n,
@@ -297,6 +310,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if ema is not None:
+                ema.update(step)
             dt = time.monotonic() - t0
             train_seconds += dt
             step_times.append(dt)
@@ -306,7 +321,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                      s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
             bar.update(step, loss_sum, s_per_step)
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
-                with eval_weights(optimizer, params) if sample_due(cfg, step) else nullcontext():
+                with eval_weights(optimizer, params) if sample_due(cfg, step) else nullcontext(), \
+                        ema.swapped_in() if ema is not None and sample_due(cfg, step) else nullcontext():
                     family.on_step_end(model, step, cfg, workdir, log)
 
             handle_saves(saver.poll())
@@ -314,7 +330,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 # An urgent save (UPS on battery): wait for any save in flight, then write this step now.
                 handle_saves(saver.wait())
                 log.info("phase", phase="urgent_checkpoint", step=step)
-                saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+                saver.submit(snapshot(step, params, optimizer, generator, state_now(), ema))
                 last_save_t = time.monotonic()
                 continue
             # Work is lost back to the last *snapshot*, and a snapshot is safe only once committed: starting each
@@ -331,14 +347,14 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                                     "than that is at risk until it lands (a slow disk, or every core busy "
                                     "training: see LORAD_CKPT_WRITER_NICE)")
             if due and not saver.busy() and step < cfg.train.steps:
-                saver.submit(snapshot(step, params, optimizer, generator, state_now()), background=True)
+                saver.submit(snapshot(step, params, optimizer, generator, state_now(), ema), background=True)
                 last_save_t = time.monotonic()
 
         # -- final or stop checkpoint, written synchronously
         handle_saves(saver.wait())
         if step > last_saved_step:
             log.info("phase", phase="final_checkpoint", step=step)
-            saver.submit(snapshot(step, params, optimizer, generator, state_now()))
+            saver.submit(snapshot(step, params, optimizer, generator, state_now(), ema))
             handle_saves(saver.wait())
     finally:
         bar.close()
@@ -354,7 +370,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
     use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
-        out = export_output(family, model, cfg, workdir, fs, meta)
+        out = export_output(family, model, cfg, workdir, fs, meta, ema)
     except OSError as e:
         if is_disk_full(e):
             raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
