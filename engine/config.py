@@ -224,6 +224,11 @@ class OutputConfig(Strict):
     formats: list[Literal["peft", "diffusers", "comfyui"]] = Field(default_factory=lambda: ["peft"])
 
 
+class LoggingConfig(Strict):
+    # TensorBoard event files in jobs/ID/tb/ (engine/tensorboard.py); null = on when the package is installed.
+    tensorboard: bool | None = None
+
+
 class PowerConfig(Strict):
     limit_w: Union[Annotated[int, Field(ge=1, le=2000)], Literal["auto"], None] = None
     max_slowdown: float = Field(0.10, gt=0.0, le=1.0)
@@ -238,6 +243,7 @@ class JobConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     power: PowerConfig = Field(default_factory=PowerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     priority: int = Field(0, ge=-1000, le=1000)
     sample: SampleConfig = Field(default_factory=SampleConfig)
 
@@ -281,7 +287,7 @@ class JobConfig(Strict):
         for k in ("steps", "blocks_to_swap", "compile"):
             d.get("train", {}).pop(k, None)
         (d.get("train", {}).get("ema") or {}).pop("export_raw", None)  # what is exported, not what is trained
-        for k in ("checkpoint", "output", "power", "priority", "sample"):
+        for k in ("checkpoint", "output", "power", "priority", "sample", "logging"):
             d.pop(k, None)
         return d
 

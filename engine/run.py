@@ -50,12 +50,18 @@ from engine.rng import capture, restore, seed_everything
 from engine.sample import sample_due
 from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
+from engine.tensorboard import TrainingBoard
+from engine.tensorboard import available as tensorboard_available
 
 VERSION = "0.1.0"
 
 
 class DiskError(Exception):
     """A checkpoint or output could not be written (disk full, read-only, ...)."""
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def pick_device() -> torch.device:
@@ -257,6 +263,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         return EXIT_OK
 
     # -- loop
+    board = None
+    if cfg.logging.tensorboard or (cfg.logging.tensorboard is None and tensorboard_available()):
+        board = TrainingBoard(workdir / "tb", step)  # a resumed attempt hides what the last one wrote after `step`
     saver = AsyncCheckpointer(store)
     bar = make_progress(progress, total=cfg.train.steps, start=step)
     micro = cfg.train.batch_size
@@ -287,6 +296,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             last_saved_step = max(last_saved_step, r.step)
             last_write_s = r.seconds
             log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
+            if board is not None:
+                board.flush()
 
     try:
         while step < cfg.train.steps:
@@ -305,8 +316,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 loss.backward()
                 prefetcher.prefetch(consumed)  # the next batch is collated and copied while the GPU works
                 loss_sum += float(loss.detach())
+            grad_norm = None
             if cfg.train.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.train.max_grad_norm)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.train.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -320,10 +332,15 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             log.info("step", step=step, total=cfg.train.steps, loss=round(loss_sum, 6), lr=lr,
                      s_per_step=round(s_per_step, 4), eta_s=round(eta, 1), samples=consumed)
             bar.update(step, loss_sum, s_per_step)
+            if board is not None:
+                board.step(step, **{"train/loss": loss_sum, "train/lr": lr, "train/grad_norm": grad_norm,
+                                    "perf/s_per_step": s_per_step, "perf/peak_memory_gib": peak_memory_gib(device)})
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
                 with eval_weights(optimizer, params) if sample_due(cfg, step) else nullcontext(), \
                         ema.swapped_in() if ema is not None and sample_due(cfg, step) else nullcontext():
                     family.on_step_end(model, step, cfg, workdir, log)
+                if board is not None and sample_due(cfg, step):
+                    board.images(step, sorted((workdir / "samples" / f"step-{step:08d}").glob("*.png")))
 
             handle_saves(saver.poll())
             if stop.take_save_request() and step < cfg.train.steps:
@@ -358,6 +375,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             handle_saves(saver.wait())
     finally:
         bar.close()
+        if board is not None:
+            board.close()
         # Never leave a writer thread behind on an exception.
         if saver.busy():
             saver.wait()
