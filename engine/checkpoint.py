@@ -7,6 +7,8 @@ Layout of one checkpoint (`checkpoints/step-00000420/`):
     optimizer.json          the rest of the optimizer state (steps, param groups), tensors referenced by key
     rng.safetensors         torch CPU / CUDA / data-generator RNG states
     state.json              step, data cursor, python/numpy RNG, anything else the loop needs
+    ema.safetensors         only with train.ema: the averaged adapter weights (any optional NAME.safetensors
+                            is listed in the manifest and verified like the rest)
     manifest.json           written last: size and sha256 of every file above, step, config hash
 
 Commit: write everything into `step-N.tmp-*/`, fsync each file, fsync the
@@ -55,9 +57,11 @@ class Snapshot:
     optimizer_tree: Any
     rng_tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
+    extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optional NAME.safetensors files
 
     def files(self) -> dict[str, bytes]:
         return {
+            **{f"{name}.safetensors": st_save(tensors) for name, tensors in self.extra.items()},
             "adapter.safetensors": st_save(self.adapter),
             "optimizer.safetensors": st_save(self.optimizer_tensors),
             "optimizer.json": json.dumps(self.optimizer_tree).encode(),
@@ -77,6 +81,7 @@ class Loaded:
     optimizer_tree: Any
     rng_tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
+    extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -257,6 +262,8 @@ class CheckpointStore:
                     optimizer_tree=json.loads(blobs["optimizer.json"]),
                     rng_tensors=st_load(blobs["rng.safetensors"]),
                     state=json.loads(blobs["state.json"]),
+                    extra={n.removesuffix(".safetensors"): st_load(b) for n, b in blobs.items()
+                           if n.endswith(".safetensors") and n not in CHECKPOINT_FILES},
                 )
             except Exception as e:  # noqa: BLE001 — checksums matched files the writer itself got wrong: walk back
                 skip(path, f"its files do not parse ({type(e).__name__}: {e})"[:300])

@@ -160,6 +160,15 @@ class DopConfig(Strict):
     weight: float = Field(1.0, gt=0.0, le=100.0)
 
 
+class EmaConfig(Strict):
+    """An exponential moving average of the adapter weights (engine/ema.py)."""
+
+    decay: float = Field(0.999, gt=0.0, lt=1.0)
+    every_steps: int = Field(1, ge=1, le=1_000_000)
+    start_step: int = Field(0, ge=0)
+    export_raw: bool = False  # also write the raw (last) weights to output/raw/
+
+
 class TrainConfig(Strict):
     steps: int = Field(1000, ge=1, le=10_000_000)
     batch_size: int = Field(1, ge=1, le=4096)
@@ -171,6 +180,7 @@ class TrainConfig(Strict):
     optimizer: Literal["adamw8bit", "paged_adamw8bit", "adamw", "prodigy", "adamw_schedulefree", "scao"] = "adamw8bit"
     # Constructor arguments of the optimizer (OPTIMIZER_ARGS lists the ones each accepts).
     optimizer_args: dict[str, Union[bool, int, float, list[float]]] = Field(default_factory=dict)
+    ema: EmaConfig | None = None
     seed: int = Field(0, ge=0, le=2**31 - 1)
     gradient_checkpointing: bool = False
     max_grad_norm: float | None = Field(1.0, gt=0)
@@ -219,6 +229,11 @@ class OutputConfig(Strict):
     formats: list[Literal["peft", "diffusers", "comfyui"]] = Field(default_factory=lambda: ["peft"])
 
 
+class LoggingConfig(Strict):
+    # TensorBoard event files in jobs/ID/tb/ (engine/tensorboard.py); null = on when the package is installed.
+    tensorboard: bool | None = None
+
+
 class PowerConfig(Strict):
     limit_w: Union[Annotated[int, Field(ge=1, le=2000)], Literal["auto"], None] = None
     max_slowdown: float = Field(0.10, gt=0.0, le=1.0)
@@ -233,6 +248,7 @@ class JobConfig(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     power: PowerConfig = Field(default_factory=PowerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     priority: int = Field(0, ge=-1000, le=1000)
     sample: SampleConfig = Field(default_factory=SampleConfig)
 
@@ -285,7 +301,8 @@ class JobConfig(Strict):
         # blocks_to_swap and compile trade speed for memory; a job may resume with more swapping after an OOM.
         for k in ("steps", "blocks_to_swap", "compile"):
             d.get("train", {}).pop(k, None)
-        for k in ("checkpoint", "output", "power", "priority", "sample"):
+        (d.get("train", {}).get("ema") or {}).pop("export_raw", None)  # what is exported, not what is trained
+        for k in ("checkpoint", "output", "power", "priority", "sample", "logging"):
             d.pop(k, None)
         return d
 
@@ -326,6 +343,9 @@ def _optimizer_check(train: TrainConfig) -> None:
     if name == "prodigy" and "lr" not in train.model_fields_set:
         train.lr = 1.0  # Prodigy's lr scales its own step-size estimate: 1.0 is its default
     if name == "adamw_schedulefree":
+        if train.ema is not None:
+            raise ValueError("train.ema: adamw_schedulefree already averages its iterates (its evaluation weights "
+                             "are what is exported); leave train.ema out with it")
         if "schedule" not in train.model_fields_set:
             train.schedule = "constant"
         elif train.schedule != "constant":

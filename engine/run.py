@@ -34,6 +34,7 @@ from engine.checkpoint import AsyncCheckpointer, CheckpointStore, SaveResult, Sn
 from engine.config import JobConfig, load_job
 from engine.data.order import Cursor
 from engine.dtypes import pick_device
+from engine.ema import AdapterEMA
 from engine.errors import ConfigMismatch, DiskError, JobInvalid
 from engine.events import EventLog
 from engine.families import get_family
@@ -57,6 +58,8 @@ from engine.rng import capture, restore, seed_everything
 from engine.sample import sample_due
 from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
+from engine.tensorboard import TrainingBoard
+from engine.tensorboard import available as tensorboard_available
 
 
 def _version() -> str:
@@ -69,21 +72,26 @@ def _version() -> str:
 VERSION = _version()
 
 
+def peak_memory_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def snapshot(step: int, params, optimizer, generator, state: dict[str, Any]) -> Snapshot:
+def snapshot(step: int, params, optimizer, generator, state: dict[str, Any], ema: AdapterEMA | None = None) -> Snapshot:
     """Host copies at a step boundary; the background writer serialises and writes them."""
     adapter = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
     opt_tensors: dict[str, torch.Tensor] = {}
     tree = split_tree(optimizer_state(optimizer), "", opt_tensors)
     opt_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in opt_tensors.items()}
     rng_meta, rng_tensors = capture(generator)
-    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta})
+    extra = {"ema": ema.tensors()} if ema is not None else {}
+    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta}, extra)
 
 
-def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[str, Any]:
+def restore_checkpoint(loaded, params, optimizer, generator, log=None, ema: AdapterEMA | None = None) -> dict[str, Any]:
     missing = set(params) ^ set(loaded.adapter)
     if missing:
         raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: {sorted(missing)[:3]}")
@@ -91,6 +99,8 @@ def restore_checkpoint(loaded, params, optimizer, generator, log=None) -> dict[s
         for n, p in params.items():
             p.copy_(loaded.adapter[n])
     load_optimizer_state(optimizer, join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
+    if ema is not None:
+        ema.load(loaded.extra.get("ema", {}))
     warning = restore(loaded.state["rng"], loaded.rng_tensors, generator)
     if warning and log is not None:
         log.warning("rng_mismatch", message=warning)
@@ -109,7 +119,8 @@ def output_step(workdir: Path, cfg: JobConfig) -> int | None:
         return None
 
 
-def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any]) -> Path:
+def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any],
+                  ema: AdapterEMA | None = None) -> Path:
     """Write the final adapter to output.tmp-*, make it durable, and rename it to output/.
 
     output/ gets a stamp with the step it holds, so that a run whose `steps` was raised after the job
@@ -122,10 +133,15 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
         fs.rmtree(stale)
     tmp = workdir / f"output.tmp-{os.getpid()}"
     fs.mkdir(tmp)
-    names = family.export(model, cfg, tmp, meta)
+    raw = []
+    if ema is not None and cfg.train.ema.export_raw:
+        fs.mkdir(tmp / "raw")
+        raw = [f"raw/{n}" for n in family.export(model, cfg, tmp / "raw", meta)]
+    with ema.swapped_in() if ema is not None else nullcontext():  # train.ema: the average is the output
+        names = family.export(model, cfg, tmp, meta)
     fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(),
                                               "files": sorted(names)}).encode()])
-    names = [*names, OUTPUT_STAMP]
+    names = [*names, *raw, OUTPUT_STAMP]
     mode = normal_file_mode()
     for name in names:
         if (tmp / name).is_file():
@@ -133,6 +149,8 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
             # writes (the service's group shares job directories through its umask).
             os.chmod(tmp / name, mode)
             fs.fsync(tmp / name)
+    if raw:
+        fs.fsync_dir(tmp / "raw")
     fs.fsync_dir(tmp)
     if out.exists():
         shutil.rmtree(out)
@@ -235,18 +253,22 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
     params = trainable(model)
     optimizer = build_optimizer(list(params.values()), cfg.train)
+    ema = AdapterEMA(params, **cfg.train.ema.model_dump(exclude={"export_raw"})) if cfg.train.ema else None
     if (advice := optimizer_advice(cfg.train)) is not None:
         log.warning("optimizer_advice", message=advice)
         _say(f"lorad: warning: {advice}")
 
     # -- resume
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
-    at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start)
+    at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start, ema)
     if at.step >= cfg.train.steps and output_step(workdir, cfg) == at.step:
         log.info("done", step=at.step, output=str(workdir / "output"), already=True)
         return EXIT_OK
 
     # -- loop: step, log, save, stop
+    board = None
+    if cfg.logging.tensorboard or (cfg.logging.tensorboard is None and tensorboard_available()):
+        board = TrainingBoard(workdir / "tb", at.step)  # a resumed attempt hides what the last one wrote after it
     saver = AsyncCheckpointer(store)
     cadence = SaveCadence(cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, last_step=cfg.train.steps,
                           saved_step=at.step, now=time.monotonic())
@@ -257,15 +279,17 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     batches = Prefetcher(lambda cursor: dataset.collate(dataset.indices_at(seed, cursor, micro)), device)
 
     def checkpoint() -> Snapshot:
-        return snapshot(at.step, params, optimizer, generator, at.state(len(dataset), cfg))
+        return snapshot(at.step, params, optimizer, generator, at.state(len(dataset), cfg), ema)
 
     step_times: list[float] = []
     model.train()
     try:
         while at.step < cfg.train.steps and not stop.requested:
             t0 = time.monotonic()
-            loss, lr = train_step(family, model, optimizer, params, batches, generator, at, cfg)
+            loss, lr, grad_norm = train_step(family, model, optimizer, params, batches, generator, at, cfg)
             at.step += 1
+            if ema is not None:
+                ema.update(at.step)
             step_times.append(time.monotonic() - t0)
             at.train_seconds += step_times[-1]
             s_per_step = statistics.median_high(step_times[-20:])
@@ -273,20 +297,29 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                      s_per_step=round(s_per_step, 4), eta_s=round(s_per_step * (cfg.train.steps - at.step), 1),
                      samples=at.consumed)
             bar.update(at.step, loss, s_per_step)
+            if board is not None:
+                board.step(at.step, **{"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                                       "perf/s_per_step": s_per_step, "perf/peak_memory_gib": peak_memory_gib(device)})
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
-                with eval_weights(optimizer, params) if sample_due(cfg, at.step) else nullcontext():
+                samples = sample_due(cfg, at.step)
+                with eval_weights(optimizer, params) if samples else nullcontext(), \
+                        ema.swapped_in() if ema is not None and samples else nullcontext():
                     family.on_step_end(model, at.step, cfg, workdir, log)
+                if board is not None and samples:
+                    board.images(at.step, sorted((workdir / "samples" / f"step-{at.step:08d}").glob("*.png")))
 
-            save_if_due(at.step, stop.take_save_request(), saver, cadence, checkpoint, log)
+            save_if_due(at.step, stop.take_save_request(), saver, cadence, checkpoint, log, board)
 
         # -- final or stop checkpoint, written synchronously
-        record_saves(saver.wait(), cadence, store, log)
+        record_saves(saver.wait(), cadence, store, log, board)
         if at.step > cadence.saved_step:
             log.info("phase", phase="final_checkpoint", step=at.step)
             saver.submit(checkpoint())
-            record_saves(saver.wait(), cadence, store, log)
+            record_saves(saver.wait(), cadence, store, log, board)
     finally:
         bar.close()
+        if board is not None:
+            board.close()
         # Never leave a writer thread behind on an exception.
         if saver.busy():
             saver.wait()
@@ -299,7 +332,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
     use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
-        out = export_output(family, model, cfg, workdir, fs, meta)
+        out = export_output(family, model, cfg, workdir, fs, meta, ema)
     except OSError as e:
         if is_disk_full(e):
             raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
@@ -310,7 +343,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
 
 
 def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: int, cfg: JobConfig, log,
-           progress: str, t_start: float) -> Position:
+           progress: str, t_start: float, ema: AdapterEMA | None = None) -> Position:
     """Load the newest checkpoint that verifies into the parameters, optimizer and generator; where to go on from."""
     loaded, skipped = store.load_latest()
     for s in skipped:
@@ -319,7 +352,7 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
         _say(f"lorad: warning: skipped checkpoint {s.name}: {s.reason}")
     if loaded is None:
         return Position()
-    state = restore_checkpoint(loaded, params, optimizer, generator, log)
+    state = restore_checkpoint(loaded, params, optimizer, generator, log, ema)
     at = Position(state["step"], state["samples_consumed"], state.get("train_seconds", 0.0))
     if state.get("dataset_size") != dataset_size:
         log.warning("dataset_changed", was=state.get("dataset_size"), now=dataset_size,
@@ -332,8 +365,10 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
 
 
 def train_step(family: Family, model, optimizer, params, batches: Prefetcher, generator, at: Position,
-               cfg: JobConfig) -> tuple[float, float]:
-    """One optimizer step over train.grad_accum micro-batches drawn from `at.consumed` on (advanced); (loss, lr)."""
+               cfg: JobConfig) -> tuple[float, float, float | None]:
+    """One optimizer step over train.grad_accum micro-batches drawn from `at.consumed` on (advanced).
+
+    Returns (loss, lr, grad norm before clipping — None without train.max_grad_norm)."""
     train = cfg.train
     lr = lr_at(at.step, train)
     for g in optimizer.param_groups:
@@ -347,26 +382,27 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, ge
         loss.backward()
         batches.prefetch(at.consumed)  # the next batch is collated and copied while the GPU works
         loss_sum += float(loss.detach())
+    grad_norm = None
     if train.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, lr
+    return loss_sum, lr, grad_norm
 
 
 def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: SaveCadence,
-                checkpoint: Callable[[], Snapshot], log) -> None:
+                checkpoint: Callable[[], Snapshot], log, board: TrainingBoard | None = None) -> None:
     """After each step: note the saves that landed, start the one the cadence asks for, report a slow one.
 
     urgent: a "checkpoint now" arrived (SIGUSR1, the UPS is on battery).
     """
-    record_saves(saver.poll(), cadence, saver.store, log)
+    record_saves(saver.poll(), cadence, saver.store, log, board)
     if urgent:
         cadence.urgent()
     now = time.monotonic()
     due = cadence.due(step, now, writing=saver.busy())
     if due is Save.URGENT:  # the save in flight lands first: one save at a time
-        record_saves(saver.wait(), cadence, saver.store, log)
+        record_saves(saver.wait(), cadence, saver.store, log, board)
         log.info("phase", phase="urgent_checkpoint", step=step)
     if due is not None:
         saver.submit(checkpoint(), background=due is Save.PERIODIC)
@@ -375,13 +411,18 @@ def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: Save
         log.warning("checkpoint_slow", step=saver.in_flight_step, seconds=round(late, 1), message=SLOW_SAVE)
 
 
-def record_saves(results: list[SaveResult], cadence: SaveCadence, store: CheckpointStore, log) -> None:
-    """Tell the cadence and the log about saves that landed; a save that failed ends the run (DiskError)."""
+def record_saves(results: list[SaveResult], cadence: SaveCadence, store: CheckpointStore, log,
+                 board: TrainingBoard | None = None) -> None:
+    """Tell the cadence, the log and TensorBoard about saves that landed; a failed save ends the run (DiskError).
+
+    TensorBoard is flushed at each commit, so what a kill can lose of it is past the checkpoint anyway."""
     for r in results:
         if r.error is not None:
             _raise_save_error(r, store)
         cadence.saved(r.step, r.seconds)
         log.info("checkpoint_committed", step=r.step, path=str(r.path), seconds=round(r.seconds, 4))
+        if board is not None:
+            board.flush()
 
 
 def _raise_save_error(r, store: CheckpointStore) -> None:
