@@ -36,6 +36,7 @@ from safetensors.torch import save as st_save
 
 from engine.errors import ConfigMismatch, NewerCheckpoint
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable
+from engine.host_copy import CopyDone
 
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -58,8 +59,10 @@ class Snapshot:
     rng_tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
     extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optional NAME.safetensors files
+    ready: CopyDone = field(default_factory=CopyDone)  # when the device→host copies are complete
 
     def files(self) -> dict[str, bytes]:
+        self.ready.wait()  # on the writer's thread: the training loop never waits for the copies
         return {
             **{f"{name}.safetensors": st_save(tensors) for name, tensors in self.extra.items()},
             "adapter.safetensors": st_save(self.adapter),

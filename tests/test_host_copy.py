@@ -1,0 +1,77 @@
+"""A checkpoint's host copies (engine/host_copy.py): pinned and asynchronous on a GPU, with an event the
+background writer waits on before it serialises; plain synchronous copies on the CPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from engine.checkpoint import AsyncCheckpointer, CheckpointStore, Snapshot
+from engine.host_copy import CopyDone, to_host
+
+
+class CopyInFlight(CopyDone):
+    """Copies the device has not finished: the tensor holds its final values only once `land` is set."""
+
+    def __init__(self, tensor: torch.Tensor, final: torch.Tensor):
+        super().__init__()
+        self.tensor, self.final = tensor, final
+        self.land = threading.Event()
+        self.waited_in: list[str] = []
+
+    def wait(self) -> None:
+        self.waited_in.append(threading.current_thread().name)
+        assert self.land.wait(30)
+        self.tensor.copy_(self.final)
+
+
+def test_the_background_writer_waits_for_the_copies_before_it_serialises_and_training_never_does(tmp_path):
+    adapter = {"lora.weight": torch.zeros(4)}
+    copies = CopyInFlight(adapter["lora.weight"], torch.arange(4.0))
+    store = CheckpointStore(tmp_path / "checkpoints", "hash", keep=2)
+    saver = AsyncCheckpointer(store)
+    saver.submit(Snapshot(3, adapter, {}, {}, {}, {"step": 3}, ready=copies), background=True)
+    assert saver.busy() and not (tmp_path / "checkpoints" / "step-00000003").exists()  # submit did not wait
+    copies.land.set()
+    [result] = saver.wait()
+    assert result.error is None
+    loaded, _ = CheckpointStore(tmp_path / "checkpoints", "hash", keep=2).load_latest()
+    assert torch.equal(loaded.adapter["lora.weight"], torch.arange(4.0))  # the values after the copy landed
+    assert copies.waited_in == ["ckpt-3"]  # on the writer's thread
+
+
+def test_on_the_cpu_host_copies_are_plain_independent_copies_complete_at_once():
+    src = {"a": torch.randn(3, 5).t(), "b": torch.arange(6, dtype=torch.int32)}  # a non-contiguous one too
+    [host], done = to_host([src])
+    assert done.event is None and done.query()
+    for k, v in src.items():
+        assert torch.equal(host[k], v) and host[k].is_contiguous()
+        assert host[k].untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
+    src["b"].add_(1)
+    assert torch.equal(host["b"], torch.arange(6, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_host_copies_are_pinned_and_queued_without_waiting_for_the_device():
+    src = {"a": torch.randn(1024, 1024, device="cuda"), "step": torch.tensor(7.0)}
+    torch.cuda._sleep(200_000_000)  # the compute stream is busy for a while (~0.1 s)
+    [host], done = to_host([src])
+    assert not done.query()  # queued behind the busy stream: the call returned before the copy ran
+    assert host["a"].is_pinned() and host["step"].item() == 7.0
+    expected = src["a"].cpu()
+    done.wait()
+    assert torch.equal(host["a"], expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_an_in_place_update_after_the_snapshot_never_reaches_the_copy():
+    src = {"a": torch.zeros(4096, 4096, device="cuda")}
+    torch.cuda._sleep(200_000_000)
+    [host], done = to_host([src])
+    src["a"].add_(1)  # the next optimizer step, queued right after the snapshot
+    done.wait()
+    assert host["a"].abs().sum().item() == 0
