@@ -133,19 +133,6 @@ def use_eval_weights(optimizer: torch.optim.Optimizer) -> None:
         optimizer.eval()
 
 
-def lr_at(step: int, train: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warm-up, then constant, linear or cosine decay."""
-    if train.warmup_steps and step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    if train.schedule == "constant":
-        return train.lr
-    span = max(1, train.steps - train.warmup_steps)
-    progress = min(1.0, (step - train.warmup_steps) / span)
-    if train.schedule == "linear":
-        return train.lr * (1.0 - progress)
-    return train.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 # Optimizer state is a tree of dicts/lists/tuples with tensors and scalars as leaves
 # (bitsandbytes nests its 8-bit state and quantisation maps one level deeper).
 # We split it into a flat {path: tensor} map for safetensors and a JSON tree for the rest,

@@ -40,12 +40,13 @@ from engine.events import EventLog
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
+from engine.host_copy import to_host
+from engine.lr_schedule import LrPlan, resume_plan
 from engine.optim import (
     build_optimizer,
     eval_weights,
     join_tree,
     load_optimizer_state,
-    lr_at,
     optimizer_advice,
     optimizer_state,
     split_tree,
@@ -81,14 +82,14 @@ def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def snapshot(step: int, params, optimizer, generator, state: dict[str, Any], ema: AdapterEMA | None = None) -> Snapshot:
-    """Host copies at a step boundary; the background writer serialises and writes them."""
-    adapter = {n: p.detach().to("cpu", copy=True).contiguous() for n, p in params.items()}
+    """Host copies at a step boundary (on a GPU still landing: `ready`); the background writer serialises them."""
     opt_tensors: dict[str, torch.Tensor] = {}
     tree = split_tree(optimizer_state(optimizer), "", opt_tensors)
-    opt_tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in opt_tensors.items()}
+    (adapter, opt_tensors, ema_tensors), ready = to_host([dict(params), opt_tensors,
+                                                          dict(ema.shadow or {}) if ema is not None else {}])
     rng_meta, rng_tensors = capture(generator)
-    extra = {"ema": ema.tensors()} if ema is not None else {}
-    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta}, extra)
+    return Snapshot(step, adapter, opt_tensors, tree, rng_tensors, {**state, "rng": rng_meta},
+                    extra={"ema": ema_tensors} if ema is not None else {}, ready=ready)
 
 
 def restore_checkpoint(loaded, params, optimizer, generator, log=None, ema: AdapterEMA | None = None) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def output_step(workdir: Path, cfg: JobConfig) -> int | None:
         return None
 
 
-def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any],
+def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, meta: dict[str, Any], log,
                   ema: AdapterEMA | None = None) -> Path:
     """Write the final adapter to output.tmp-*, make it durable, and rename it to output/.
 
@@ -144,6 +145,7 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
     names = [*names, *raw, OUTPUT_STAMP]
     mode = normal_file_mode()
     for name in names:
+        log.info("heartbeat", phase="export", file=name)  # fsyncing a large file on a slow disk takes a while
         if (tmp / name).is_file():
             # safetensors creates its files 0600; the adapter must be as readable as anything else the user
             # writes (the service's group shares job directories through its umask).
@@ -223,12 +225,17 @@ class Position:
     step: int = 0
     consumed: int = 0  # samples drawn, over all epochs: the data order's cursor
     train_seconds: float = 0.0
+    lr_plan: LrPlan | None = None  # None: the schedule of train.steps (engine/lr_schedule.py)
+
+    def lr(self, cfg: JobConfig) -> float:
+        return (self.lr_plan or LrPlan.fresh(cfg.train)).lr_at(self.step, cfg.train)
 
     def state(self, dataset_size: int, cfg: JobConfig) -> dict[str, Any]:
         c = Cursor(self.consumed, dataset_size)
         return {"step": self.step, "samples_consumed": self.consumed, "epoch": c.epoch, "position": c.position,
                 "dataset_size": dataset_size, "train_seconds": self.train_seconds,
-                "config_hash": cfg.identity_hash()}
+                "config_hash": cfg.identity_hash(),
+                "lr_plan": (self.lr_plan or LrPlan.fresh(cfg.train)).to_state()}
 
 
 def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: StopFlag, log: EventLog) -> int:
@@ -298,10 +305,19 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                      samples=at.consumed)
             bar.update(at.step, loss, s_per_step)
             if board is not None:
-                board.step(at.step, **{"train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm,
+                board.step(at.step, **{"train/loss": loss, "train/lr": lr,
+                                       "train/grad_norm": None if grad_norm is None else float(grad_norm),
                                        "perf/s_per_step": s_per_step, "perf/peak_memory_gib": peak_memory_gib(device)})
             if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
                 samples = sample_due(cfg, at.step)
+                if samples and at.step > cadence.saved_step:
+                    # Committed before the samples render: a render that is killed (a hang, an OOM) never costs
+                    # the step, and the retry goes on past it.
+                    record_saves(saver.wait(), cadence, store, log, board)
+                    if at.step > cadence.saved_step:
+                        saver.submit(checkpoint())
+                        cadence.started(time.monotonic())
+                        record_saves(saver.wait(), cadence, store, log, board)
                 with eval_weights(optimizer, params) if samples else nullcontext(), \
                         ema.swapped_in() if ema is not None and samples else nullcontext():
                     family.on_step_end(model, at.step, cfg, workdir, log)
@@ -332,7 +348,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
     use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
-        out = export_output(family, model, cfg, workdir, fs, meta, ema)
+        out = export_output(family, model, cfg, workdir, fs, meta, log, ema)
     except OSError as e:
         if is_disk_full(e):
             raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
@@ -354,6 +370,10 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
         return Position()
     state = restore_checkpoint(loaded, params, optimizer, generator, log, ema)
     at = Position(state["step"], state["samples_consumed"], state.get("train_seconds", 0.0))
+    at.lr_plan, replanned = resume_plan(state, at.step, cfg.train)
+    if replanned is not None:
+        log.warning("lr_replanned", message=replanned)
+        _say(f"lorad: warning: {replanned}")
     if state.get("dataset_size") != dataset_size:
         log.warning("dataset_changed", was=state.get("dataset_size"), now=dataset_size,
                     message="the dataset changed since this checkpoint; the order continues by sample count")
@@ -365,15 +385,15 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
 
 
 def train_step(family: Family, model, optimizer, params, batches: Prefetcher, generator, at: Position,
-               cfg: JobConfig) -> tuple[float, float, float | None]:
+               cfg: JobConfig) -> tuple[float, float, torch.Tensor | None]:
     """One optimizer step over train.grad_accum micro-batches drawn from `at.consumed` on (advanced).
 
-    Returns (loss, lr, grad norm before clipping — None without train.max_grad_norm)."""
+    Returns (loss, lr, grad norm before clipping — None without train.max_grad_norm — still on the device)."""
     train = cfg.train
-    lr = lr_at(at.step, train)
+    lr = at.lr(cfg)
     for g in optimizer.param_groups:
         g["lr"] = lr
-    loss_sum = 0.0
+    loss_sum = None  # on the device: read once per optimizer step, never per micro-batch (a host sync)
     for _ in range(train.grad_accum):
         batch = batches.get(at.consumed)
         at.consumed += train.batch_size
@@ -381,13 +401,14 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, ge
             loss = family.loss(model, batch, generator) / train.grad_accum
         loss.backward()
         batches.prefetch(at.consumed)  # the next batch is collated and copied while the GPU works
-        loss_sum += float(loss.detach())
+        part = loss.detach().double()  # summed in double, as float() and Python's sum did
+        loss_sum = part if loss_sum is None else loss_sum + part
     grad_norm = None
     if train.max_grad_norm is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm))
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, lr, grad_norm
+    return float(loss_sum), lr, grad_norm
 
 
 def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: SaveCadence,
@@ -397,7 +418,7 @@ def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: Save
     urgent: a "checkpoint now" arrived (SIGUSR1, the UPS is on battery).
     """
     record_saves(saver.poll(), cadence, saver.store, log, board)
-    if urgent:
+    if urgent and step > cadence.saved_step:  # a step committed for its samples needs no second save
         cadence.urgent()
     now = time.monotonic()
     due = cadence.due(step, now, writing=saver.busy())
