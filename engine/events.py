@@ -1,8 +1,9 @@
 """Structured job events: JSON lines to jobs/ID/events.jsonl and (for the supervisor) to stdout.
 
 Every line is one structlog event with a timestamp, a level and an `event`
-name. The supervisor treats `step`, `checkpoint_committed` and `phase` lines as
-heartbeats; the schema is documented in README.md ("Events").
+name. The supervisor treats every line as a heartbeat (and `phase` lines as the
+phase that sets its hang limit); long phases send `heartbeat` lines so that they
+are not taken for a hang. The schema is documented in README.md ("Events").
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class SampleRenderer:
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
                 for i, emb in enumerate(self.prompts):
+                    # The supervisor counts any event as a heartbeat: one per prompt keeps a long list of prompts
+                    # (each one far shorter than the hang timeout) from looking like a hung trainer.
+                    log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
                     gen = torch.Generator(device="cpu").manual_seed(s.seed + i)
                     image = pipe(
                         prompt_embeds=emb["prompt_embeds"][None].to(device, transformer.dtype),

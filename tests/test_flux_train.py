@@ -242,6 +242,17 @@ def test_sample_pngs_are_rendered_at_the_configured_steps_and_listed_in_an_event
     assert first != last
 
 
+def test_a_sample_step_is_committed_before_its_images_and_every_prompt_is_a_heartbeat(flux_uninterrupted):
+    # A render killed by the hang timeout (or anything else) must not cost the step: the retry goes on past it.
+    events = [json.loads(line) for line in (flux_uninterrupted / "events.jsonl").read_text().splitlines()]
+    for s in (4, 8, 12):  # sample steps; checkpoint.every_steps is 3, so 4 and 8 are saved for the samples alone
+        at = [i for i, e in enumerate(events) if e.get("step") == s]
+        kinds = [events[i]["event"] for i in at]
+        assert kinds.index("checkpoint_committed") < kinds.index("heartbeat") < kinds.index("samples")
+        beats = [events[i] for i in at if events[i]["event"] == "heartbeat"]
+        assert [(b["phase"], b["prompt"], b["prompts"]) for b in beats] == [("samples", 0, 1)]
+
+
 def test_rendering_samples_does_not_change_training(tiny_flux, flux_job, flux_uninterrupted, tmp_path):
     """Same job without samples, in process: the adapter is bit-identical to the run that rendered them."""
     import yaml
