@@ -27,10 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.settings import DaemonConfig  # noqa: E402
-
 from daemon import handlers, metrics  # noqa: E402
 from daemon import protocol as p  # noqa: E402
+from daemon.daemon_config import DaemonConfig  # noqa: E402
 from daemon.power.telemetry_store import TelemetryStore  # noqa: E402
 from daemon.store import Store  # noqa: E402
 from daemon.web.app import Dashboard, build_app  # noqa: E402
