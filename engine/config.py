@@ -239,6 +239,15 @@ class PowerConfig(Strict):
     max_slowdown: float = Field(0.10, gt=0.0, le=1.0)
 
 
+class ResourcesConfig(Strict):
+    """The devices one job trains on (engine/distributed.py, README "Several GPUs")."""
+
+    # Processes per machine, one per GPU (on a machine without a GPU, CPU processes through gloo).
+    gpus: int = Field(1, ge=1, le=64)
+    # Machines the job spans (torchrun's rendezvous joins them; README "Several machines").
+    nodes: int = Field(1, ge=1, le=64)
+
+
 class JobConfig(Strict):
     name: str
     model: ModelConfig
@@ -251,6 +260,7 @@ class JobConfig(Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     priority: int = Field(0, ge=-1000, le=1000)
     sample: SampleConfig = Field(default_factory=SampleConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @field_validator("name")
     @classmethod
@@ -302,9 +312,22 @@ class JobConfig(Strict):
         for k in ("steps", "blocks_to_swap", "compile"):
             d.get("train", {}).pop(k, None)
         (d.get("train", {}).get("ema") or {}).pop("export_raw", None)  # what is exported, not what is trained
-        for k in ("checkpoint", "output", "power", "priority", "sample", "logging"):
+        for k in ("checkpoint", "output", "power", "priority", "sample", "logging", "resources"):
             d.pop(k, None)
+        # What decides the weights is the global batch, not how it is split: a job may resume on another number of
+        # GPUs with grad_accum re-planned (engine/distributed.py), or with both changed and the product kept.
+        d.get("train", {}).pop("grad_accum", None)
+        if (g := self.global_batch()) != self.train.batch_size:
+            d.setdefault("train", {})["global_batch"] = g
         return d
+
+    def processes(self) -> int:
+        """The world size the job is written for: resources.gpus × resources.nodes."""
+        return self.resources.gpus * self.resources.nodes
+
+    def global_batch(self) -> int:
+        """Samples per optimizer step: batch_size × grad_accum × resources.gpus × resources.nodes."""
+        return self.train.batch_size * self.train.grad_accum * self.processes()
 
 
 # Keys that only mean something for one family; setting them on the other is a mistake worth naming.

@@ -33,6 +33,15 @@ from engine.cadence import SLOW_SAVE, Save, SaveCadence
 from engine.checkpoint import AsyncCheckpointer, CheckpointStore, SaveResult, Snapshot
 from engine.config import JobConfig, load_job
 from engine.data.order import Cursor
+from engine.distributed import (
+    BatchShare,
+    Ranks,
+    die_with_parent,
+    plan_grad_accum,
+    sample_log,
+    seed_micro_batch,
+    world_from_env,
+)
 from engine.dtypes import pick_device
 from engine.ema import AdapterEMA
 from engine.errors import ConfigMismatch, DiskError, JobInvalid
@@ -175,7 +184,10 @@ def train(
     quiet_libraries()  # before the model libraries are imported: they read their switches then
     try:
         ensure_dir_durable(fs, workdir)
-        log = EventLog(workdir / "events.jsonl", to_stdout=(progress == "json"), job=cfg.name)
+        # One event stream per job, rank 0's: the other ranks train the same steps; their errors go to stderr.
+        main_rank = world_from_env().is_main
+        log = EventLog(workdir / "events.jsonl" if main_rank else None, to_stdout=(progress == "json" and main_rank),
+                       job=cfg.name)
     except OSError as e:
         # No events file to write to yet: the one line on stderr is the whole report.
         _say(f"lorad: cannot create the job directory {workdir} ({e.strerror or e})")
@@ -240,17 +252,30 @@ class Position:
 
 def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: StopFlag, log: EventLog) -> int:
     t_start = time.monotonic()
-    device = pick_device()
+    world = world_from_env()  # torchrun's; one process without it
+    # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
+    share = BatchShare(world, cfg.train.batch_size, plan_grad_accum(cfg.global_batch(), cfg.train.batch_size, world.size))
+    ranks = Ranks.start(world)
+    ranks.check_same_job(VERSION, cfg.identity_hash())
+    ranks.check_shared_dir(workdir)
+    device = ranks.device(pick_device())
     family = get_family(cfg.model.family)
     log.info("start", version=VERSION, pid=os.getpid(), device=str(device), family=cfg.model.family,
-             steps=cfg.train.steps, config_hash=cfg.identity_hash())
+             steps=cfg.train.steps, config_hash=cfg.identity_hash(), processes=world.size,
+             global_batch=share.global_batch, grad_accum=share.grad_accum)
+    if world.size != cfg.processes():
+        log.warning("world_size", processes=world.size, written_for=cfg.processes(), grad_accum=share.grad_accum,
+                    message=f"running on {world.size} process(es), the job is written for {cfg.processes()} "
+                            f"(resources.gpus × resources.nodes): grad_accum is {share.grad_accum} to keep the "
+                            f"global batch {share.global_batch}")
     for key, use in cfg.deprecated_keys():
         log.warning("deprecated_key", key=key, use=use, message=f"{key} is deprecated: write {use} instead")
         _say(f"lorad: warning: {key} is deprecated: write {use} instead")
 
     # -- data
     log.info("phase", phase="prepare")
-    family.prepare(cfg, workdir, log)
+    with ranks.main_first():  # one-off work on shared files (caches, built-in models): rank 0 first, then the rest
+        family.prepare(cfg, workdir, log)
     dataset = family.build_dataset(cfg, workdir, log)
     generator = seed_everything(cfg.train.seed)
 
@@ -267,14 +292,16 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
 
     # -- resume
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
-    at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start, ema)
+    with ranks.main_first():  # rank 0 sets invalid checkpoints aside; the others then find the same newest valid one
+        at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start, ema, ranks.is_main)
     if at.step >= cfg.train.steps and output_step(workdir, cfg) == at.step:
         log.info("done", step=at.step, output=str(workdir / "output"), already=True)
         return EXIT_OK
 
     # -- loop: step, log, save, stop
-    board = None
-    if cfg.logging.tensorboard or (cfg.logging.tensorboard is None and tensorboard_available()):
+    ddp_model = ranks.wrap(model)  # after the restore: DDP starts from rank 0's (identical) weights
+    board = None  # rank 0 alone writes
+    if ranks.is_main and (cfg.logging.tensorboard or (cfg.logging.tensorboard is None and tensorboard_available())):
         board = TrainingBoard(workdir / "tb", at.step)  # a resumed attempt hides what the last one wrote after it
     saver = AsyncCheckpointer(store)
     cadence = SaveCadence(cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, last_step=cfg.train.steps,
@@ -283,7 +310,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     seed, micro = cfg.train.seed, cfg.train.batch_size
     # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels run;
     # on the CPU a passthrough.
-    batches = Prefetcher(lambda cursor: dataset.collate(dataset.indices_at(seed, cursor, micro)), device)
+    pick = sample_log(dataset.indices_at, world)
+    batches = Prefetcher(lambda cursor: dataset.collate(pick(seed, cursor, micro)), device)
 
     def checkpoint() -> Snapshot:
         return snapshot(at.step, params, optimizer, generator, at.state(len(dataset), cfg), ema)
@@ -291,9 +319,10 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     step_times: list[float] = []
     model.train()
     try:
-        while at.step < cfg.train.steps and not stop.requested:
+        stopping = ranks.agree(stop.requested)[0]  # every rank takes the same decision at every step boundary
+        while at.step < cfg.train.steps and not stopping:
             t0 = time.monotonic()
-            loss, lr, grad_norm = train_step(family, model, optimizer, params, batches, generator, at, cfg)
+            loss, lr, grad_norm = train_step(family, ddp_model, optimizer, params, batches, at, cfg, share, ranks)
             at.step += 1
             if ema is not None:
                 ema.update(at.step)
@@ -308,7 +337,10 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 board.step(at.step, **{"train/loss": loss, "train/lr": lr,
                                        "train/grad_norm": None if grad_norm is None else float(grad_norm),
                                        "perf/s_per_step": s_per_step, "perf/peak_memory_gib": peak_memory_gib(device)})
-            if not stop.requested:  # rendering samples could outlast the stop grace period: checkpoint first
+            stopping, urgent = ranks.agree(stop.requested, stop.take_save_request())
+            if not ranks.is_main:  # rank 0 alone renders samples and writes checkpoints
+                continue
+            if not stopping:  # rendering samples could outlast the stop grace period: checkpoint first
                 samples = sample_due(cfg, at.step)
                 if samples and at.step > cadence.saved_step:
                     # Committed before the samples render: a render that is killed (a hang, an OOM) never costs
@@ -324,14 +356,15 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 if board is not None and samples:
                     board.images(at.step, sorted((workdir / "samples" / f"step-{at.step:08d}").glob("*.png")))
 
-            save_if_due(at.step, stop.take_save_request(), saver, cadence, checkpoint, log, board)
+            save_if_due(at.step, urgent, saver, cadence, checkpoint, log, board)
 
-        # -- final or stop checkpoint, written synchronously
+        # -- final or stop checkpoint, written synchronously by rank 0; no rank exits before it is committed
         record_saves(saver.wait(), cadence, store, log, board)
-        if at.step > cadence.saved_step:
+        if at.step > cadence.saved_step and ranks.is_main:
             log.info("phase", phase="final_checkpoint", step=at.step)
             saver.submit(checkpoint())
             record_saves(saver.wait(), cadence, store, log, board)
+        ranks.barrier()
     finally:
         bar.close()
         if board is not None:
@@ -341,8 +374,11 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             saver.wait()
 
     if at.step < cfg.train.steps:
-        log.info("stopped", step=at.step, reason=stop.reason, checkpoint=cadence.saved_step)
+        log.info("stopped", step=at.step, reason=stop.reason or "another rank was stopped", checkpoint=cadence.saved_step)
         return EXIT_STOPPED
+    if not ranks.is_main:
+        ranks.barrier()  # while rank 0 exports
+        return EXIT_OK
 
     meta = {"steps": at.step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
@@ -355,13 +391,14 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                             f"checkpoint step-{at.step:08d} is committed, free space and run again") from None
         raise
     log.info("done", step=at.step, output=str(out), train_seconds=round(at.train_seconds, 2))
+    ranks.barrier()
     return EXIT_OK
 
 
 def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: int, cfg: JobConfig, log,
-           progress: str, t_start: float, ema: AdapterEMA | None = None) -> Position:
+           progress: str, t_start: float, ema: AdapterEMA | None = None, set_aside_invalid: bool = True) -> Position:
     """Load the newest checkpoint that verifies into the parameters, optimizer and generator; where to go on from."""
-    loaded, skipped = store.load_latest()
+    loaded, skipped = store.load_latest(set_aside_invalid)
     for s in skipped:
         log.warning("checkpoint_skipped", checkpoint=s.name, reason=s.reason)
         # Also on stderr: `lorad run` shows a progress bar, not the event stream, and a skipped save must be seen.
@@ -384,31 +421,36 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
     return at
 
 
-def train_step(family: Family, model, optimizer, params, batches: Prefetcher, generator, at: Position,
-               cfg: JobConfig) -> tuple[float, float, torch.Tensor | None]:
-    """One optimizer step over train.grad_accum micro-batches drawn from `at.consumed` on (advanced).
+def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at: Position, cfg: JobConfig,
+               share: BatchShare, ranks: Ranks) -> tuple[float, float, torch.Tensor | None]:
+    """One optimizer step over this rank's micro-batches of the global batch at `at.consumed` (advanced past it).
 
-    Returns (loss, lr, grad norm before clipping — None without train.max_grad_norm — still on the device)."""
+    Returns (loss over the whole global batch, lr, grad norm before clipping — None without train.max_grad_norm —
+    still on the device)."""
     train = cfg.train
     lr = at.lr(cfg)
     for g in optimizer.param_groups:
         g["lr"] = lr
     loss_sum = None  # on the device: read once per optimizer step, never per micro-batch (a host sync)
-    for _ in range(train.grad_accum):
-        batch = batches.get(at.consumed)
-        at.consumed += train.batch_size
-        with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
-            loss = family.loss(model, batch, generator) / train.grad_accum
-        loss.backward()
-        batches.prefetch(at.consumed)  # the next batch is collated and copied while the GPU works
+    mine = share.positions(at.consumed)
+    for k, pos in enumerate(mine):
+        batch = batches.get(pos)
+        # Draws keyed by the micro-batch's global position: the same dropout and noise on any world size.
+        with ranks.no_sync(model, last_round=k == len(mine) - 1):  # DDP all-reduces on the last round only
+            with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
+                loss = family.loss(model, batch, seed_micro_batch(train.seed, at.step, pos)) / share.grad_accum
+            loss.backward()
+        # The next batch is collated and copied while the GPU works.
+        batches.prefetch(mine[k + 1] if k + 1 < len(mine) else share.positions(at.consumed + share.global_batch)[0])
         part = loss.detach().double()  # summed in double, as float() and Python's sum did
         loss_sum = part if loss_sum is None else loss_sum + part
+    at.consumed += share.global_batch
     grad_norm = None
     if train.max_grad_norm is not None:
         grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(loss_sum), lr, grad_norm
+    return ranks.mean(float(loss_sum)), lr, grad_norm  # the mean over every rank's share
 
 
 def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: SaveCadence,
@@ -468,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", required=True, help="the job's directory (checkpoints/, output/, events.jsonl)")
     ap.add_argument("--progress", choices=["json", "bar", "none"], default="json")
     args = ap.parse_args(argv)
+    die_with_parent()  # a rank started by engine.launch: no orphan if the launcher is killed
     stop = StopFlag()
     stop.install()
     try:

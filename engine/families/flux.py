@@ -230,7 +230,8 @@ class Flux:
 
         cfg = self.cfg
         x0 = batch["latents"]
-        device, dtype = x0.device, model.dtype
+        inner = getattr(model, "module", model)  # under DDP (several processes) the forward goes through the wrapper
+        device, dtype = x0.device, inner.dtype
         b, c, h, w = x0.shape
         # Every random draw comes from `generator` (checkpointed), in a fixed order.
         if "latents_flip" in batch:
@@ -254,7 +255,7 @@ class Flux:
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
         guidance = None
-        if model.config.guidance_embeds:
+        if inner.config.guidance_embeds:
             guidance = torch.full((b,), cfg.train.guidance, device=device, dtype=torch.float32)
 
         def predict(embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
