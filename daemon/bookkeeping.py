@@ -17,7 +17,7 @@ from daemon.store import UnknownJob
 @dataclass
 class Pending:
     job_id: str
-    gpu: int | None
+    devices: list[int | None]
     what: str  # for the log: "trainer exit", "failed start"
     write: Callable[[], None]
     failures: int = 0
@@ -41,10 +41,10 @@ class PendingWrites:
 
     def gpus(self) -> set[int | None]:
         """The devices of these jobs: still taken until the job's state is written."""
-        return {p.gpu for p in self._pending.values()}
+        return {d for p in self._pending.values() for d in p.devices}
 
-    def add(self, job_id: str, gpu: int | None, what: str, write: Callable[[], None]) -> Pending:
-        p = self._pending[job_id] = Pending(job_id, gpu, what, write)
+    def add(self, job_id: str, devices: list[int | None], what: str, write: Callable[[], None]) -> Pending:
+        p = self._pending[job_id] = Pending(job_id, devices, what, write)
         return p
 
     def settle_all(self) -> None:

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon import proc, states, trainer
+from daemon import gang, proc, states, trainer
 from daemon.bookkeeping import PendingWrites
 from daemon.daemon_config import DaemonConfig
 from daemon.exit_policy import decide_exit, describe_exit
@@ -103,7 +103,7 @@ class Supervisor:
             # Gone: never signal it again (its pid may belong to someone else soon). Its job stays `running`
             # in the store until the exit is written, which the pending writes retry until it succeeds.
             del self.children[job_id]
-            self.pending.add(job_id, c.gpu, "trainer exit", lambda c=c, code=code: self._finish(c, code))
+            self.pending.add(job_id, c.devices, "trainer exit", lambda c=c, code=code: self._finish(c, code))
         self.pending.settle_all()
 
     def _finish(self, c: Child, code: int) -> None:
@@ -262,23 +262,36 @@ class Supervisor:
     def _spawn(self) -> None:
         if self.shutting_down or not self.may_start or self.store.get_meta("drain") == "1":
             return
-        busy = {c.gpu for c in self.children.values()} | self.pending.gpus()
+        busy = {d for c in self.children.values() for d in c.devices} | self.pending.gpus()
         tried: set[str] = set()
-        for dev in self.devices:
-            if dev in busy:
+        while True:
+            job = self.store.next_queued(time.time())
+            if job is None or job["id"] in tried:
+                return
+            tried.add(job["id"])
+            gpus = gang.job_gpus(Path(job["workdir"]))
+            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
+            if plan.impossible:
+                self._fail_unstartable(job, gpus)
                 continue
-            while True:
-                job = self.store.next_queued(time.time())
-                if job is None or job["id"] in tried:
-                    return
-                tried.add(job["id"])
-                if self.start(job, dev):
-                    break
-                # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
-                # may use this device; start() left that job out of next_queued's answer.
+            if not plan.starts:
+                return  # the first in line waits for a whole gang, holding no device; the jobs behind it wait too
+            devs = plan.starts[0][1]
+            if self.start(job, devs, gpus):
+                busy |= set(devs)
+            # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
+            # may use these devices; start() left that job out of next_queued's answer.
 
-    def start(self, job: dict[str, Any], dev: int | None) -> bool:
-        """Start a trainer for a queued job on `dev`. True if one runs now (and is tracked in self.children)."""
+    def _fail_unstartable(self, job: dict[str, Any], gpus: int) -> None:
+        msg = (f"resources.gpus: the job needs {gpus} devices at once and this machine has {len(self.devices)} "
+               f"(daemon devices: {self.devices})")
+        self.store.transition(job["id"], states.QUEUED, states.FAILED, msg, last_error=msg)
+        self.log.error("job_unstartable", job=job["id"], error=msg)
+        self._tell("failed", job["id"], job["name"], state=states.FAILED, reason=msg, workdir=str(job["workdir"]))
+
+    def start(self, job: dict[str, Any], devs: list[int | None], processes: int = 1) -> bool:
+        """Start a trainer for a queued job on `devs` (its gang) with `processes` ranks. True if one runs now (and
+        is tracked in self.children)."""
         job_id, workdir = job["id"], Path(job["workdir"])
         try:
             lock_fd = self.locks.take(job_id, workdir)
@@ -291,35 +304,40 @@ class Supervisor:
         if lock_fd is None:
             return False  # an earlier trainer holds it: the job waits (lock_contention)
         try:
-            return self._start_locked(job, dev, lock_fd)
+            return self._start_locked(job, devs, processes, lock_fd)
         finally:
             os.close(lock_fd)  # a started child has its own copy: it keeps the lock for as long as it lives
 
     def trainer_command(self, workdir: Path) -> list[str]:
         return trainer.trainer_command(workdir)
 
-    def _start_locked(self, job: dict[str, Any], dev: int | None, lock_fd: int) -> bool:
+    def _start_locked(self, job: dict[str, Any], devs: list[int | None], processes: int, lock_fd: int) -> bool:
         job_id, workdir = job["id"], Path(job["workdir"])
+        dev = devs[0]
         try:
             # QUEUED → RUNNING and the attempt row: one transaction, so a failed write leaves the job queued.
             n = self.store.begin_attempt(job_id, job["step"], gpu=dev, not_before=0)
         except states.IllegalTransition:
             return False  # paused or cancelled over the socket in the meantime
         self.locks.started(job_id)
-        env = trainer.trainer_env(self.cfg.trainer_env, dev)
+        env = trainer.trainer_env(self.cfg.trainer_env, devs)
         power = trainer.power_section(workdir)
         try:
-            popen = trainer.spawn(self.trainer_command(workdir), workdir, env, lock_fd)
+            # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
+            # forwarded to every rank, no rank outliving it).
+            popen = trainer.spawn(gang.launcher_command(self.trainer_command(workdir), processes), workdir, env,
+                                  lock_fd)
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)
-            p = self.pending.add(job_id, dev, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
+            p = self.pending.add(job_id, devs, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
             self.pending.settle(p)  # if this write fails too, the next tick's reap tries again
             return False
         # The trainer runs: track it (and read its stdout) before anything else can fail.
         c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid,
                   pid_start=proc.start_time(popen.pid), gpu=dev, attempt=n, start_step=job["step"],
-                  total=job["total"], power=power, step=job["step"], checkpoint_step=job["checkpoint_step"])
+                  total=job["total"], power=power, step=job["step"], checkpoint_step=job["checkpoint_step"],
+                  devices=devs)
         self.children[job_id] = c
         c.start_reader(self.beats, self.wake)
         try:
@@ -331,7 +349,8 @@ class Supervisor:
             c.pid_recorded = True
         except Exception as e:  # noqa: BLE001 — heartbeats retry it every tick
             self.log.error("pid_not_recorded", job=job_id, pid=popen.pid, error=f"{type(e).__name__}: {e}")
-        self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev)
+        self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev, devices=devs,
+                      processes=processes)
         job_event(workdir, job_id, "attempt_started", attempt=n, pid=popen.pid, gpu=dev)
         self._tell_policy("on_job_start", c.running_job())
         return True

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from daemon import proc
+from daemon import gang, proc
 from daemon.exit_policy import describe_exit
 from daemon.run_policy import RunningJob
 from engine.stop import EXIT_OK, EXIT_STOPPED
@@ -47,11 +47,11 @@ def trainer_command(workdir: Path) -> list[str]:
             "--progress", "json"]
 
 
-def trainer_env(extra: dict[str, str], dev: int | None) -> dict[str, str]:
-    """The daemon's environment, the configured `trainer_env`, and the one GPU the trainer may see."""
+def trainer_env(extra: dict[str, str], devs: list[int | None]) -> dict[str, str]:
+    """The daemon's environment, the configured `trainer_env`, and the GPUs the trainer may see."""
     env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
-    if dev is not None:
-        env["CUDA_VISIBLE_DEVICES"] = str(dev)
+    if (visible := gang.visible_devices(devs)) is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
         # `dev` is an NVML index; CUDA numbers GPUs fastest-first unless told otherwise, which on a mixed
         # machine puts the trainer on another GPU than the one counted, capped and metered.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
@@ -111,7 +111,7 @@ class Child:
     popen: subprocess.Popen
     pid: int
     pid_start: int | None
-    gpu: int | None
+    gpu: int | None  # the first of `devices` (power caps and metrics follow it)
     attempt: int
     start_step: int
     total: int
@@ -132,6 +132,11 @@ class Child:
     dirty: bool = False
     flushed_at: float = 0.0
     reader: threading.Thread | None = None
+    devices: list[int | None] = field(default_factory=list)  # every device the job's processes use (a gang)
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            self.devices = [self.gpu]
 
     def running_job(self) -> RunningJob:
         return RunningJob(job_id=self.job_id, name=self.name, pid=self.pid, gpu=self.gpu, started_at=self.started_at,
