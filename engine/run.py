@@ -319,8 +319,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     step_times: list[float] = []
     model.train()
     try:
-        stopping = ranks.agree(stop.requested)[0]  # every rank takes the same decision at every step boundary
-        while at.step < cfg.train.steps and not stopping:
+        # Every rank takes the same decision at every step boundary; a stop asked for during the last step's samples
+        # or save is seen here, before another step.
+        while at.step < cfg.train.steps and not ranks.agree(stop.requested)[0]:
             t0 = time.monotonic()
             loss, lr, grad_norm = train_step(family, ddp_model, optimizer, params, batches, at, cfg, share, ranks)
             at.step += 1
