@@ -68,9 +68,7 @@ def test_an_ema_job_stopped_and_resumed_exports_the_same_bits(micro_model, tmp_p
     ref = tmp_path / "ref"
     assert train(cfg, ref, progress="none") == 0
     wd = tmp_path / "stopped"
-    # asked during step 3's end hook, the stop is agreed at the next step boundary: it stops after step 4,
-    # between averaging steps 3 and 5
-    stop = _record_raw_weights(monkeypatch, {}, stop_at=3)
+    stop = _record_raw_weights(monkeypatch, {}, stop_at=4)  # between averaging steps 3 and 5
     assert train(cfg, wd, progress="none", stop=stop) == 75
     monkeypatch.undo()
     assert train(cfg, wd, progress="none") == 0
