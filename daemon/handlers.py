@@ -156,15 +156,30 @@ def logs(ctx: Context, req: p.Logs) -> dict[str, Any]:
     return {"job": job["id"], "lines": out, "offset": end, "state": job["state"]}
 
 
+def _seen(job: dict[str, Any], expect: str | None) -> str:
+    """The state the request was meant for: the one the asker saw (`expect`), else the one read just now."""
+    if expect is not None and expect != job["state"]:
+        raise HandlerError("conflict", f"job {job['id']} is {job['state']} now, not {expect}; nothing was changed")
+    return job["state"]
+
+
+def _ask_trainer(ctx: Context, job: dict[str, Any], what: str) -> None:
+    """Ask a running job's trainer to stop, only while that job is still running (store.request)."""
+    if not ctx.store.request(job["id"], what, states.RUNNING):
+        now = ctx.store.get(job["id"])["state"]
+        raise HandlerError("conflict", f"job {job['id']} stopped running meanwhile (it is {now} now); nothing was "
+                                       f"changed: look at `lorad status {job['id']}` and ask again if needed")
+    ctx.wake()
+
+
 def pause(ctx: Context, req: p.Pause) -> dict[str, Any]:
     job = _job(ctx, req.job)
-    st = job["state"]
+    st = _seen(job, req.expect)
     if st == states.QUEUED:
-        ctx.store.transition(job["id"], states.QUEUED, states.PAUSED, "lorad pause")
+        ctx.store.transition(job["id"], states.QUEUED, states.PAUSED, "lorad pause")  # refused if it moved on
         return {"job": job["id"], "state": states.PAUSED, "message": "paused"}
     if st == states.RUNNING:
-        ctx.store.update(job["id"], requested="pause")
-        ctx.wake()
+        _ask_trainer(ctx, job, "pause")
         return {"job": job["id"], "state": st, "message": "pausing: the trainer checkpoints and stops"}
     if st == states.PAUSED:
         return {"job": job["id"], "state": st, "message": "already paused"}
@@ -184,13 +199,12 @@ def resume(ctx: Context, req: p.Resume) -> dict[str, Any]:
 
 def cancel(ctx: Context, req: p.Cancel) -> dict[str, Any]:
     job = _job(ctx, req.job)
-    st = job["state"]
+    st = _seen(job, req.expect)
     if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED):
-        ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")
+        ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
         return {"job": job["id"], "state": states.CANCELLED, "message": "cancelled"}
     if st == states.RUNNING:
-        ctx.store.update(job["id"], requested="cancel")
-        ctx.wake()
+        _ask_trainer(ctx, job, "cancel")
         return {"job": job["id"], "state": st, "message": "cancelling: the trainer checkpoints and stops"}
     raise HandlerError("refused", f"job {job['id']} is already {st}")
 

@@ -51,6 +51,7 @@ class Logs(_Msg):
 class Pause(_Msg):
     verb: Literal["pause"] = "pause"
     job: str = JOB_REF
+    expect: str | None = Field(None, max_length=20)  # the state the asker saw; refused if the job has moved on
 
 
 class Resume(_Msg):
@@ -61,6 +62,7 @@ class Resume(_Msg):
 class Cancel(_Msg):
     verb: Literal["cancel"] = "cancel"
     job: str = JOB_REF
+    expect: str | None = Field(None, max_length=20)  # the state the asker saw; refused if the job has moved on
 
 
 class SetPriority(_Msg):

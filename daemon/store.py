@@ -251,7 +251,8 @@ class Store:
     def begin_attempt(self, job_id: str, start_step: int, **fields: Any) -> int:
         """QUEUED → RUNNING and a new attempt row, in one transaction (both or neither). The attempt's number."""
         with self._tx() as db:
-            _transition(db, job_id, states.QUEUED, states.RUNNING, "trainer starting", fields)
+            # A new attempt starts with no stop asked of it: a request is only ever made of a running attempt.
+            _transition(db, job_id, states.QUEUED, states.RUNNING, "trainer starting", {"requested": None, **fields})
             return _start_attempt(db, job_id, start_step)
 
     def end_run(self, job_id: str, exit_code: int | None, end_step: int, error: str | None,
@@ -273,6 +274,20 @@ class Store:
                 _transition(db, job_id, src, dst, reason, fields)
                 src = dst
             return result
+
+    def request(self, job_id: str, what: str, seen_state: str) -> bool:
+        """Record a pause or cancel for the trainer, only if the job is still in the state the asker saw.
+
+        One conditional UPDATE: a trainer that exited between the asker's read and this write (the job queued
+        again, or finished) leaves the row as it is, and the caller refuses (False) instead of leaving a flag
+        that would stop the next attempt at once or stay on a finished job.
+        """
+        with self._tx() as db:
+            n = db.execute("UPDATE jobs SET requested=?, updated_at=? WHERE id=? AND state=?",
+                           (what, time.time(), job_id, seen_state)).rowcount
+            if n:
+                _event(db, job_id, "requested", {"what": what, "state": seen_state})
+            return n == 1
 
     def update(self, job_id: str, **fields: Any) -> None:
         """Progress and bookkeeping columns; never the state (that is transition()'s job)."""

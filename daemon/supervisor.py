@@ -68,6 +68,7 @@ class Supervisor:
         self._next_intake_retry = 0.0
         self.healthy = True
         self.wake = threading.Event()
+        self._step_errors: dict[str, tuple[str, int]] = {}  # step → (its failure as logged, failures since)
 
     # ================================================================ the tick
     def tick(self) -> None:
@@ -88,10 +89,17 @@ class Supervisor:
         # the watchdog, and systemd restarts the daemon.
         try:
             fn()
-            return True
         except Exception as e:  # noqa: BLE001
-            self.log.error("tick_step_failed", exc_info=True, step=name, error=f"{type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            prev, n = self._step_errors.get(name, (None, 0))
+            self._step_errors[name] = (error, n + 1)
+            if error != prev:  # once per step and cause (a full disk under state.db fails every tick, 4× a second)
+                self.log.error("tick_step_failed", exc_info=True, step=name, error=error,
+                               message="said once; said again when the cause changes or the step recovers")
             return False
+        if (failed := self._step_errors.pop(name, None)) is not None:
+            self.log.info("tick_step_recovered", step=name, failed_ticks=failed[1], last_error=failed[0])
+        return True
 
     # ---------------------------------------------------------------- reap
     def reap(self) -> None:

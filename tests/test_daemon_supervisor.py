@@ -515,3 +515,30 @@ def test_a_slow_checkpoint_a_power_stop_and_a_finished_job_are_notified(sup, tmp
                                             ("succeeded", done.job_id)]
     assert sent[0][2]["seconds"] == 31.0 and sent[1][2]["reason"].startswith("policy")
     assert sent[2][2]["state"] == states.SUCCEEDED and sent[2][2]["exit_code"] == 0
+
+
+def test_a_failing_tick_step_is_logged_once_per_cause_and_again_when_it_recovers(tmp_path, monkeypatch):
+    from tests.fakes import RecLog
+
+    store = Store(tmp_path / "state.db")
+    log = RecLog()
+    s = Supervisor(tmp_path, DaemonConfig(), store, [None], log, policy=FakePolicy())
+    try:
+        def full(now):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        monkeypatch.setattr(store, "next_queued", full)
+        for _ in range(8):  # two seconds of a full state.db at 4 ticks a second
+            s.tick()
+        assert [kw["error"] for kw in log.named("tick_step_failed")] == ["OperationalError: database or disk is full"]
+        monkeypatch.setattr(store, "next_queued", lambda now: (_ for _ in ()).throw(sqlite3.OperationalError("locked")))
+        s.tick()
+        s.tick()
+        assert len(log.named("tick_step_failed")) == 2  # a new cause is said once
+        monkeypatch.undo()
+        s.tick()
+        s.tick()
+        assert [(kw["step"], kw["failed_ticks"]) for kw in log.named("tick_step_recovered")] == [("spawn", 10)]
+        assert len(log.named("tick_step_failed")) == 2
+    finally:
+        store.close()
