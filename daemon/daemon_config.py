@@ -26,7 +26,7 @@ class DaemonConfig(BaseModel):
     socket: str | None = None  # default: $RUNTIME_DIRECTORY/lorad.sock under systemd, else HOME/lorad.sock
     socket_group: str | None = None  # members of this group may use the socket (besides root and the daemon's user)
     max_request_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
-    client_timeout_s: float = Field(10.0, gt=0, le=3600)  # a connection idle this long is closed
+    client_timeout_s: float = Field(10.0, gt=0, le=3600)  # each request line must arrive whole within this long
     max_connections: int = Field(32, ge=1, le=4096)
 
     # --- inbox and job intake

@@ -1,10 +1,15 @@
 """The Unix socket server: NDJSON requests on connection threads, peer checked with SO_PEERCRED.
 
 Set-up order matters: an existing socket is probed (a live daemon answers →
-refuse; a dead one → remove), the new one is bound under a umask that makes
-it 0660 from the first instant, its group is set, and only then does it listen.
+refuse; a dead one → remove; a file that is not a socket → refuse, never
+removed), the new one is bound, given mode 0660 and its group, and only then
+does it listen: until listen() nobody can connect, so there is no window where
+the socket is open to all, and no process-wide umask is touched (other threads
+run and create files meanwhile).
 Nothing a client sends can crash or block the server: every line is capped,
-every connection times out, and every failure becomes an error reply.
+every request has one total deadline (a client trickling a byte at a time is
+dropped when it passes, not when one recv waits too long), and every failure
+becomes an error reply.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import os
 import pwd
 import select
 import socket
+import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +31,10 @@ from daemon import protocol as p
 
 class SocketInUse(Exception):
     pass
+
+
+class SocketPathTaken(SocketInUse):
+    """Something other than a socket is at the socket path: it is never removed."""
 
 
 def peer_allowed(uid: int, gid: int, group: str | None) -> bool:
@@ -64,26 +75,33 @@ class SocketServer:
         self._remove_stale()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        old = os.umask(0o117)  # the socket file is born 0660: no window where others could connect
         try:
             s.bind(str(self.path))
-        finally:
-            os.umask(old)
+            # Not os.umask(): it is process-wide, and other threads create files meanwhile. Before listen()
+            # nobody can connect, so setting the mode and group now leaves no window.
+            os.chmod(self.path, 0o660)
+        except OSError:
+            s.close()
+            raise
         if self.group:
             try:
                 os.chown(self.path, -1, grp.getgrnam(self.group).gr_gid)
             except (KeyError, PermissionError) as e:
                 self.log.warning("socket_group", group=self.group, error=str(e),
                                  message="the socket keeps the daemon's group")
-        os.chmod(self.path, 0o660)
         s.listen(64)
         self.sock = s
         self._thread = threading.Thread(target=self._accept_loop, name="socket-accept", daemon=True)
         self._thread.start()
 
     def _remove_stale(self) -> None:
-        if not os.path.lexists(self.path):
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
             return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SocketPathTaken(f"{self.path} exists and is not a socket; not removing it (move it away, or set "
+                                  "`socket:` in the daemon config to another path)")
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
@@ -139,8 +157,10 @@ class SocketServer:
                 self._send_quietly(conn, p.error("refused", f"uid {uid} may not use this daemon "
                                                  f"(root, the daemon's user or group {self.group or '-'} only)"))
                 return
-            conn.settimeout(self.timeout_s)
             buf = b""
+            # One deadline for the whole request line (and for the wait before it), not one per recv: a client
+            # sending a byte every few seconds would otherwise hold its slot forever.
+            deadline = time.monotonic() + self.timeout_s
             while not self._stop.is_set():
                 nl = buf.find(b"\n")
                 if nl < 0:
@@ -148,6 +168,10 @@ class SocketServer:
                         # The end of this line cannot be found within the cap: answer and hang up.
                         self._send_quietly(conn, p.error("too_large", f"request larger than {self.max_request_bytes} bytes"))
                         return
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    conn.settimeout(left)
                     try:
                         chunk = conn.recv(65536)
                     except TimeoutError:
@@ -159,7 +183,9 @@ class SocketServer:
                 line, buf = buf[:nl], buf[nl + 1:]
                 if not line.strip():
                     continue
+                conn.settimeout(self.timeout_s)
                 conn.sendall(self._answer(line))
+                deadline = time.monotonic() + self.timeout_s
         except OSError:
             pass  # the client went away
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import stat
 import threading
@@ -14,7 +15,7 @@ import pytest
 from daemon import protocol as p
 from daemon.client import Client, DaemonDown
 from daemon.log import setup
-from daemon.server import SocketInUse, SocketServer, peer_allowed
+from daemon.server import SocketInUse, SocketPathTaken, SocketServer, peer_allowed
 
 
 def test_every_verb_round_trips_through_its_typed_request():
@@ -86,6 +87,47 @@ def raw(path, payload: bytes, read: bool = True) -> list[dict]:
 
 def test_socket_is_0660_from_the_start(server):
     assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o660
+
+
+def test_the_socket_is_made_0660_without_touching_the_process_wide_umask(tmp_path, monkeypatch):
+    def no_umask(mask):
+        raise AssertionError("os.umask is process-wide: other threads' files would get it too")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    s = SocketServer(tmp_path / "u.sock", lambda r: p.encode(p.Reply()), setup())
+    s.start()
+    try:
+        assert stat.S_IMODE(os.stat(s.path).st_mode) == 0o660
+        assert Client(s.path).call(p.Ping()) == {}
+    finally:
+        s.close()
+
+
+def test_a_file_that_is_not_a_socket_at_the_socket_path_is_refused_and_kept(tmp_path):
+    path = tmp_path / "lorad.sock"
+    path.write_text("precious")
+    with pytest.raises(SocketPathTaken, match=str(path)):
+        SocketServer(path, lambda r: b"", setup()).start()
+    assert path.read_text() == "precious"
+
+
+def test_a_client_trickling_one_byte_at_a_time_is_dropped_at_the_request_deadline(server):
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect(str(server.path))
+    t0 = time.monotonic()
+    dropped_at = None
+    for byte in b'{"verb": "ping"' * 4:  # each byte well inside the 1 s timeout, the line never complete
+        try:
+            c.sendall(bytes([byte]))
+        except OSError:  # the server hung up
+            dropped_at = time.monotonic() - t0
+            break
+        r, _, _ = select.select([c], [], [], 0.25)
+        if r and c.recv(10) == b"":
+            dropped_at = time.monotonic() - t0
+            break
+    c.close()
+    assert dropped_at is not None and dropped_at < 1.8  # the request's 1 s deadline, not 1 s per recv
 
 
 def test_garbage_lines_get_errors_and_the_connection_keeps_working(server):
