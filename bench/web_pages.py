@@ -7,8 +7,8 @@ table, an hour of 1 Hz telemetry for one GPU and energy rows; the running job's 
 step lines. Serves it with the daemon's own listener (uvicorn on a thread, real HTTP on loopback) and times
 each page N times over one keep-alive connection: wall-clock median and p95, and the CPU time this process
 spent per request (server and client together; unlike wall-clock it does not grow when other processes
-load the machine), plus the job page's first (cold) view, which parses the whole events.jsonl once (later
-views read only what was appended).
+load the machine), plus the one-time read of the running job's whole events.jsonl (the daemon does it on a
+thread when it starts) and the first view after it (later views read only what was appended).
 """
 
 from __future__ import annotations
@@ -122,10 +122,16 @@ def main() -> int:
             assert r.status == 200, (path, r.status, body[:300])
             return dt
 
-        cold = get(f"/jobs/{running}")
+        # The daemon reads the histories of the jobs that are training on a thread when it starts
+        # (daemon/web/wiring.py); timed here on its own, then the first view of the page.
+        t = time.perf_counter()
+        view.warm([(running, home / "jobs" / running)])
+        warm = time.perf_counter() - t
+        first = get(f"/jobs/{running}")
         pages = ["/jobs", "/jobs?live=1", f"/jobs/{running}", f"/jobs/{running}?live=1", "/jobs/job0001-0001",
                  "/power", "/submit", "/metrics"]
-        print(f"\njob page, first view (parses {args.steps} step lines once): {cold * 1000:.0f} ms\n")
+        print(f"\nreading the running job's {args.steps} step lines (on a thread at daemon start): {warm * 1000:.0f} ms")
+        print(f"job page, first view after that: {first * 1000:.0f} ms\n")
         print(f"{'page':<34} {'median ms':>10} {'p95 ms':>8} {'CPU ms':>8}  (n={args.n}, target ≤ 200 ms)")
         worst = 0.0
         for path in pages:

@@ -230,6 +230,23 @@ def test_events_are_read_incrementally(site):
     assert sorted(site.view.series(jid, wd).steps) == [1, 2, 3]
 
 
+def test_a_line_torn_by_a_kill_costs_only_that_line(site):
+    jid = site.add_job()
+    wd = site.workdir(jid)
+    # killed mid-write at step 2: the resumed engine starts a new line after the torn one
+    (wd / "events.jsonl").write_text(step_line(1, 1.0, 1.0) + '{"event": "step", "st\n' + step_line(3, 0.8, 3.0))
+    assert sorted(site.view.series(jid, wd).steps) == [1, 3]
+
+
+def test_warming_reads_a_history_so_the_first_view_reads_nothing_more(site):
+    jid = site.add_job()
+    wd = site.workdir(jid)
+    (wd / "events.jsonl").write_text("".join(step_line(i, 1.0 / i, float(i)) for i in range(1, 51)))
+    site.view.warm([(jid, wd)])
+    warmed = site.view.series(jid, wd)
+    assert len(warmed.steps) == 50 and warmed.offset == (wd / "events.jsonl").stat().st_size
+
+
 def test_power_page_and_schedule(tmp_path):
     site = Site(tmp_path)
     site.dash.schedule = {"timezone": "UTC", "run_windows": [{"days": "mon-fri", "start": "22:00", "end": "06:00"}],

@@ -73,6 +73,26 @@ class Series:
             self.samples[ev["step"]] = {"paths": list(ev.get("paths") or []), "prompts": list(ev.get("prompts") or [])}
 
 
+def _decode_lines(data: bytes) -> list[Any]:
+    """The JSON values of these whole lines. One decode of the lines joined as an array is about twice as fast
+    as one per line (20,000 step lines: the job page's first view); a torn line (a kill mid-write, after which
+    the engine starts a new line) sends that chunk the slow way, which skips just the torn line."""
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    if not lines:
+        return []
+    try:
+        return json.loads(b"[" + b",".join(lines) + b"]")
+    except ValueError:
+        pass
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 class StoreView:
     def __init__(self, db_path: Path):
         self.db_path = Path(db_path)
@@ -199,17 +219,17 @@ class StoreView:
                 f.seek(s.offset)
                 data = f.read(st.st_size - s.offset)
             cut = data.rfind(b"\n") + 1  # whole lines only; a line being written is read next time
-            for line in data[:cut].split(b"\n"):
-                if not line.strip():
-                    continue
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by a kill: the engine starts a new line after it
+            for ev in _decode_lines(data[:cut]):
                 if isinstance(ev, dict):
                     s.add(ev)
             s.offset += cut
             return s
+
+    def warm(self, jobs: list[tuple[str, Path]]) -> None:
+        """Read these jobs' histories now (the daemon calls it on a thread at start), so that the first view of
+        a long-running job's page does not pay for parsing its whole events.jsonl."""
+        for job_id, workdir in jobs:
+            self.series(job_id, workdir)
 
     @staticmethod
     def events_tail(workdir: Path, lines: int = 40) -> list[dict[str, Any]]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon import states
 from daemon.web.auth import ensure_token
 
 
@@ -40,5 +42,10 @@ def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
         view.close()
         return None
     ctx.web_url = listener.url
+    # The jobs that are training now are the pages people open first: read their histories in the background.
+    live = [(r["id"], Path(r["workdir"])) for r in view.query(
+        "SELECT id, workdir FROM jobs WHERE state IN (?, ?, ?) AND workdir IS NOT NULL",
+        (states.RUNNING, states.PAUSED, states.INTERRUPTED))]
+    threading.Thread(target=view.warm, args=(live,), name="web-warm", daemon=True).start()
     log.info("web", url=listener.url, token_file=str(Path(home) / "web.token"))
     return listener
