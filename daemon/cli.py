@@ -1,6 +1,6 @@
 """The `lorad` command line: the parser and one dispatch; each verb is one function in its own room.
 
-    daemon/client_verbs.py     ping submit status logs pause resume cancel priority drain power web-url
+    daemon/client_verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
     daemon/foreground.py       run cache
     daemon/service.py          serve
     daemon/install_service.py  install-service
@@ -31,6 +31,7 @@ from daemon.client_verbs import (
     cmd_power,
     cmd_priority,
     cmd_resume,
+    cmd_retry,
     cmd_status,
     cmd_submit,
     cmd_web_url,
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_.set_defaults(fn=cmd_logs)
     for verb, fn, what in (("pause", cmd_pause, "checkpoint and stop a job (or keep a queued one from starting)"),
                            ("resume", cmd_resume, "queue a paused job again"),
-                           ("cancel", cmd_cancel, "stop a job for good (its checkpoints stay)")):
+                           ("cancel", cmd_cancel, "stop a job for good (its checkpoints stay)"),
+                           ("retry", cmd_retry, "queue a failed job again: it resumes from its checkpoints")):
         p_ = sub.add_parser(verb, parents=[common], help=what)
         p_.add_argument("job", type=_job_ref)
         p_.set_defaults(fn=fn)

@@ -98,6 +98,7 @@ def _action(req_cls):
 cmd_pause = _action(p.Pause)
 cmd_resume = _action(p.Resume)
 cmd_cancel = _action(p.Cancel)
+cmd_retry = _action(p.Retry)
 
 
 def cmd_priority(args: argparse.Namespace) -> int:

@@ -175,8 +175,8 @@ def _ask_trainer(ctx: Context, job: dict[str, Any], what: str) -> None:
 def pause(ctx: Context, req: p.Pause) -> dict[str, Any]:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st == states.QUEUED:
-        ctx.store.transition(job["id"], states.QUEUED, states.PAUSED, "lorad pause")  # refused if it moved on
+    if st in (states.QUEUED, states.WAITING):
+        ctx.store.transition(job["id"], st, states.PAUSED, "lorad pause", wait_bytes=None)  # refused if it moved on
         return {"job": job["id"], "state": states.PAUSED, "message": "paused"}
     if st == states.RUNNING:
         _ask_trainer(ctx, job, "pause")
@@ -200,13 +200,28 @@ def resume(ctx: Context, req: p.Resume) -> dict[str, Any]:
 def cancel(ctx: Context, req: p.Cancel) -> dict[str, Any]:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED):
+    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING):
         ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
         return {"job": job["id"], "state": states.CANCELLED, "message": "cancelled"}
     if st == states.RUNNING:
         _ask_trainer(ctx, job, "cancel")
         return {"job": job["id"], "state": st, "message": "cancelling: the trainer checkpoints and stops"}
     raise HandlerError("refused", f"job {job['id']} is already {st}")
+
+
+def retry(ctx: Context, req: p.Retry) -> dict[str, Any]:
+    """A failed job back in the queue with a fresh retry budget (or a job waiting for disk space, now); its trainer
+    resumes from the newest checkpoint in its directory."""
+    job = _job(ctx, req.job)
+    st = job["state"]
+    if st not in (states.FAILED, states.WAITING):
+        raise HandlerError("refused", f"job {job['id']} is {st}; only a failed job (or one waiting for disk space) "
+                                      "can be retried")
+    ctx.store.transition(job["id"], st, states.QUEUED, "lorad retry", retries=0, not_before=0, wait_bytes=None,
+                         requested=None)
+    ctx.wake()
+    where = f"from its checkpoint at step {job['checkpoint_step']}" if job["checkpoint_step"] else "from step 0"
+    return {"job": job["id"], "state": states.QUEUED, "message": f"queued; it resumes {where}"}
 
 
 def priority(ctx: Context, req: p.SetPriority) -> dict[str, Any]:
@@ -251,7 +266,7 @@ def web_url(ctx: Context, req: p.WebUrl) -> dict[str, Any]:
 
 HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
-    "cancel": cancel, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
+    "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
 }
 
 

@@ -65,6 +65,11 @@ class Cancel(_Msg):
     expect: str | None = Field(None, max_length=20)  # the state the asker saw; refused if the job has moved on
 
 
+class Retry(_Msg):
+    verb: Literal["retry"] = "retry"
+    job: str = JOB_REF
+
+
 class SetPriority(_Msg):
     verb: Literal["priority"] = "priority"
     job: str = JOB_REF
@@ -88,7 +93,8 @@ class WebUrl(_Msg):
 
 
 # A new verb: a request class above, added here, and a handler in daemon/handlers.py.
-REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, SetPriority, Drain, Power, WebUrl]
+REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, Retry, SetPriority, Drain, Power,
+                                   WebUrl]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
@@ -108,6 +114,7 @@ class JobRow(BaseModel):
     last_error: str | None = None
     requested: str | None = None
     retries: int = 0
+    wait_bytes: int | None = None  # waiting: the free space it needs
 
 
 class Attempt(BaseModel):

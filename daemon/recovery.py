@@ -18,6 +18,14 @@ like a trainer crash: backoff, and `failed` once the retry budget is spent.
 Otherwise a job that takes the host or the daemon down with it would be
 resumed forever. (What the user asked for before the outage, pause or
 cancel, still wins.)
+
+Except after an outage that is not the job's fault: the host rebooted (the
+kernel's boot id differs from the one the last daemon recorded) or the UPS
+had announced the power failing (meta `power_outage`, kept by the supervisor
+from its policy). Then a job found `running` resumes at once: no backoff,
+no crash counted. And an attempt that committed checkpoints the store never
+heard of (the daemon was SIGKILLed while its trainer kept going) made
+progress: its crash count starts again.
 """
 
 from __future__ import annotations
@@ -25,14 +33,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from daemon import proc, states
 from daemon.daemon_config import DaemonConfig
+from daemon.disk_progress import committed_checkpoints, last_event_step
 from daemon.exit_policy import decide_exit
 from daemon.log import job_event
 from daemon.store import Store
 
 CUT_OFF = "cut off: the daemon or the host went down while this attempt ran"
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def current_boot_id() -> str | None:
+    """The running kernel's boot id (a new one at every boot); None where there is none to read."""
+    try:
+        return BOOT_ID.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def outage_cause(store: Store, boot_id: str | None) -> str | None:
+    """Why the jobs still `running` were cut off by something outside them (None: maybe by themselves).
+
+    Records this boot's id, and clears the UPS mark (the new daemon's policy sets it again if still on battery).
+    """
+    before = store.get_meta("boot_id")
+    ups = store.get_meta("power_outage") == "1"
+    if boot_id is not None:
+        store.set_meta("boot_id", boot_id)
+    store.set_meta("power_outage", "0")
+    if before is not None and boot_id is not None and before != boot_id:
+        return "the host rebooted"
+    if ups:
+        return "the UPS announced a power failure"
+    return None
 
 
 @dataclass
@@ -45,9 +81,31 @@ class Reconciled:
     intake_finished: int = 0
 
 
-def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None) -> Reconciled:
+def catch_up(store: Store, job: dict, log) -> bool:
+    """Bring a job's step and last checkpoint up to what its directory holds (checkpoints committed and steps
+    logged while the daemon was down); `job` is updated in place. True if a checkpoint was new to the store."""
+    wd = Path(job["workdir"])
+    newest = committed_checkpoints(wd)
+    fields = {}
+    if newest and (job["checkpoint_step"] is None or newest[0].step > job["checkpoint_step"]):
+        fields.update(last_checkpoint=str(newest[0].path), checkpoint_step=newest[0].step)
+    step = max(job["step"], *(c.step for c in newest[:1]), last_event_step(wd) or 0)
+    if step != job["step"]:
+        fields["step"] = step
+    if not fields:
+        return False
+    log.info("job_caught_up", job=job["id"], was_step=job["step"], was_checkpoint=job["checkpoint_step"], **fields)
+    store.update(job["id"], **fields)
+    job.update(fields)
+    return "checkpoint_step" in fields
+
+
+def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None,
+              boot_id: str | None | Literal["read"] = "read") -> Reconciled:
+    """`boot_id`: the kernel's boot id ("read": from /proc; tests pass their own)."""
     r = Reconciled()
     jobs_root = Path(home) / "jobs"
+    outage = outage_cause(store, current_boot_id() if boot_id == "read" else boot_id)
 
     # 1. No trainer of ours may outlive the daemon that started it: find by recorded pid + start time,
     #    and by command line (a trainer started just before the daemon died may not have its pid recorded).
@@ -67,6 +125,7 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None) -> 
     # 2. Jobs the store thinks are running: their trainer is gone now, and no clean stop recorded its exit.
     for job in store.jobs((states.RUNNING,)):
         jid = job["id"]
+        progressed = catch_up(store, job, log)  # what the trainer did while no daemon listened
         req = job["requested"]
         cleared = dict(pid=None, pid_start=None, gpu=None, requested=None)
         if req in ("cancel", "pause"):
@@ -75,16 +134,19 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None) -> 
             store.end_run(jid, None, job["step"], CUT_OFF, lambda row, moves=moves: (moves, None))
             (r.cancelled if req == "cancel" else r.paused).append(jid)
             continue
-        retries = job["retries"] + 1  # reset to 0 by every new checkpoint, so this counts crashes in a row
-        d = decide_exit(None, None, retries, cfg, CUT_OFF)
-        fields = dict(cleared, retries=retries, last_error=CUT_OFF)
+        # `retries` is reset to 0 by every new checkpoint the store heard of, so it counts crashes in a row.
+        d = decide_exit(None, "outage" if outage else None, job["retries"], cfg, CUT_OFF, progressed=progressed)
+        error = f"{CUT_OFF} ({outage}: resumed at once, not counted)" if outage else CUT_OFF
+        fields = dict(cleared, retries=d.crashes, last_error=error)
         if d.retry_in is not None:
             fields["not_before"] = time.time() + d.retry_in
-        moves = [(d.state, d.reason, fields)]
+        moves = [(d.state, outage or d.reason, fields)]
+        if d.state == states.INTERRUPTED:
+            moves.append((states.QUEUED, "resume after the outage", {"not_before": 0}))
         store.end_run(jid, None, job["step"], CUT_OFF, lambda row, moves=moves: (moves, None))
         job_event(Path(job["workdir"]), jid, "trainer_exited", level="warning", exit_code=None, state=d.state,
                   reason=d.reason, retry_in_s=d.retry_in)
-        (r.requeued if d.state == states.QUEUED else r.failed).append(jid)
+        (r.failed if d.state == states.FAILED else r.requeued).append(jid)
 
     # 3. Interrupted jobs (a clean shutdown) resume from their newest checkpoint, with no backoff.
     for job in store.jobs((states.INTERRUPTED,)):
@@ -100,6 +162,6 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None) -> 
         except Exception as e:  # noqa: BLE001
             log.error("intake_recovery_failed", error=f"{type(e).__name__}: {e}",
                       message="files stay in incoming/; the service loop retries them")
-    log.info("reconciled", orphans_stopped=r.orphans_stopped, requeued=r.requeued, paused=r.paused,
+    log.info("reconciled", outage=outage, orphans_stopped=r.orphans_stopped, requeued=r.requeued, paused=r.paused,
              cancelled=r.cancelled, failed=r.failed, intake_finished=r.intake_finished)
     return r

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.disk_wait import waiting_note
+
 COLUMNS = ("ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE")
 
 
@@ -61,6 +63,8 @@ def print_table(data: dict[str, Any]) -> None:
     rows = []
     for j in data["jobs"]:
         note = j["requested"] and f"{j['requested']} requested" or (j["last_error"] or "")
+        if j["state"] == "waiting":
+            note = f"waiting: {waiting_note(j.get('wait_bytes'))}"
         if j["state"] in ("succeeded", "cancelled"):
             note = ""
         rows.append([j["id"], j["name"], j["state"], f"{j['step']}/{j['total']}",
@@ -134,6 +138,8 @@ def print_detail(data: dict[str, Any]) -> None:
             ("crashes in a row", j["retries"])]
     if j["not_before"] and j["not_before"] > time.time() and j["state"] == "queued":
         rows.append(("next try", when(j["not_before"])))
+    if j["state"] == "waiting":
+        rows.append(("waiting", f"{waiting_note(j.get('wait_bytes'))}; retried when the space is free"))
     if j["requested"]:
         rows.append(("requested", j["requested"]))
     if j["last_error"]:

@@ -31,6 +31,7 @@ class Decision:
     stop_running: str | None = None  # a reason: SIGTERM every trainer (checkpoint, exit 75); jobs are requeued
     checkpoint_now: bool = False  # SIGUSR1 every trainer: commit a checkpoint now and keep training
     notes: list[str] = field(default_factory=list)  # human-readable reasons, shown in `lorad status`
+    outage: bool = False  # the power is failing (UPS on battery): a host that goes down now is not the jobs' fault
 
 
 class Policy(Protocol):

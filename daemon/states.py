@@ -10,11 +10,12 @@ QUEUED = "queued"
 RUNNING = "running"
 PAUSED = "paused"
 INTERRUPTED = "interrupted"
+WAITING = "waiting"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 CANCELLED = "cancelled"
 
-STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, SUCCEEDED, FAILED, CANCELLED)
+STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, WAITING, SUCCEEDED, FAILED, CANCELLED)
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 # (from, to) -> when it happens. The only place a job's state may change.
@@ -26,7 +27,12 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (RUNNING, SUCCEEDED): "the trainer exited 0 with its adapter written",
     (RUNNING, FAILED): "exit 65 (invalid job), or the retry budget is spent",
     (RUNNING, QUEUED): "the trainer crashed or hung; retried after a backoff",
-    (RUNNING, INTERRUPTED): "daemon shutdown or restart, power policy, drain, outage",
+    (RUNNING, INTERRUPTED): "daemon shutdown or restart, power policy, drain, outage, preempted by higher priority",
+    (RUNNING, WAITING): "exit 74, disk full: waits for free space; never counted as a crash",
+    (WAITING, QUEUED): "free space is back on the job's disk (or lorad retry)",
+    (WAITING, PAUSED): "lorad pause while it waits",
+    (WAITING, CANCELLED): "lorad cancel while it waits",
+    (FAILED, QUEUED): "lorad retry: resumes from its last checkpoint with a fresh retry budget",
     (RUNNING, PAUSED): "lorad pause: the trainer checkpointed and exited",
     (RUNNING, CANCELLED): "lorad cancel: the trainer was stopped",
     (INTERRUPTED, QUEUED): "requeued at once to resume from its last checkpoint",
@@ -34,6 +40,9 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (PAUSED, QUEUED): "lorad resume",
     (PAUSED, CANCELLED): "lorad cancel",
 }
+
+# The one way out of a final state: a person asks for it (`lorad retry`); the daemon never leaves one by itself.
+REOPEN = frozenset({(FAILED, QUEUED)})
 
 
 class IllegalTransition(Exception):

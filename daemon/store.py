@@ -45,7 +45,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     eta_s REAL,
     last_checkpoint TEXT,
     checkpoint_step INTEGER,
-    output TEXT
+    output TEXT,
+    wait_bytes INTEGER
 );
 CREATE TABLE IF NOT EXISTS attempts (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -73,10 +74,13 @@ CREATE INDEX IF NOT EXISTS attempts_by_job ON attempts(job_id, n);
 CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
 """
 
+# Columns added after the first release: (name, declaration), added to an older state.db when it is opened.
+ADDED_COLUMNS = (("wait_bytes", "INTEGER"),)  # a job waiting for disk space: how much it needs
+
 # Progress columns a heartbeat may update without a state change.
 PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
                     "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
-                    "priority"}
+                    "priority", "wait_bytes"}
 
 
 class UnknownJob(KeyError):
@@ -146,6 +150,10 @@ class Store:
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.execute("PRAGMA foreign_keys=ON")
             self.db.executescript(SCHEMA)
+            have = {r["name"] for r in self.db.execute("PRAGMA table_info(jobs)")}
+            for name, decl in ADDED_COLUMNS:
+                if name not in have:
+                    self.db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
             # Take the write lock once: a file another process keeps locked is found now, not at the first job.
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("COMMIT")
@@ -309,6 +317,14 @@ class Store:
             db.execute("UPDATE jobs SET pid=?, pid_start=?, updated_at=? WHERE id=?",
                        (pid, pid_start, time.time(), job_id))
             db.execute("UPDATE attempts SET pid=? WHERE job_id=? AND n=?", (pid, job_id, n))
+
+    def attempt_training(self, job_id: str, n: int, start_step: int) -> None:
+        """Attempt n trains: its start step is where the trainer really resumed (its checkpoint, not the step the
+        store last heard), and the job's note of an earlier attempt's end (a crash, a cut-off) is stale now."""
+        with self._tx() as db:
+            db.execute("UPDATE attempts SET start_step=? WHERE job_id=? AND n=?", (start_step, job_id, n))
+            db.execute("UPDATE jobs SET last_error=NULL, updated_at=? WHERE id=? AND state=?",
+                       (time.time(), job_id, states.RUNNING))
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         with self._lock:

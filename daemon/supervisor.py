@@ -6,6 +6,7 @@
     heartbeats  progress lines from the children; hung trainers are killed
     requests    pause / cancel / drain asked for over the socket → SIGTERM
     inbox       complete job files → accepted or rejected
+    disk waits  jobs that found the disk full → queued again once their disk has the space (daemon/disk_wait.py)
     policy      power, schedules, UPS (daemon/run_policy.py) → may_start, stop, checkpoint now
     spawn       a free device and the first queued job (priority, then arrival) → a new trainer
 
@@ -25,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon import gang, proc, states, trainer
+from daemon import disk_wait, gang, proc, states, trainer
 from daemon.bookkeeping import PendingWrites
 from daemon.daemon_config import DaemonConfig
 from daemon.exit_policy import decide_exit, describe_exit
@@ -38,7 +39,7 @@ from daemon.shutdown import shut_down
 from daemon.store import Store
 from daemon.systemd_status import SystemdReporter, status_line
 from daemon.trainer import Child
-from engine.stop import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
+from engine.stop import EXIT_STOPPED
 
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
 
@@ -65,7 +66,10 @@ class Supervisor:
         self.notes: list[str] = []
         self.shutting_down = False
         self._checkpoint_now_prev = False
+        self._outage_recorded = False
         self._next_intake_retry = 0.0
+        self._next_disk_poll = 0.0
+        self.free_bytes = disk_wait.free_bytes  # path → free bytes on its filesystem (tests give their own)
         self.healthy = True
         self.wake = threading.Event()
         self._step_errors: dict[str, tuple[str, int]] = {}  # step → (its failure as logged, failures since)
@@ -77,6 +81,7 @@ class Supervisor:
             self._step("heartbeats", self.heartbeats),
             self._step("requests", self._requests),
             self._step("inbox", self._inbox),
+            self._step("disk waits", self._disk_waits),
             self._step("policy", self._policy),
             self._step("spawn", self._spawn),
         ])
@@ -116,14 +121,10 @@ class Supervisor:
 
     def _finish(self, c: Child, code: int) -> None:
         error = c.exit_error(code)
-        crash = code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID) or c.stop_reason == "hung"
 
         def plan(job: dict[str, Any]):
             # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
             # the exit is being written is either seen here or refused afterwards, never lost in between.
-            retries = 0 if c.new_checkpoint else job["retries"]
-            if crash and c.stop_reason in (None, "hung"):
-                retries += 1
             stop_reason = None if c.stop_reason == "hung" else c.stop_reason
             if job["requested"] in ("pause", "cancel"):
                 # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
@@ -131,9 +132,11 @@ class Supervisor:
                 stop_reason = job["requested"]
             elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
                 stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
-            d = decide_exit(code, stop_reason, retries, self.cfg, error)
-            fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=retries,
+            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint)
+            fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
                                           requested=None, last_error=error if error else job["last_error"])
+            if d.state == states.WAITING:
+                fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
             if d.state == states.SUCCEEDED:
                 fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
             if d.retry_in is not None:
@@ -202,6 +205,9 @@ class Supervisor:
         checkpoint = c.heard(ev, now)
         if checkpoint:
             self.store.update(c.job_id, **checkpoint)
+        if kind in ("resumed", "step") and not c.training_recorded:
+            self.store.attempt_training(c.job_id, c.attempt, c.start_step)
+            c.training_recorded = True
         if kind == "phase" and ev.get("phase") == "final_checkpoint" and self.shutting_down \
                 and self.notifier is not None:
             self.notifier.extend_timeout(self.cfg.stop_grace_s)
@@ -250,12 +256,36 @@ class Supervisor:
             self._next_intake_retry = now + self.cfg.inbox_rescan_s
             self.intake.recover()
 
+    # ---------------------------------------------------------------- disk waits
+    def _disk_waits(self) -> None:
+        """Jobs that found the disk full go back in the queue once their disk has the space they need."""
+        now = time.monotonic()
+        if now < self._next_disk_poll:
+            return
+        self._next_disk_poll = now + disk_wait.DISK_POLL_S
+        for job in self.store.jobs((states.WAITING,)):
+            try:
+                free = self.free_bytes(Path(job["workdir"]))
+            except OSError:
+                continue  # its directory is unreachable now: keep waiting
+            need = job["wait_bytes"] or disk_wait.NO_CHECKPOINT_NEED_BYTES
+            if free < need:
+                continue
+            self.store.transition(job["id"], states.WAITING, states.QUEUED, f"disk space is back ({free} bytes free)",
+                                  not_before=0, wait_bytes=None)
+            self.log.info("disk_space_back", job=job["id"], free_bytes=free, needed_bytes=need)
+            job_event(Path(job["workdir"]), job["id"], "requeued", reason="disk space is back", free_bytes=free)
+
     # ---------------------------------------------------------------- policy
     def _policy(self) -> None:
         running = [c.running_job() for c in self.children.values()]
         d = self.policy.tick(datetime.now(timezone.utc), running)
         self.may_start = d.may_start
         self.notes = list(d.notes)
+        if d.outage != self._outage_recorded:
+            # For the next start-up: jobs cut off while the UPS said the power was failing resume uncounted.
+            self.store.set_meta("power_outage", "1" if d.outage else "0")
+            self._outage_recorded = d.outage
         if d.stop_running:
             for c in list(self.children.values()):
                 self.stop(c, f"policy: {d.stop_running}")

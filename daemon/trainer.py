@@ -128,6 +128,7 @@ class Child:
     last_error: str | None = None
     stop_reason: str | None = None  # pause | cancel | shutdown | drain | policy:... | hung
     stop_deadline: float | None = None
+    training_recorded: bool = False  # its real start step is in the store and the earlier attempt's note cleared
     pid_recorded: bool = False  # the pid is in the store (jobs and attempts); retried every tick until it is
     dirty: bool = False
     flushed_at: float = 0.0

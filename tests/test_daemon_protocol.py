@@ -20,7 +20,7 @@ from daemon.server import SocketInUse, SocketPathTaken, SocketServer, peer_allow
 
 def test_every_verb_round_trips_through_its_typed_request():
     reqs = [p.Ping(), p.Submit(name="a.yaml", text="x: 1"), p.Status(), p.Status(job="a-1"), p.Logs(job="a"),
-            p.Pause(job="a"), p.Resume(job="a"), p.Cancel(job="a"), p.SetPriority(job="a", priority=3),
+            p.Pause(job="a"), p.Resume(job="a"), p.Cancel(job="a"), p.Cancel(job="a", expect="running"), p.Retry(job="a"), p.SetPriority(job="a", priority=3),
             p.Drain(on=False), p.Power(), p.Power(limit_w=250, gpu=0), p.Power(clear=True), p.WebUrl()]
     assert {r.verb for r in reqs} == p.VERBS
     for r in reqs:

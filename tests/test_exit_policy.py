@@ -13,43 +13,66 @@ from daemon.exit_policy import decide_exit, describe_exit
 CFG = DaemonConfig(retry_budget=2, backoff_base_s=10, backoff_max_s=25)
 
 
-@pytest.mark.parametrize("code, stop, retries, state, backoff, reason", [
-    (0, None, 0, states.SUCCEEDED, None, "finished"),
-    (0, "cancel", 0, states.SUCCEEDED, None, "finished"),  # finished before the stop took effect: it is done
-    (0, "shutdown", 0, states.SUCCEEDED, None, "finished"),
-    (65, None, 0, states.FAILED, None, "invalid job: boom"),  # invalid job: never retried
-    (65, None, 9, states.FAILED, None, "invalid job: boom"),  # ... whatever the crash count
-    (75, "pause", 0, states.PAUSED, None, "paused by the user"),
-    (-9, "pause", 0, states.PAUSED, None, "paused by the user"),  # killed after the grace: still what was asked
-    (75, "cancel", 0, states.CANCELLED, None, "cancelled by the user"),
-    (1, "cancel", 5, states.CANCELLED, None, "cancelled by the user"),  # a crash while cancelling: cancelled
-    (75, "shutdown", 0, states.INTERRUPTED, None, "shutdown"),
-    (-9, "shutdown", 0, states.INTERRUPTED, None, "shutdown"),  # killed at the shutdown deadline: resumable
-    (75, "drain", 0, states.INTERRUPTED, None, "drain"),
-    (75, "policy: outside run window", 0, states.INTERRUPTED, None, "policy: outside run window"),
-    (75, None, 0, states.INTERRUPTED, None, "the trainer was stopped from outside the daemon"),
-    (1, None, 1, states.QUEUED, 10, "crashed (boom); retry 1/2"),
-    (-11, None, 2, states.QUEUED, 20, "crashed (boom); retry 2/2"),  # exponential
-    (74, None, 2, states.QUEUED, 20, "crashed (boom); retry 2/2"),  # disk full: retried with backoff
-    (None, None, 1, states.QUEUED, 10, "crashed (boom); retry 1/2"),  # exit unknown (cut off by an outage)
-    (1, None, 3, states.FAILED, None, "retry budget spent (2); last error: boom"),  # budget of 2 retries spent
+FULL = "disk full while saving checkpoint step-00000020 in /j/checkpoints (0 MiB free); the previous ... intact"
+
+
+@pytest.mark.parametrize("code, stop, before, progressed, error, state, backoff, reason, crashes", [
+    (0, None, 0, False, "boom", states.SUCCEEDED, None, "finished", 0),
+    (0, "cancel", 0, False, "boom", states.SUCCEEDED, None, "finished", 0),  # finished before the stop: it is done
+    (0, "shutdown", 2, False, "boom", states.SUCCEEDED, None, "finished", 0),
+    (65, None, 0, False, "boom", states.FAILED, None, "invalid job: boom", 0),  # invalid job: never retried
+    (65, None, 9, False, "boom", states.FAILED, None, "invalid job: boom", 9),  # ... whatever the crash count
+    (75, "pause", 0, False, "boom", states.PAUSED, None, "paused by the user", 0),
+    (-9, "pause", 0, False, "boom", states.PAUSED, None, "paused by the user", 0),  # killed after the grace
+    (75, "cancel", 0, False, "boom", states.CANCELLED, None, "cancelled by the user", 0),
+    (1, "cancel", 5, False, "boom", states.CANCELLED, None, "cancelled by the user", 5),  # crash while cancelling
+    (75, "shutdown", 0, False, "boom", states.INTERRUPTED, None, "shutdown", 0),
+    (-9, "shutdown", 0, False, "boom", states.INTERRUPTED, None, "shutdown", 0),  # killed at the deadline
+    (75, "drain", 0, False, "boom", states.INTERRUPTED, None, "drain", 0),
+    (75, "policy: outside run window", 0, False, "boom", states.INTERRUPTED, None, "policy: outside run window", 0),
+    (75, "preempt", 1, False, "boom", states.INTERRUPTED, None, "preempt", 1),  # yielded to higher priority
+    (75, None, 0, False, "boom", states.INTERRUPTED, None, "the trainer was stopped from outside the daemon", 0),
+    # Cut off by an outage that is not the job's fault (host rebooted, UPS shutdown): resumed, nothing counted.
+    (None, "outage", 2, False, "cut off", states.INTERRUPTED, None, "outage", 2),
+    (1, None, 0, False, "boom", states.QUEUED, 10, "crashed (boom); retry 1/2", 1),
+    (-11, None, 1, False, "boom", states.QUEUED, 20, "crashed (boom); retry 2/2", 2),  # exponential
+    (None, None, 0, False, "boom", states.QUEUED, 10, "crashed (boom); retry 1/2", 1),  # exit unknown (cut off)
+    (1, None, 2, False, "boom", states.FAILED, None, "retry budget spent (2); last error: boom", 3),  # spent
+    # A crash after a new checkpoint: progress was made, the budget is refunded and this crash is the first.
+    (1, None, 2, True, "boom", states.QUEUED, 10, "crashed (boom); retry 1/2", 1),
+    (75, "pause", 2, True, "boom", states.PAUSED, None, "paused by the user", 0),
+    # Disk full waits for space and never spends the budget; exit 74 for another cause is a crash.
+    (74, None, 2, False, FULL, states.WAITING, None, f"disk full; waits for free space ({FULL})", 2),
+    (74, None, 1, False, "cannot write (Read-only file system)", states.QUEUED, 20,
+     "crashed (cannot write (Read-only file system)); retry 2/2", 2),
 ])
-def test_exit_code_and_stop_reason_decide_the_next_state(code, stop, retries, state, backoff, reason):
-    d = decide_exit(code, stop, retries, CFG, "boom")
-    assert (d.state, d.retry_in, d.reason) == (state, backoff, reason)
+def test_exit_code_and_stop_reason_decide_the_next_state(code, stop, before, progressed, error, state, backoff,
+                                                          reason, crashes):
+    d = decide_exit(code, stop, before, CFG, error, progressed=progressed)
+    assert (d.state, d.retry_in, d.reason, d.crashes) == (state, backoff, reason, crashes)
     states.check(states.RUNNING, d.state)  # every outcome is an edge of the table
 
 
 def test_backoff_is_capped():
-    assert decide_exit(1, None, 2, DaemonConfig(retry_budget=50, backoff_base_s=10, backoff_max_s=15), "x").retry_in == 15
+    assert decide_exit(1, None, 1, DaemonConfig(retry_budget=50, backoff_base_s=10, backoff_max_s=15), "x").retry_in == 15
 
 
 def test_retry_budget_is_how_many_times_a_crashed_job_is_retried():
     """retry_budget: N → crashes 1..N are retried (with backoff), crash N+1 in a row fails the job."""
     cfg = DaemonConfig(retry_budget=3)
-    outcomes = [decide_exit(1, None, n, cfg, "boom").state for n in range(1, 5)]
+    outcomes = [decide_exit(1, None, n, cfg, "boom").state for n in range(0, 4)]
     assert outcomes == [states.QUEUED] * 3 + [states.FAILED]
-    assert decide_exit(1, None, 1, DaemonConfig(retry_budget=0), "boom").state == states.FAILED  # 0: never retried
+    assert decide_exit(1, None, 0, DaemonConfig(retry_budget=0), "boom").state == states.FAILED  # 0: never retried
+
+
+def test_a_job_that_commits_checkpoints_between_crashes_never_fails_one_that_does_not_does():
+    cfg = DaemonConfig(retry_budget=1)
+    crashes = 0
+    for _ in range(10):  # crashes forever, but each attempt committed a new checkpoint first
+        d = decide_exit(-9, None, crashes, cfg, "oom", progressed=True)
+        assert d.state == states.QUEUED
+        crashes = d.crashes
+    assert decide_exit(-9, None, crashes, cfg, "oom").state == states.FAILED  # no new checkpoint this time
 
 
 @pytest.mark.parametrize("code, words", [

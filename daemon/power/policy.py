@@ -279,6 +279,7 @@ class PowerPolicy:
             if ups is not None:
                 d.may_start &= ups.may_start
                 d.checkpoint_now = ups.checkpoint_now
+                d.outage = ups.outage
                 d.notes += ups.notes
                 if ups.stop_reason:
                     reasons.append(ups.stop_reason)

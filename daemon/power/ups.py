@@ -115,6 +115,7 @@ class UpsAdvice:
     stop_reason: str | None = None
     checkpoint_now: bool = False
     lowest_cap: bool = False  # every GPU to its minimum limit
+    outage: bool = False  # on battery or low: the host may go down any moment, through no job's fault
     notes: list[str] = field(default_factory=list)
 
 
@@ -180,7 +181,7 @@ class UpsMonitor:
         now = self.clock() if now is None else now
         with self._lock:
             self._settle(now)
-            a = UpsAdvice()
+            a = UpsAdvice(outage=self.mode in (ON_BATTERY, LOW_BATTERY))
             if self._checkpoint_pending:
                 a.checkpoint_now, self._checkpoint_pending = True, False
             if self.mode == LOW_BATTERY:
