@@ -47,6 +47,7 @@ class DaemonConfig(BaseModel):
     backoff_base_s: float = Field(10.0, ge=0)  # first retry after this long, then doubled
     backoff_max_s: float = Field(600.0, ge=0)
     stop_grace_s: float = Field(120.0, gt=0)  # SIGTERM → SIGKILL; keep systemd's TimeoutStopSec above it
+    preempt: bool = True  # lower-priority running jobs checkpoint and yield to a higher-priority job that waits
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
 
     power: PowerSettings = Field(default_factory=PowerSettings)

@@ -30,7 +30,8 @@ from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
 if TYPE_CHECKING:
     from daemon.daemon_config import DaemonConfig
 
-RESUMABLE_STOPS = ("shutdown", "drain", "outage", "preempt")  # and "policy: ..." (power windows, the UPS)
+RESUMABLE_STOPS = ("shutdown", "drain", "outage")
+RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, 
         return ExitDecision(states.CANCELLED, "cancelled by the user", crashes=before)
     if stop_reason == "pause":
         return ExitDecision(states.PAUSED, "paused by the user", crashes=before)
-    if stop_reason in RESUMABLE_STOPS or (stop_reason or "").startswith("policy"):
+    if stop_reason in RESUMABLE_STOPS or (stop_reason or "").startswith(RESUMABLE_PREFIXES):
         return ExitDecision(states.INTERRUPTED, stop_reason or "stopped", crashes=before)
     if code == EXIT_INVALID:
         return ExitDecision(states.FAILED, f"invalid job: {last_error or 'exit 65'}", crashes=before)

@@ -18,6 +18,7 @@ from typing import Any
 from daemon import protocol as p
 from daemon import states
 from daemon.intake import recent_rejections
+from daemon.scheduling import status_order
 from daemon.store import AmbiguousJob, Store, UnknownJob
 from daemon.version import lorad_version
 from engine.errors import JobInvalid
@@ -101,7 +102,7 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     if req.job is None:
         rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
                                                  REJECTIONS_SHOWN)
-        return {"jobs": [_row(j) for j in ctx.store.jobs()], "draining": ctx.store.get_meta("drain") == "1",
+        return {"jobs": [_row(j) for j in status_order(ctx.store.jobs(), time.time())], "draining": ctx.store.get_meta("drain") == "1",
                 "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
                 "rejected": rejected, "rejected_within_s": REJECTIONS_WITHIN_S, "rejected_total": n_rejected,
                 "rejected_dir": str(ctx.home / "rejected"),

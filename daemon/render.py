@@ -14,7 +14,7 @@ from typing import Any
 
 from daemon.disk_wait import waiting_note
 
-COLUMNS = ("ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE")
+COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "S/STEP", "ETA", "NOTE")
 
 
 def fmt_eta(s: float | None) -> str:
@@ -56,7 +56,8 @@ def console(**kw: Any):
 
 
 def print_table(data: dict[str, Any]) -> None:
-    """The queue, one line per job: NOTE (why it failed, what was asked) is cut to the room left, at a word."""
+    """The queue, one line per job in the daemon's order (running, then the queue in the order it will run, ...):
+    NOTE (why it failed, what was asked) is cut to the room left, at a word."""
     from rich.table import Table
     from rich.text import Text
 
@@ -67,7 +68,7 @@ def print_table(data: dict[str, Any]) -> None:
             note = f"waiting: {waiting_note(j.get('wait_bytes'))}"
         if j["state"] in ("succeeded", "cancelled"):
             note = ""
-        rows.append([j["id"], j["name"], j["state"], f"{j['step']}/{j['total']}",
+        rows.append([j["id"], j["name"], j["state"], str(j["priority"]), f"{j['step']}/{j['total']}",
                      f"{j['loss']:.4f}" if j["loss"] is not None else "-",
                      f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
                      fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note])
@@ -76,7 +77,7 @@ def print_table(data: dict[str, Any]) -> None:
     room = max(width - fixed, 16)
     t = Table(box=None, pad_edge=False)
     for col in COLUMNS:
-        t.add_column(col, justify="right" if col in ("STEP", "LOSS", "S/STEP", "ETA") else "left",
+        t.add_column(col, justify="right" if col in ("PRIO", "STEP", "LOSS", "S/STEP", "ETA") else "left",
                      no_wrap=True, overflow="ellipsis")
     for r in rows:
         t.add_row(*(Text(v) for v in r[:-1]), Text(shorten(r[-1], room)))  # Text: an error's [..] is not markup

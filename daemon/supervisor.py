@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon import disk_wait, gang, proc, states, trainer
+from daemon import disk_wait, gang, proc, scheduling, states, trainer
 from daemon.bookkeeping import PendingWrites
 from daemon.daemon_config import DaemonConfig
 from daemon.exit_policy import decide_exit, describe_exit
@@ -313,12 +313,28 @@ class Supervisor:
                 self._fail_unstartable(job, gpus)
                 continue
             if not plan.starts:
-                return  # the first in line waits for a whole gang, holding no device; the jobs behind it wait too
+                # The first in line waits for a whole gang, holding no device; the jobs behind it wait too. If
+                # lower-priority work holds the devices it needs, that work yields (daemon/scheduling.py).
+                if len(tried) == 1:
+                    self._preempt_for(job, gpus, busy)
+                return
             devs = plan.starts[0][1]
             if self.start(job, devs, gpus):
                 busy |= set(devs)
             # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
             # may use these devices; start() left that job out of next_queued's answer.
+
+    def _preempt_for(self, job: dict[str, Any], gpus: int, busy: set) -> None:
+        if not self.cfg.preempt:
+            return
+        prio = {j["id"]: j["priority"] for j in self.store.jobs((states.RUNNING,))}
+        running = [scheduling.Runner(c.job_id, prio.get(c.job_id, 0), len(c.devices), c.started_at,
+                                     stopping=c.stop_reason is not None) for c in self.children.values()]
+        need = 1 if self.devices == [None] else gpus
+        free = len([d for d in self.devices if d not in busy])
+        for jid in scheduling.to_preempt(scheduling.Waiter(job["id"], job["priority"], need), running, free):
+            self.log.info("preempt", job=jid, priority=prio.get(jid, 0), for_job=job["id"], for_priority=job["priority"])
+            self.stop(self.children[jid], f"preempt: yields to {job['id']} (priority {job['priority']})")
 
     def _fail_unstartable(self, job: dict[str, Any], gpus: int) -> None:
         msg = (f"resources.gpus: the job needs {gpus} devices at once and this machine has {len(self.devices)} "

@@ -186,11 +186,11 @@ def test_the_note_is_cut_at_a_word_with_an_ellipsis_on_one_line_without_trailing
     monkeypatch.setenv("COLUMNS", "100")
     code, out, _ = run(capsys, "status", "--home", str(daemon.home))
     lines = out.splitlines()
-    assert code == 0 and lines[0].split() == ["ID", "NAME", "STATE", "STEP", "LOSS", "S/STEP", "ETA", "NOTE"]
+    assert code == 0 and lines[0].split() == ["ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "S/STEP", "ETA", "NOTE"]
     assert [ln.split()[0] for ln in lines[1:3]] == [jid, ok] and len(lines) == 3  # one line per job
     assert all(len(ln) <= 100 and ln == ln.rstrip() for ln in lines)
     note = lines[1][lines[0].index("NOTE"):]
-    assert note.endswith("…") and note.startswith("trainer exited 1: OSError: [Errno 28] No space")  # not markup
+    assert note.endswith("…") and note.startswith("trainer exited 1: OSError: [Errno 28]")  # not markup
     flat = " ".join(LONG_ERROR.split())
     kept = note[:-1]
     assert flat.startswith(kept) and flat[len(kept)] == " "  # cut where a word ends

@@ -30,7 +30,8 @@ FULL = "disk full while saving checkpoint step-00000020 in /j/checkpoints (0 MiB
     (-9, "shutdown", 0, False, "boom", states.INTERRUPTED, None, "shutdown", 0),  # killed at the deadline
     (75, "drain", 0, False, "boom", states.INTERRUPTED, None, "drain", 0),
     (75, "policy: outside run window", 0, False, "boom", states.INTERRUPTED, None, "policy: outside run window", 0),
-    (75, "preempt", 1, False, "boom", states.INTERRUPTED, None, "preempt", 1),  # yielded to higher priority
+    (75, "preempt: yields to b-1 (priority 9)", 1, False, "boom", states.INTERRUPTED, None,
+     "preempt: yields to b-1 (priority 9)", 1),  # yielded to a higher priority: resumed later, nothing counted
     (75, None, 0, False, "boom", states.INTERRUPTED, None, "the trainer was stopped from outside the daemon", 0),
     # Cut off by an outage that is not the job's fault (host rebooted, UPS shutdown): resumed, nothing counted.
     (None, "outage", 2, False, "cut off", states.INTERRUPTED, None, "outage", 2),
