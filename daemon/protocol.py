@@ -109,6 +109,8 @@ class JobRow(BaseModel):
     step: int
     total: int
     loss: float | None = None
+    val_loss: float | None = None  # the last validation loss (data.validation), at val_step
+    val_step: int | None = None
     s_per_step: float | None = None
     eta_s: float | None = None
     last_error: str | None = None

@@ -14,7 +14,7 @@ from typing import Any
 
 from daemon.disk_wait import waiting_note
 
-COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "S/STEP", "ETA", "NOTE")
+COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA", "NOTE")
 
 
 def fmt_eta(s: float | None) -> str:
@@ -70,14 +70,19 @@ def print_table(data: dict[str, Any]) -> None:
             note = ""
         rows.append([j["id"], j["name"], j["state"], str(j["priority"]), f"{j['step']}/{j['total']}",
                      f"{j['loss']:.4f}" if j["loss"] is not None else "-",
+                     f"{j['val_loss']:.4f}" if j.get("val_loss") is not None else "-",
                      f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
                      fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note])
+    columns, val = COLUMNS, COLUMNS.index("VAL")
+    if all(r[val] == "-" for r in rows):  # no job validates (data.validation): no VAL column taking the note's room
+        columns = tuple(c for c in COLUMNS if c != "VAL")
+        rows = [r[:val] + r[val + 1:] for r in rows]
     width = shutil.get_terminal_size((120, 20)).columns
-    fixed = sum(max([len(col), *(len(r[i]) for r in rows)]) + 2 for i, col in enumerate(COLUMNS[:-1]))
+    fixed = sum(max([len(col), *(len(r[i]) for r in rows)]) + 2 for i, col in enumerate(columns[:-1]))
     room = max(width - fixed, 16)
     t = Table(box=None, pad_edge=False)
-    for col in COLUMNS:
-        t.add_column(col, justify="right" if col in ("PRIO", "STEP", "LOSS", "S/STEP", "ETA") else "left",
+    for col in columns:
+        t.add_column(col, justify="right" if col in ("PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA") else "left",
                      no_wrap=True, overflow="ellipsis")
     for r in rows:
         t.add_row(*(Text(v) for v in r[:-1]), Text(shorten(r[-1], room)))  # Text: an error's [..] is not markup
@@ -132,6 +137,7 @@ def print_detail(data: dict[str, Any]) -> None:
     j = data["job"]
     rows = [("id", j["id"]), ("name", j["name"]), ("state", j["state"]), ("priority", j["priority"]),
             ("step", f"{j['step']}/{j['total']}"), ("loss", num(j["loss"], "{:.4f}")),
+            ("validation loss", f"{j['val_loss']:.4f} (step {j['val_step']})" if j.get("val_loss") is not None else "-"),
             ("s/step", num(j["s_per_step"], "{:.3f}")),
             ("ETA", fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
             ("last checkpoint", j["last_checkpoint"] or "-"), ("output", j["output"] or "-"),

@@ -46,7 +46,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     last_checkpoint TEXT,
     checkpoint_step INTEGER,
     output TEXT,
-    wait_bytes INTEGER
+    wait_bytes INTEGER,
+    val_loss REAL,
+    val_step INTEGER
 );
 CREATE TABLE IF NOT EXISTS attempts (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -75,12 +77,13 @@ CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
 """
 
 # Columns added after the first release: (name, declaration), added to an older state.db when it is opened.
-ADDED_COLUMNS = (("wait_bytes", "INTEGER"),)  # a job waiting for disk space: how much it needs
+ADDED_COLUMNS = (("wait_bytes", "INTEGER"),  # a job waiting for disk space: how much it needs
+                 ("val_loss", "REAL"), ("val_step", "INTEGER"))  # the last validation loss (data.validation)
 
 # Progress columns a heartbeat may update without a state change.
 PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
                     "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
-                    "priority", "wait_bytes"}
+                    "priority", "wait_bytes", "val_loss", "val_step"}
 
 
 class UnknownJob(KeyError):

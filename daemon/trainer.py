@@ -121,6 +121,8 @@ class Child:
     slow_phase: bool = True  # until the first step: loading may take long
     step: int = 0
     loss: float | None = None
+    val_loss: float | None = None  # the last `validation` event's (data.validation)
+    val_step: int | None = None
     s_per_step: float | None = None
     eta_s: float | None = None
     checkpoint_step: int | None = None
@@ -178,6 +180,9 @@ class Child:
             self.s_per_step = ev.get("s_per_step")
             self.eta_s = ev.get("eta_s")
             self.dirty = True
+        elif kind == "validation":
+            self.val_loss, self.val_step = ev.get("loss"), ev.get("step")
+            self.dirty = True
         elif kind == "phase":
             self.slow_phase = ev.get("phase") in SLOW_PHASES
         elif kind == "resumed":
@@ -202,7 +207,10 @@ class Child:
 
     def progress(self) -> dict[str, Any]:
         """The progress columns of its job row."""
-        return dict(step=self.step, total=self.total, loss=self.loss, s_per_step=self.s_per_step, eta_s=self.eta_s)
+        out = dict(step=self.step, total=self.total, loss=self.loss, s_per_step=self.s_per_step, eta_s=self.eta_s)
+        if self.val_step is not None:  # a resumed attempt keeps the last value until it validates again
+            out.update(val_loss=self.val_loss, val_step=self.val_step)
+        return out
 
     # ------------------------------------------------------------ hang, stop, kill
     def check_hung(self, now: float, cfg: DaemonConfig) -> bool:

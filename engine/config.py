@@ -108,6 +108,21 @@ class RegularisationConfig(Strict):
     repeats: int = Field(1, ge=1, le=10000)
 
 
+class ValidationConfig(Strict):
+    """A fixed validation set, its loss reported every_steps (engine/validation.py)."""
+
+    path: str | None = None  # a separate dataset in data.path's format
+    fraction: float | None = Field(None, gt=0.0, lt=1.0)  # or this share of data.path, held out by train.seed
+    every_steps: int = Field(100, ge=1, le=10_000_000)
+    batches: int | None = Field(None, ge=1)  # batches of train.batch_size samples per evaluation; null = the whole set
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("give exactly one of path (a separate dataset) or fraction (held out of data.path)")
+        return self
+
+
 class DataConfig(Strict):
     path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files (causal_lm); a folder of images (flux)")
     # causal_lm only
@@ -126,6 +141,7 @@ class DataConfig(Strict):
     repeats: int = Field(1, ge=1, le=10000)
     masks: MaskConfig | None = None
     regularisation: RegularisationConfig | None = None
+    validation: ValidationConfig | None = None
 
 
 class TimestepBias(Strict):
@@ -312,6 +328,9 @@ class JobConfig(Strict):
         for k in ("steps", "blocks_to_swap", "compile"):
             d.get("train", {}).pop(k, None)
         (d.get("train", {}).get("ema") or {}).pop("export_raw", None)  # what is exported, not what is trained
+        # Validation only reads the weights; a held-out fraction changes the training set, so it stays.
+        if (val := d.get("data", {}).pop("validation", None)) and "fraction" in val:
+            d["data"]["validation"] = {"fraction": val["fraction"]}
         for k in ("checkpoint", "output", "power", "priority", "sample", "logging", "resources"):
             d.pop(k, None)
         # What decides the weights is the global batch, not how it is split: a job may resume on another number of
@@ -504,6 +523,8 @@ def _resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
     if cfg.data.regularisation is not None:
         cfg.data.regularisation.path = _resolve(cfg.data.regularisation.path, base_dir)
+    if cfg.data.validation is not None and cfg.data.validation.path is not None:
+        cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
 
 
 def _check_paths(cfg: JobConfig) -> None:
@@ -520,12 +541,17 @@ def _check_paths(cfg: JobConfig) -> None:
     dp = Path(cfg.data.path)
     if not dp.exists():
         raise JobInvalid(f"data.path: {dp} does not exist")
+    val_path = Path(cfg.data.validation.path) if cfg.data.validation and cfg.data.validation.path else None
+    if val_path is not None and not val_path.exists():
+        raise JobInvalid(f"data.validation.path: {val_path} does not exist")
     if cfg.model.family == "causal_lm":
         from engine.data.text import check_text_source
 
         if Path(mp).is_absolute() and not (Path(mp) / "config.json").is_file():
             raise JobInvalid(f"model.path: {mp} holds no transformers model (no config.json)")
         check_text_source(dp, cfg.data.text_field, cfg.data.train_on)
+        if val_path is not None:
+            check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
     elif cfg.model.family == "flux":
         from engine.data.images import check_image_folder
 
@@ -536,6 +562,8 @@ def _check_paths(cfg: JobConfig) -> None:
             raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")
         if cfg.data.regularisation is not None:
             check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
+        if val_path is not None:
+            check_image_folder(val_path, key="data.validation.path")
 
 
 def load_yaml_text(text: str, source: str) -> Any:

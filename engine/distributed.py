@@ -221,6 +221,14 @@ class Ranks:
         torch.distributed.all_reduce(t)
         return float(t) / self.world.size
 
+    def sum(self, *values: float) -> tuple[float, ...]:
+        """Each value summed over the ranks (one all-reduce): the validation loss over every rank's batches."""
+        if self._acc is None:
+            return tuple(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._acc.device)
+        torch.distributed.all_reduce(t)
+        return tuple(t.tolist())
+
     def check_same_job(self, version: str, config_hash: str) -> None:
         """Refuse to train when the ranks run different lorad versions or different job settings (a node with
         another install or another copy of the job file): they would compute different things in lock-step."""

@@ -70,6 +70,8 @@ from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 from engine.tensorboard import TrainingBoard
 from engine.tensorboard import available as tensorboard_available
+from engine.validation import due as validation_due
+from engine.validation import evaluate
 
 
 def _version() -> str:
@@ -277,6 +279,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     with ranks.main_first():  # one-off work on shared files (caches, built-in models): rank 0 first, then the rest
         family.prepare(cfg, workdir, log)
     dataset = family.build_dataset(cfg, workdir, log)
+    validation = family.validation_set(cfg, workdir, log) if cfg.data.validation is not None else None
     generator = seed_everything(cfg.train.seed)
 
     # -- model and optimizer
@@ -338,6 +341,13 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 board.step(at.step, **{"train/loss": loss, "train/lr": lr,
                                        "train/grad_norm": None if grad_norm is None else float(grad_norm),
                                        "perf/s_per_step": s_per_step, "perf/peak_memory_gib": peak_memory_gib(device)})
+            if validation is not None and validation_due(cfg.data.validation.every_steps, at.step):
+                # Every rank evaluates its share, before the stop decision: a step that is checkpointed has its value.
+                with eval_weights(optimizer, params), ema.swapped_in() if ema is not None else nullcontext():
+                    val_loss, n = evaluate(family, model, validation, cfg, device, ranks, log, at.step)
+                log.info("validation", step=at.step, loss=val_loss, batches=n)
+                if board is not None:
+                    board.step(at.step, **{"validation/loss": val_loss})
             stopping, urgent = ranks.agree(stop.requested, stop.take_save_request())
             if not ranks.is_main:  # rank 0 alone renders samples and writes checkpoints
                 continue

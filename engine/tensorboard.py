@@ -1,7 +1,8 @@
 """TensorBoard for a job: jobs/ID/tb/ (`logging.tensorboard`; on by default when the package is installed).
 
 Scalars per optimizer step: train/loss, train/lr, train/grad_norm (before clipping; with max_grad_norm
-set), perf/s_per_step, perf/peak_memory_gib (CUDA only); Flux sample images at the steps they are rendered.
+set), perf/s_per_step, perf/peak_memory_gib (CUDA only); validation/loss at the steps data.validation
+evaluates; Flux sample images at the steps they are rendered.
 Power (W, J/step) is measured by the daemon's sampler, not the trainer, so it is not here: `lorad power`
 and the dashboard show it.
 

@@ -64,6 +64,8 @@ def write_job(dest: Path, model: Path, gpus: int) -> Path:
         "train": {"steps": STEPS, "grad_accum": GLOBAL_BATCH // (2 * gpus)},
         "resources": {"gpus": gpus},
         "checkpoint": {"every_steps": 4, "keep": 20},
+        # 3 batches on 2 ranks: rank 0 evaluates two, rank 1 one, and the sums are all-reduced
+        "data": {"validation": {"path": str(QUICKSTART_DATA), "every_steps": 4, "batches": 3}},
     })
     dest.write_text(yaml.safe_dump(d))
     return dest
@@ -108,6 +110,10 @@ def test_two_processes_train_what_one_process_trains_with_the_same_global_batch(
     assert [e["grad_accum"] for e in t2.named("start")] == [1] and [e["grad_accum"] for e in t1.named("start")] == [2]
     assert sample_ids_by_step(w1) == sample_ids_by_step(w2)
     assert losses(t1) == pytest.approx(losses(t2), abs=ATOL)
+    validation = [{e["step"]: e["loss"] for e in t.named("validation")} for t in (t1, t2)]
+    assert sorted(validation[0]) == list(range(4, STEPS + 1, 4)) and validation[0] == pytest.approx(validation[1],
+                                                                                                    abs=ATOL)
+    assert {e["batches"] for e in t2.named("validation")} == {3}
     a = load_file(str(w1 / "output" / "adapter_model.safetensors"))
     b = load_file(str(w2 / "output" / "adapter_model.safetensors"))
     assert a.keys() == b.keys()

@@ -1,5 +1,6 @@
 """logging.tensorboard: jobs/ID/tb/ holds one value per step, in order, after a SIGKILL and a resume, equal to an
-uninterrupted run's (TensorBoard's own purge_step hides what the killed attempt wrote past its checkpoint)."""
+uninterrupted run's (TensorBoard's own purge_step hides what the killed attempt wrote past its checkpoint).
+The same run shows it for data.validation's loss, in TensorBoard and in the `validation` events."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import yaml
 
 from engine.config import JobInvalid, load_job
 from engine.run import train
-from tests.conftest import QUICKSTART_DATA, Trainer, deep_update, run_engine, tiny_job, tiny_job_dict
+from tests.conftest import (
+    QUICKSTART_DATA,
+    Trainer,
+    adapter_bytes,
+    deep_update,
+    read_events,
+    run_engine,
+    tiny_job,
+    tiny_job_dict,
+)
 
-TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/s_per_step")
+TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/s_per_step", "validation/loss")
 
 
 def _scalars(tb_dir, tag: str) -> list[tuple[int, float]]:
@@ -29,8 +39,9 @@ def _steps_in_file(path, tag: str) -> list[int]:
 
 
 def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_values(micro_model, tmp_path):
-    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {"train": {"steps": 12},
-                                                                   "checkpoint": {"every_steps": 4}})
+    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
+                    {"train": {"steps": 12}, "checkpoint": {"every_steps": 4},
+                     "data": {"validation": {"fraction": 0.05, "every_steps": 2, "batches": 2}}})
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(d))
     ref = tmp_path / "ref"
@@ -42,6 +53,7 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     committed = t.named("checkpoint_committed")[-1]["step"]
     t.wait_step(committed + 4)  # a few steps past the checkpoint, so the killed attempt wrote some of them
     t.kill()
+    validated_past = [e["step"] for e in t.named("validation") if e["step"] > committed]
     first = sorted((wd / "tb").glob("events.out.tfevents.*"))
     assert len(first) == 1
     t = run_engine(job, wd)
@@ -52,9 +64,17 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
 
     for tag in TAGS:
         got, want = _scalars(wd / "tb", tag), _scalars(ref / "tb", tag)
-        assert [s for s, _ in got] == list(range(1, 13)), tag  # each step once, in order
+        steps = list(range(2, 13, 2)) if tag == "validation/loss" else list(range(1, 13))
+        assert [s for s, _ in got] == steps, tag  # each step once, in order
         if tag != "perf/s_per_step":  # timings differ between runs; the training values do not
             assert got == want, tag
+    assert adapter_bytes(wd) == adapter_bytes(ref)
+
+    # events.jsonl: a step the killed attempt evaluated past its checkpoint was evaluated again, to the same value
+    want = {e["step"]: e["loss"] for e in read_events(ref) if e["event"] == "validation"}
+    logged = [(e["step"], e["loss"]) for e in read_events(wd) if e["event"] == "validation"]
+    assert validated_past and sorted({s for s, _ in logged}) == sorted(want) == list(range(2, 13, 2))
+    assert all(v == want[s] for s, v in logged), logged
 
 
 def test_tensorboard_can_be_switched_off_and_its_key_is_validated(micro_model, tmp_path):

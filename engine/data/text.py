@@ -12,6 +12,7 @@ document is not predicted from the one before it.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,20 +52,22 @@ def jsonl_is_chat(path: Path) -> bool:
     return isinstance(obj, dict) and CHAT_FIELD in obj
 
 
-def check_text_source(path: Path, text_field: str, train_on: str | None = None) -> None:
+def check_text_source(path: Path, text_field: str, train_on: str | None = None,
+                      key: str = "data.path") -> None:
     """Cheap validation at job-load time: the source exists and holds some text (and chat data where needed)."""
     if path.is_dir():
         files = _txt_files(path)
         if not files:
-            raise JobInvalid(f"data.path: {path} contains no .txt files")
+            raise JobInvalid(f"{key}: {path} contains no .txt files")
         if all(f.stat().st_size == 0 for f in files):
-            raise JobInvalid(f"data.path: every .txt file in {path} is empty")
+            raise JobInvalid(f"{key}: every .txt file in {path} is empty")
     elif path.suffix not in (".jsonl", ".txt"):
-        raise JobInvalid(f"data.path: {path} must be a .jsonl file, a .txt file or a directory of .txt files")
+        raise JobInvalid(f"{key}: {path} must be a .jsonl file, a .txt file or a directory of .txt files")
     elif not _first_text(path):
-        raise JobInvalid(f"data.path: {path} is empty")
+        raise JobInvalid(f"{key}: {path} is empty")
     if train_on == "completions" and not (path.suffix == ".jsonl" and jsonl_is_chat(path)):
-        raise JobInvalid(f"data.train_on: completions needs chat data (a .jsonl whose lines have '{CHAT_FIELD}'); "
+        where = "data.train_on" if key == "data.path" else f"{key}, data.train_on"
+        raise JobInvalid(f"{where}: completions needs chat data (a .jsonl whose lines have '{CHAT_FIELD}'); "
                          f"{path.name} is plain text, use data.train_on: all")
 
 
@@ -169,6 +172,12 @@ class TokenDataset:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def subset(self, indices: list[int]) -> TokenDataset:
+        """These samples alone, renumbered in the given order (data.validation.fraction's split)."""
+        out = copy.copy(self)
+        out.samples = [self.samples[i] for i in indices]
+        return out
 
     def indices_at(self, seed: int, start: int, count: int) -> list[int]:
         """Sample indices for global positions start .. start+count-1: each epoch a seeded permutation."""

@@ -43,6 +43,13 @@ class Family(Protocol):
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
         """Loss of one micro-batch. Any randomness (noise, timesteps) must come from `generator`."""
 
+    def validation_set(self, cfg: JobConfig, workdir: Path, log) -> Any:
+        """data.validation's samples (engine.validation.ValidationSet), after build_dataset held a fraction out."""
+
+    def validation_loss(self, model: torch.nn.Module, dataset: Any, indices: list[int], seed: int,
+                        device: torch.device) -> torch.Tensor:
+        """Mean loss per sample of these validation samples; randomness from engine.validation.sample_generator."""
+
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
         """Hook after an optimizer step (e.g. render samples every N steps). Must not touch training RNG."""
 

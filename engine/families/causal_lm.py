@@ -17,6 +17,7 @@ from engine.dtypes import DTYPES, torch_dtype
 from engine.errors import JobInvalid
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
+from engine.validation import ValidationSet, holdout, to_device
 
 # LoRA targets when lora.targets is not given: every attention and MLP projection of a Llama-like block.
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -26,6 +27,7 @@ class CausalLM:
     def __init__(self):
         self._tokenizer = None
         self._chunked = False
+        self._held_out: TokenDataset | None = None  # data.validation.fraction's samples, set by build_dataset
 
     def prepare(self, cfg: JobConfig, workdir: Path, log) -> None:
         resolve_model_path(cfg.model.path, workdir)
@@ -81,18 +83,37 @@ class CausalLM:
             place_model(model, device, swap)
         return model
 
-    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> TokenDataset:
+    def _token_dataset(self, cfg: JobConfig, workdir: Path, path: Path, log, what: str) -> TokenDataset:
         tok = self.tokenizer(cfg, workdir)
-        docs = read_documents(Path(cfg.data.path), cfg.data.text_field)
+        docs = read_documents(path, cfg.data.text_field)
         chat = bool(docs) and isinstance(docs[0], list)
         if cfg.data.train_on == "completions" and not chat:  # check_text_source says so at load time too
             raise JobInvalid("data.train_on: completions needs chat data (.jsonl lines with 'messages')")
         encoded = encode_documents(docs, tok, cfg.data.train_on, log)
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         dataset = TokenDataset(encoded, pad, cfg.data.seq_len, cfg.data.packing)
-        log.info("dataset", documents=len(docs), format="chat" if chat else "text", samples=len(dataset),
+        log.info(what, documents=len(docs), format="chat" if chat else "text", samples=len(dataset),
                  train_on=cfg.data.train_on or ("completions" if chat else "all"))
         return dataset
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> TokenDataset:
+        dataset = self._token_dataset(cfg, workdir, Path(cfg.data.path), log, "dataset")
+        val = cfg.data.validation
+        if val is not None and val.fraction is not None:
+            train, held = holdout(len(dataset), val.fraction, cfg.train.seed)
+            self._held_out = dataset.subset(held)
+            dataset = dataset.subset(train)
+            log.info("validation_holdout", held_out=len(held), samples=len(train))
+        return dataset
+
+    def validation_set(self, cfg: JobConfig, workdir: Path, log) -> ValidationSet:
+        val = cfg.data.validation
+        data = self._held_out if val.path is None else self._token_dataset(cfg, workdir, Path(val.path), log,
+                                                                            "validation_dataset")
+        return ValidationSet(data, list(range(len(data))))
+
+    def validation_loss(self, model, dataset: TokenDataset, indices: list[int], seed: int, device) -> torch.Tensor:
+        return self.loss(model, to_device(dataset.collate(indices), device), None)  # eval mode: no dropout to draw
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
         if not self._chunked:

@@ -53,6 +53,7 @@ from engine.masked_loss import weighted_flow_loss
 from engine.precision import apply_base_precision, quantization_config
 from engine.precision import resolve as resolve_precision
 from engine.quiet import quiet_libraries
+from engine.validation import ValidationSet, holdout, sample_generator, to_device
 
 # The modules diffusers' Flux LoRA trainer targets: attention q/k/v/out of both streams (incl. the added text
 # projections), both feed-forwards, and the single blocks' q/k/v, proj_mlp and proj_out. Matched against the
@@ -149,6 +150,8 @@ class Flux:
         self.report = None
         self.sched = dict(SCHEDULER_DEFAULTS)
         self.renderer = None
+        self.n_train = 0  # self.items[:n_train] are trained on; the rest are data.validation's
+        self.dataset: FluxDataset | None = None
 
     # ---------------------------------------------------------------- data
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
@@ -159,9 +162,18 @@ class Flux:
         quiet_libraries(diffusers=True)
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
-        self.records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
-        self.items = make_items(self.records, cfg.data.resolution, training_masks(cfg, self.records, log))
-        self.items += regularisation_items(cfg, log)
+        records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
+        masks = training_masks(cfg, records, log)
+        self.records, held = records, []
+        val = cfg.data.validation
+        if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
+            train, held_i = holdout(len(records), val.fraction, cfg.train.seed)
+            self.records, held = [records[i] for i in train], [records[i] for i in held_i]
+        elif val is not None:
+            held, masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
+        self.items = make_items(self.records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
+        self.n_train = len(self.items)
+        self.items += make_items(held, cfg.data.resolution, masks)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> FluxDataset:
@@ -169,13 +181,25 @@ class Flux:
 
         if self.cache is None:
             self.prepare(cfg, workdir, log)
-        order = BucketOrder(self.items, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
+        order = BucketOrder(self.items[:self.n_train], cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
         buckets = sorted({f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items})
         log.info("dataset", images=len(self.records), samples_per_epoch=len(order), buckets=buckets,
                  captions_missing=sum(r.caption_missing for r in self.records),
                  masks=sum(it.mask is not None for it in self.items),
-                 regularisation=sum(it.repeats is not None for it in self.items))
-        return FluxDataset(self.items, order, self.cache, self.plan)
+                 regularisation=sum(it.repeats is not None for it in self.items),
+                 validation=len(self.items) - self.n_train)
+        self.dataset = FluxDataset(self.items, order, self.cache, self.plan)
+        return self.dataset
+
+    def validation_set(self, cfg: JobConfig, workdir: Path, log) -> ValidationSet:
+        """The held-out (or data.validation.path) items, which prepare cached after the training items."""
+        return ValidationSet(self.dataset, list(range(self.n_train, len(self.items))))
+
+    def validation_loss(self, model, dataset: FluxDataset, indices: list[int], seed: int, device) -> torch.Tensor:
+        """One sample at a time: each with its own fixed noise and σ, and samples of a batch may differ in bucket."""
+        losses = [self.loss(model, to_device(dataset.collate([i]), device), sample_generator(seed, i), evaluate=True)
+                  for i in indices]
+        return torch.stack(losses).mean()
 
     def dataset_hash(self) -> str:
         from engine.data.images import dataset_hash
@@ -225,7 +249,10 @@ class Flux:
         log.info("lora", trainable_params=n, modules=len(adapter_layers(transformer)), type=cfg.lora.type)
         return transformer
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator,
+             evaluate: bool = False) -> torch.Tensor:
+        """evaluate: the validation loss — the plain objective on the sample as it is (no flip, no caption
+        dropout, no preservation term), with only the noise and σ drawn."""
         from diffusers import FluxPipeline
 
         cfg = self.cfg
@@ -234,11 +261,11 @@ class Flux:
         device, dtype = x0.device, inner.dtype
         b, c, h, w = x0.shape
         # Every random draw comes from `generator` (checkpointed), in a fixed order.
-        if "latents_flip" in batch:
+        if "latents_flip" in batch and not evaluate:
             flip = (torch.rand(b, generator=generator) < 0.5).to(device)
             x0 = torch.where(flip[:, None, None, None], batch["latents_flip"], x0)
         embeds, pooled = batch["prompt_embeds"], batch["pooled"]
-        if cfg.data.caption_dropout > 0:
+        if cfg.data.caption_dropout > 0 and not evaluate:
             drop = (torch.rand(b, generator=generator) < cfg.data.caption_dropout).to(device)
             embeds = torch.where(drop[:, None, None], batch["empty_prompt_embeds"].expand_as(embeds), embeds)
             pooled = torch.where(drop[:, None], batch["empty_pooled"].expand_as(pooled), pooled)
@@ -278,11 +305,11 @@ class Flux:
             mask = None
             if "masks" in batch:  # [B, h, w] per latent pixel, packed like the latents (all channels alike)
                 m = batch["masks"]
-                if "latents_flip" in batch:
+                if "latents_flip" in batch and not evaluate:
                     m = torch.where(flip[:, None, None], batch["masks_flip"], m)
                 mask = FluxPipeline._pack_latents(m[:, None].expand(b, c, h, w).float().to(device), b, c, h, w)
             loss = weighted_flow_loss(pred.float(), target, mask, batch.get("loss_weight"))
-        if cfg.train.dop is not None:
+        if cfg.train.dop is not None and not evaluate:
             from engine.dop import preservation_loss
 
             loss = loss + cfg.train.dop.weight * preservation_loss(model, predict, batch["class_prompt_embeds"],
