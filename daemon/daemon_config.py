@@ -13,6 +13,7 @@ from daemon.notifications import NotifySettings
 from daemon.power.settings import PowerSettings
 from daemon.web.settings import WebSettings
 from engine.config import MAX_JOB_FILE_BYTES
+from engine.job_policy import JobPolicy
 
 
 class ConfigInvalid(Exception):
@@ -49,6 +50,8 @@ class DaemonConfig(BaseModel):
     stop_grace_s: float = Field(120.0, gt=0)  # SIGTERM → SIGKILL; keep systemd's TimeoutStopSec above it
     preempt: bool = True  # lower-priority running jobs checkpoint and yield to a higher-priority job that waits
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
+    trainer_user: str | None = None  # a root daemon runs trainers as this user (required then); else unused
+    allow_root_trainers: bool = False  # root daemon, no trainer_user: run job code as root anyway (containers, CI)
 
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)
@@ -60,6 +63,10 @@ class DaemonConfig(BaseModel):
             p = Path(os.path.expanduser(r.replace("{home}", str(home))))
             out.append(p.resolve())
         return out
+
+    def job_policy(self, home: Path) -> JobPolicy:
+        """What jobs may name: checked at intake, and by each trainer from its arguments."""
+        return JobPolicy(allow_trust_remote_code=self.allow_trust_remote_code, roots=tuple(self.roots(home)))
 
     def socket_path(self, home: Path) -> Path:
         if self.socket:

@@ -35,6 +35,8 @@ from engine.config import JobConfig, dump_job, parse_job
 from engine.errors import JobInvalid
 from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
 
+JOB_DIR_MODE = 0o750  # jobs/ and jobs/ID/: explicit, whatever the daemon's umask
+JOB_FILE_MODE = 0o644  # job.yaml, submitted.yaml: the trainer (another user under root) reads them
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JOB_SUFFIXES = (".yaml", ".yml")
 # Names editors and copy tools use while a file is being written: never taken.
@@ -94,31 +96,6 @@ def parse_yaml(text: str, source: str, max_aliases: int) -> Any:
         loader.dispose()
 
 
-def _under(path: Path, roots: list[Path]) -> bool:
-    return any(path == r or r in path.parents for r in roots)
-
-
-def _check_roots(raw: dict, base_dir: Path, roots: list[Path]) -> None:
-    """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""
-    shown = ", ".join(str(r) for r in roots)
-    for section, key in (("data", "path"), ("model", "path")):
-        sec = raw.get(section)
-        p = sec.get(key) if isinstance(sec, dict) else None
-        if not isinstance(p, str) or p.startswith("builtin:"):
-            continue
-        cand = Path(os.path.expanduser(p))
-        if not cand.is_absolute():
-            cand = base_dir / cand
-        if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
-            continue  # a hub id (org/name), not a local path
-        if not os.path.lexists(cand):
-            continue  # the engine's validator says "does not exist", which is the clearer message
-        real = Path(os.path.realpath(cand))
-        if not _under(real, roots):
-            raise JobInvalid(f"{section}.{key}: {p} resolves to {real}, outside the allowed roots ({shown}); "
-                             "add a root to allowed_roots in the daemon config")
-
-
 def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
     """Everything a job must pass, in order of cost: size, YAML safety, daemon policy, roots, the engine's validator."""
     if len(text.encode("utf-8", errors="replace")) > cfg.max_job_file_bytes:
@@ -127,11 +104,10 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
                          f"got {type(raw).__name__}")
-    model = raw.get("model")
-    if isinstance(model, dict) and model.get("trust_remote_code") is True and not cfg.allow_trust_remote_code:
-        raise JobInvalid(f"{source}: model.trust_remote_code: true is not allowed by this daemon "
-                         "(set allow_trust_remote_code: true in the daemon config to permit it)")
-    _check_roots(raw, base_dir, cfg.roots(home))
+    try:
+        cfg.job_policy(home).check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
     return parse_job(raw, base_dir, source=source)
 
 
@@ -140,7 +116,7 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         real = Path(os.path.realpath(path))
-        if not _under(real, cfg.roots(home)):
+        if not cfg.job_policy(home).allows_path(real):
             raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
     try:
         st = os.stat(path)
@@ -239,6 +215,8 @@ class Intake:
         self.rejected = self.home / "rejected"
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
+        # jobs/ holds what trainers run: the socket group may look, not rename or create (see _accept).
+        os.chmod(self.home / "jobs", JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
 
@@ -393,9 +371,15 @@ class Intake:
         job_id = self.store.new_id(job.name)
         workdir = self.home / "jobs" / job_id
         try:
-            ensure_dir_durable(self.fs, workdir)
-            write_file_durable(self.fs, workdir / "submitted.yaml", original.encode())
-            write_file_durable(self.fs, workdir / "job.yaml", dump_job(job).encode())
+            # Born private (not under whatever umask the daemon has: the unit's 0007 would make it group-writable),
+            # so no one else can open a file in it while job.yaml is written; then readable, never writable, by
+            # the group. What decides what a trainer does is the daemon's to write.
+            os.mkdir(workdir, 0o700)
+            self.fs.fsync_dir(workdir.parent)
+            for name, data in (("submitted.yaml", original), ("job.yaml", dump_job(job))):
+                write_file_durable(self.fs, workdir / name, data.encode())
+                os.chmod(workdir / name, JOB_FILE_MODE)
+            os.chmod(workdir, JOB_DIR_MODE)
             self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
         except BaseException:
             self._discard_partial(job_id, workdir)

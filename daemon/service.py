@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from daemon import devices as devices_mod
+from daemon import trainer_user
 from daemon.daemon_config import ConfigInvalid, DaemonConfig, load_config
 from daemon.handlers import Context, dispatch
 from daemon.inbox import InboxWatcher
@@ -35,6 +36,7 @@ from daemon.notify import Notifier
 from daemon.recovery import reconcile
 from daemon.run_policy import NullPolicy
 from daemon.server import SocketInUse, SocketServer
+from daemon.state_files import protect_state_db
 from daemon.store import Store, StoreUnusable, unusable_reason
 from daemon.supervisor import Supervisor
 from daemon.version import lorad_version
@@ -76,9 +78,25 @@ def serve(home: Path, config_path: str | None) -> int:
     t0 = time.time()
     db_path = home / "state.db"
     try:
+        protect_state_db(db_path)
+    except OSError as e:  # a directory in its place, a read-only home, ...: opening it below says what is wrong
+        log.warning("state_db_mode", path=str(db_path), error=str(e), message="could not set its mode to 0640")
+    try:
         store = Store(db_path)
     except StoreUnusable as e:
         print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return EXIT_CONFIG
+
+    try:
+        # As root, no job's code runs as root. Checked once the state.db is known to be usable, so that its
+        # verdict (exit 78 too) is the one a broken home gets.
+        if trainer_user.check_at_start(cfg.trainer_user, os.geteuid(), cfg.allow_root_trainers) is None \
+                and os.geteuid() == 0:
+            log.warning("root_trainers", message="allow_root_trainers: job code runs as root; set trainer_user")
+    except ConfigInvalid as e:
+        print(f"lorad: {config_path or 'daemon config'}: {e}", file=sys.stderr)
+        store.close()
         lock.release()
         return EXIT_CONFIG
 

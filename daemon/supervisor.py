@@ -363,7 +363,7 @@ class Supervisor:
             os.close(lock_fd)  # a started child has its own copy: it keeps the lock for as long as it lives
 
     def trainer_command(self, workdir: Path) -> list[str]:
-        return trainer.trainer_command(workdir)
+        return trainer.trainer_command(workdir, self.cfg.job_policy(self.home))
 
     def _start_locked(self, job: dict[str, Any], devs: list[int | None], processes: int, lock_fd: int) -> bool:
         job_id, workdir = job["id"], Path(job["workdir"])
@@ -380,7 +380,7 @@ class Supervisor:
             # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
             # forwarded to every rank, no rank outliving it).
             popen = trainer.spawn(gang.launcher_command(self.trainer_command(workdir), processes), workdir, env,
-                                  lock_fd)
+                                  lock_fd, self.cfg)
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)

@@ -30,21 +30,26 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from daemon import gang, proc
+from daemon import trainer_user as trainer_user_mod
+from daemon.daemon_config import ConfigInvalid
 from daemon.exit_policy import describe_exit
 from daemon.run_policy import RunningJob
+from engine.job_policy import JobPolicy
 from engine.stop import EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:
     from daemon.daemon_config import DaemonConfig
 
+TRAINER_UMASK = 0o027  # the trainer's files: the group may read them, no one else may write them
 SLOW_PHASES = {"prepare", "load_model", "final_checkpoint", "urgent_checkpoint"}
 STDERR_TAIL_BYTES = 4000
 READER_JOIN_S = 2.0  # at reap: the last lines (done, invalid_job, stopped) come before EOF
 
 
-def trainer_command(workdir: Path) -> list[str]:
+def trainer_command(workdir: Path, policy: JobPolicy | None = None) -> list[str]:
+    """The trainer's argv; with the daemon's policy, which the trainer enforces itself on the job.yaml it reads."""
     return [sys.executable, "-m", "engine.run", "--job", str(workdir / "job.yaml"), "--workdir", str(workdir),
-            "--progress", "json"]
+            "--progress", "json", *(policy.argv() if policy is not None else [])]
 
 
 def trainer_env(extra: dict[str, str], devs: list[int | None]) -> dict[str, str]:
@@ -71,19 +76,34 @@ def power_section(workdir: Path) -> dict[str, Any]:
     return dict(raw.get("power") or {}) if isinstance(raw, dict) else {}
 
 
-def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int) -> subprocess.Popen:
+def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
+          cfg: DaemonConfig | None = None) -> subprocess.Popen:
     """Start a trainer leading a session of its own, stdout piped (heartbeats), stderr appended to trainer.log.
 
+    A root daemon starts it as `trainer_user` (daemon/trainer_user.py), never as root. Its umask is its own
+    (TRAINER_UMASK), not the daemon's: what it writes is readable by the socket group, not writable.
     Raises OSError when it cannot be started.
     """
+    try:
+        # `lorad serve` refused to start as root without a trainer_user (trainer_user.check_at_start).
+        run_as = None if cfg is None else trainer_user_mod.resolve(cfg.trainer_user, os.geteuid())
+    except ConfigInvalid as e:
+        raise OSError(str(e)) from None  # refused like any failed start: the job is requeued, the reason shown
+    extra: dict[str, Any] = {}
+    if run_as is not None:
+        trainer_user_mod.hand_over(workdir, run_as)
+        extra = run_as.popen_kwargs()
+        env = {**env, **run_as.env()}  # root's HOME would send its caches (~/.cache, ~/.triton) where it cannot write
     # A "checkpoint now" (SIGUSR1, UPS on battery) reaching a trainer still importing torch would kill it:
     # that is SIGUSR1's default action. Started with it blocked (the mask survives exec), the signal waits,
     # pending, until the trainer's handler is in place (engine.stop.StopFlag.install unblocks it).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
-        with open(workdir / "trainer.log", "ab") as err:
+        fd = os.open(workdir / "trainer.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        with open(fd, "ab") as err:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, cwd=workdir,
-                                    env=env, start_new_session=True, pass_fds=(lock_fd,))
+                                    env=env, start_new_session=True, pass_fds=(lock_fd,), umask=TRAINER_UMASK,
+                                    **extra)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from engine.builtin_models import BUILTIN_MODELS, BUILTIN_PREFIX
 from engine.errors import JobInvalid  # daemon/ imports it from here too, until the daemon rework is merged
+from engine.job_policy import JobPolicy
 
 MAX_JOB_FILE_BYTES = 256 * 1024
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -576,8 +577,8 @@ def load_yaml_text(text: str, source: str) -> Any:
         raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
 
 
-def load_job(path: str | Path, check_paths: bool = True) -> JobConfig:
-    """Read, size-check, safely parse and validate a job file."""
+def load_job(path: str | Path, check_paths: bool = True, policy: JobPolicy | None = None) -> JobConfig:
+    """Read, size-check, safely parse and validate a job file; with a policy (a daemon's trainer), check it first."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -590,6 +591,8 @@ def load_job(path: str | Path, check_paths: bool = True) -> JobConfig:
     except UnicodeDecodeError:
         raise JobInvalid(f"{path}: job file is not UTF-8 text") from None
     raw = load_yaml_text(text, str(path.name))
+    if policy is not None and isinstance(raw, dict):
+        policy.check(raw, path.parent.resolve())
     return parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
 
 

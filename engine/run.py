@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from engine import job_policy
 from engine.adapters import compute_autocast
 from engine.cadence import SLOW_SAVE, Save, SaveCadence
 from engine.checkpoint import AsyncCheckpointer, CheckpointStore, SaveResult, Snapshot
@@ -520,12 +521,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job", required=True, help="job YAML file")
     ap.add_argument("--workdir", required=True, help="the job's directory (checkpoints/, output/, events.jsonl)")
     ap.add_argument("--progress", choices=["json", "bar", "none"], default="json")
+    job_policy.add_arguments(ap)
     args = ap.parse_args(argv)
     die_with_parent()  # a rank started by engine.launch: no orphan if the launcher is killed
     stop = StopFlag()
     stop.install()
     try:
-        cfg = load_job(args.job)
+        # The daemon's policy, from our argv (which no one but the daemon set), over the job.yaml on disk now.
+        cfg = load_job(args.job, policy=job_policy.from_args(args))
     except JobInvalid as e:
         _say(f"lorad: invalid job: {e}")
         return EXIT_INVALID

@@ -34,6 +34,8 @@ def fast_config(tmp_root: Path, **over: Any) -> dict[str, Any]:
         "stop_grace_s": 60.0,
         "power": {"telemetry": {"backend": "off"}},
         "web": {"listen": "127.0.0.1:0"},  # tests run side by side: never the fixed default port
+        # A test machine running as root has no other user who could reach the temp dirs (no-op otherwise).
+        "allow_root_trainers": True,
     }
     cfg.update(over)
     return cfg

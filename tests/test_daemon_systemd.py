@@ -145,8 +145,9 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
     # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
-    unit = subprocess.run([sys.executable, "-m", "daemon.cli", "install-service", "--dry-run"], capture_output=True,
-                          text=True, cwd=REPO, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "install-service", "--dry-run"], capture_output=True,
+                         text=True, cwd=REPO, check=True).stdout
+    unit = out.split("# --- /etc/lorad/daemon.yaml")[0]  # the starter daemon.yaml follows the unit
     exe = unit.split("ExecStart=")[1].split()[0]
     if not os.access(exe, os.X_OK):
         unit = unit.replace(exe, sys.executable)
@@ -155,6 +156,26 @@ def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
     r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
     problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "lorad.service" in ln]
     assert r.returncode == 0 and not problems, r.stdout + r.stderr
+
+
+def test_install_service_dry_run_points_only_the_exec_lines_at_this_lorad_and_prints_the_starter_config(
+        capsys, monkeypatch):
+    import argparse
+
+    import yaml
+
+    from daemon import install_service
+    from daemon.daemon_config import DaemonConfig
+
+    monkeypatch.setattr(install_service.shutil, "which", lambda name: "/opt/venv/bin/lorad")
+    args = argparse.Namespace(dest="/etc/systemd/system/lorad.service", dry_run=True, no_enable=False)
+    assert install_service.cmd_install_service(args) == 0
+    unit, config = capsys.readouterr().out.split("# --- /etc/lorad/daemon.yaml (written only if it does not exist)\n")
+    assert [ln for ln in unit.splitlines() if "/opt/venv/bin/lorad" in ln] == [
+        "ExecStart=/opt/venv/bin/lorad serve --home /var/lib/lorad --config /etc/lorad/daemon.yaml"]
+    assert "/usr/local/bin/lorad" in unit  # the comment that explains the substitution, as shipped
+    starter = DaemonConfig.model_validate(yaml.safe_load(config))
+    assert (starter.socket_group, starter.trainer_user) == ("lorad", "lorad")
 
 
 def test_a_second_lock_on_the_same_home_is_refused_with_the_holder(tmp_path):
