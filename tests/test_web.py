@@ -105,6 +105,18 @@ def test_pause_resume_priority_cancel_go_through_the_socket_handlers(site, clien
     assert site.calls == ["pause", "resume", "priority", "resume", "cancel"]
 
 
+def test_a_pause_button_pressed_on_a_page_the_job_has_moved_on_from_is_refused(site, client):
+    jid = site.add_job()
+    signed_in(client, site.token)
+    page = client.get(f"/jobs/{jid}").text
+    assert "name=expect value='queued'" in page
+    site.store.begin_attempt(jid, 0)  # it started while the page was open
+    r = client.post(f"/jobs/{jid}/pause", data={"csrf": csrf_of(page), "expect": "queued"}, headers={"Origin": BASE})
+    assert "refused: job" in r.text and "running now, not queued" in r.text
+    job = site.store.get(jid)
+    assert job["state"] == states.RUNNING and job["requested"] is None  # not stopped on a stale look
+
+
 def test_a_script_with_the_bearer_token_needs_no_csrf(site, client):
     jid = site.add_job()
     r = client.post(f"/jobs/{jid}/pause", headers={"Authorization": f"Bearer {site.token}"})

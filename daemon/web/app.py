@@ -208,8 +208,9 @@ class Dashboard:
             return denied
         job_id, verb = request.path_params["job"], request.path_params["verb"]
         try:
-            req: BaseModel = {"pause": lambda: p.Pause(job=job_id), "resume": lambda: p.Resume(job=job_id),
-                              "cancel": lambda: p.Cancel(job=job_id),
+            expect = form.get("expect") or None  # the state the page showed
+            req: BaseModel = {"pause": lambda: p.Pause(job=job_id, expect=expect), "resume": lambda: p.Resume(job=job_id),
+                              "cancel": lambda: p.Cancel(job=job_id, expect=expect),
                               "priority": lambda: p.SetPriority(job=job_id, priority=int(form.get("priority", "")))
                               }[verb]()
         except KeyError:

@@ -158,11 +158,13 @@ def actions(j: dict[str, Any], csrf: str) -> str:
     base = f"/jobs/{quote(j['id'])}"
     hidden = f"<input type=hidden name=csrf value='{e(csrf)}'>"
     buttons = []
-    if j["state"] in ("queued", "running"):
-        buttons.append(f"<form method=post action='{base}/pause'>{hidden}<button id=pause>Pause</button></form>")
+    # Pause and cancel carry the state this page showed: refused if the job has moved on since (handlers._seen).
+    seen = f"<input type=hidden name=expect value='{e(j['state'])}'>"
+    if j["state"] in ("queued", "running", "waiting"):
+        buttons.append(f"<form method=post action='{base}/pause'>{hidden}{seen}<button id=pause>Pause</button></form>")
     if j["state"] == "paused":
         buttons.append(f"<form method=post action='{base}/resume'>{hidden}<button id=resume>Resume</button></form>")
-    buttons.append(f"<form method=post action='{base}/cancel'>{hidden}<button id=cancel>Cancel</button></form>")
+    buttons.append(f"<form method=post action='{base}/cancel'>{hidden}{seen}<button id=cancel>Cancel</button></form>")
     buttons.append(f"<form method=post action='{base}/priority'>{hidden}<input name=priority type=number "
                    f"min=-1000 max=1000 value='{e(j['priority'])}' style='width:6em'>"
                    "<button id=set-priority>Set priority</button></form>")
