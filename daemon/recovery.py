@@ -30,6 +30,7 @@ progress: its crash count starts again.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,16 +55,20 @@ def current_boot_id() -> str | None:
         return None
 
 
-def outage_cause(store: Store, boot_id: str | None) -> str | None:
+def outage_cause(store: Store, boot_id: str | None, log) -> str | None:
     """Why the jobs still `running` were cut off by something outside them (None: maybe by themselves).
 
     Records this boot's id, and clears the UPS mark (the new daemon's policy sets it again if still on battery).
     """
     before = store.get_meta("boot_id")
     ups = store.get_meta("power_outage") == "1"
-    if boot_id is not None:
-        store.set_meta("boot_id", boot_id)
-    store.set_meta("power_outage", "0")
+    try:  # written only when it changes: a start with state.db's disk full must not fail on these marks
+        if boot_id is not None and boot_id != before:
+            store.set_meta("boot_id", boot_id)
+        if ups:
+            store.set_meta("power_outage", "0")
+    except sqlite3.Error as e:
+        log.error("outage_marks_not_written", error=f"{type(e).__name__}: {e}")
     if before is not None and boot_id is not None and before != boot_id:
         return "the host rebooted"
     if ups:
@@ -105,7 +110,7 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None,
     """`boot_id`: the kernel's boot id ("read": from /proc; tests pass their own)."""
     r = Reconciled()
     jobs_root = Path(home) / "jobs"
-    outage = outage_cause(store, current_boot_id() if boot_id == "read" else boot_id)
+    outage = outage_cause(store, current_boot_id() if boot_id == "read" else boot_id, log)
 
     # 1. No trainer of ours may outlive the daemon that started it: find by recorded pid + start time,
     #    and by command line (a trainer started just before the daemon died may not have its pid recorded).

@@ -89,6 +89,19 @@ def test_a_cut_off_with_no_outage_behind_it_still_counts_as_a_crash(store, tmp_p
     assert job["state"] == states.FAILED and job["retries"] == 3  # kept taking the daemon down: budget spent
 
 
+def test_a_start_with_state_dbs_disk_full_is_not_stopped_by_the_outage_marks(store, tmp_path, monkeypatch):
+    import sqlite3
+
+    store.set_meta("boot_id", "boot-A")
+    store.set_meta("power_outage", "1")
+
+    def full(key, value):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(store, "set_meta", full)
+    assert reconcile(tmp_path, CFG, store, setup(), boot_id="boot-B").requeued == []  # nothing to settle; no raise
+
+
 def test_the_supervisor_records_a_ups_announced_outage_for_the_next_start(store, tmp_path):
     class Ups:
         decision = Decision(may_start=False, outage=True)
