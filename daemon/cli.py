@@ -41,6 +41,7 @@ from daemon.paths import default_home
 from daemon.version import lorad_version
 
 EXIT_USAGE = 2  # argparse's own: a mistake in the arguments
+EXIT_INVALID_JOB = 65  # EX_DATAERR, as the trainer's and `lorad submit`'s own validation
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the daemon is not running
 EXIT_CONFIG = 78  # EX_CONFIG: this installation cannot do it (the training stack is missing)
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a reader that stopped early
@@ -259,6 +260,8 @@ def _main(argv: list[str]) -> int:
     except DaemonDown as e:
         return fail(as_json, "unavailable", str(e).removeprefix("lorad: "), EXIT_UNAVAILABLE)
     except RequestFailed as e:
+        if e.code == "invalid_job":  # refused by the daemon's checks: the same verdict and exit as a local one
+            return fail(as_json, e.code, f"invalid job: {e.message}", EXIT_INVALID_JOB)
         return fail(as_json, e.code, e.message, 1)
 
 

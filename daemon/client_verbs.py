@@ -58,7 +58,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from engine.errors import JobInvalid
 
     try:
-        cfg = load_job(args.job)  # locally first: the mistake is shown here, not in rejected/
+        # The schema locally first (a typo is shown without a daemon), with relative paths resolved against the
+        # file's directory. What the paths hold is for the daemon to check, in the same order and with the
+        # same words as for an inbox file: its allowed roots before anything reads them.
+        cfg = load_job(args.job, check_paths=False)
     except JobInvalid as e:
         return fail(args.json, "invalid_job", f"invalid job: {e}", 65)
     data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from daemon.notifications import NotifySettings
 from daemon.power.settings import PowerSettings
 from daemon.web.settings import WebSettings
-from engine.config import MAX_JOB_FILE_BYTES
+from engine.config import MAX_JOB_FILE_BYTES, describe_errors
 from engine.job_policy import JobPolicy
 
 
@@ -48,6 +48,7 @@ class DaemonConfig(BaseModel):
     backoff_base_s: float = Field(10.0, ge=0)  # first retry after this long, then doubled
     backoff_max_s: float = Field(600.0, ge=0)
     stop_grace_s: float = Field(120.0, gt=0)  # SIGTERM → SIGKILL; keep systemd's TimeoutStopSec above it
+    kill_wait_s: float = Field(30.0, gt=0, le=3600)  # alive this long after SIGKILL = stuck (hung driver): reported
     preempt: bool = True  # lower-priority running jobs checkpoint and yield to a higher-priority job that waits
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
     trainer_user: str | None = None  # a root daemon runs trainers as this user (required then); else unused
@@ -91,5 +92,13 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     try:
         return DaemonConfig.model_validate(raw or {})
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        raise ConfigInvalid(f"{path}: {problems}") from None
+        raise ConfigInvalid(f"{path}: {describe_errors(e, section_models(DaemonConfig))}") from None
+
+
+def section_models(model: type[BaseModel], prefix: str = "") -> dict[str, type[BaseModel]]:
+    """Every section of the config by its dotted path ("" is the top): where an unknown key's neighbours live."""
+    out: dict[str, type[BaseModel]] = {prefix: model}
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out.update(section_models(f.annotation, f"{prefix}.{name}" if prefix else name))
+    return out

@@ -31,7 +31,7 @@ import yaml
 from daemon.daemon_config import DaemonConfig
 from daemon.log import job_event
 from daemon.store import Store
-from engine.config import JobConfig, dump_job, parse_job
+from engine.config import JobConfig, decode_job_bytes, dump_job, parse_job
 from engine.errors import JobInvalid
 from engine.fsio import RealFs, ensure_dir_durable, write_file_durable
 
@@ -138,12 +138,7 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
         os.close(fd)
     if len(data) > cfg.max_job_file_bytes:
         raise JobInvalid(f"{display}: job file grew past the {cfg.max_job_file_bytes}-byte limit while being read")
-    if b"\x00" in data:
-        raise JobInvalid(f"{display}: job file is binary (contains NUL bytes), not YAML text")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise JobInvalid(f"{display}: job file is not UTF-8 text") from None
+    return decode_job_bytes(data, display)
 
 
 REJECTED_HEADER = "lorad rejected "

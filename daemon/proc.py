@@ -84,10 +84,28 @@ def signal_group(pid: int, sig: int) -> None:
             pass
 
 
-def stop_all_and_wait(targets: dict[int, int | None], grace_s: float, poll_s: float = 0.1) -> set[int]:
+def visible_devices_of(pid: int) -> list[int] | None:
+    """The GPUs a process was given (CUDA_VISIBLE_DEVICES in /proc/PID/environ); None if unknown or not set."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(b"CUDA_VISIBLE_DEVICES="):
+            try:
+                return [int(x) for x in kv.split(b"=", 1)[1].split(b",") if x.strip()]
+            except ValueError:
+                return None
+    return None
+
+
+def stop_all_and_wait(targets: dict[int, int | None], grace_s: float, kill_wait_s: float,
+                      poll_s: float = 0.1) -> tuple[set[int], set[int]]:
     """SIGTERM every group first, then wait for all of them together: one grace_s in all, not one each.
 
-    targets: pid → start time (None: any). What still runs at the deadline is SIGKILLed; returns those pids.
+    targets: pid → start time (None: any). What still runs at the deadline is SIGKILLed, and waited for at most
+    kill_wait_s more: a process in an uninterruptible call (a hung driver) never dies, and the daemon must still
+    start. Returns (the pids that were SIGKILLed, those of them still alive at the end: stuck).
     """
     live = {pid: st for pid, st in targets.items() if alive(pid, st)}
     for pid in live:
@@ -100,6 +118,10 @@ def stop_all_and_wait(targets: dict[int, int | None], grace_s: float, poll_s: fl
     live = {pid: st for pid, st in live.items() if alive(pid, st)}
     for pid in live:
         signal_group(pid, signal.SIGKILL)
-    while any(alive(pid, st) for pid, st in live.items()):
-        time.sleep(poll_s)
-    return set(live)
+    killed = set(live)
+    deadline = time.monotonic() + kill_wait_s
+    while live and time.monotonic() < deadline:
+        live = {pid: st for pid, st in live.items() if alive(pid, st)}
+        if live:
+            time.sleep(poll_s)
+    return killed, {pid for pid, st in live.items() if alive(pid, st)}

@@ -42,6 +42,7 @@ from daemon.disk_progress import committed_checkpoints, last_event_step
 from daemon.exit_policy import decide_exit
 from daemon.log import job_event
 from daemon.store import Store
+from daemon.stuck import StuckTrainer
 
 CUT_OFF = "cut off: the daemon or the host went down while this attempt ran"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -84,6 +85,17 @@ class Reconciled:
     cancelled: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     intake_finished: int = 0
+    stuck: list[StuckTrainer] = field(default_factory=list)  # orphans that outlived SIGKILL (daemon/stuck.py)
+
+
+def _stuck_orphan(pid: int, start: int | None, store: Store, cfg: DaemonConfig) -> StuckTrainer:
+    """An orphan that outlived SIGKILL: its job (by recorded pid) and GPUs (its environment, else the job's row)."""
+    job = next((j for j in store.jobs((states.RUNNING,)) if j["pid"] == pid), None)
+    devices: list[int | None] | None = proc.visible_devices_of(pid)
+    if devices is None:
+        devices = [job["gpu"]] if job is not None else [None]
+    return StuckTrainer(pid=pid, start=start, devices=devices, job_id=job["id"] if job else None,
+                        workdir=Path(job["workdir"]) if job else None, kill_wait_s=cfg.kill_wait_s)
 
 
 def catch_up(store: Store, job: dict, log) -> bool:
@@ -122,10 +134,14 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None,
     if targets:
         for pid in targets:
             log.warning("orphan_trainer", pid=pid, action="SIGTERM, wait for its checkpoint, SIGKILL after the grace")
-        killed = proc.stop_all_and_wait(targets, cfg.stop_grace_s)
+        killed, stuck = proc.stop_all_and_wait(targets, cfg.stop_grace_s, cfg.kill_wait_s)
         for pid in targets:
-            log.info("orphan_trainer_stopped", pid=pid, killed=pid in killed)
-        r.orphans_stopped = list(targets)
+            if pid not in stuck:
+                log.info("orphan_trainer_stopped", pid=pid, killed=pid in killed)
+        r.orphans_stopped = [pid for pid in targets if pid not in stuck]
+        # Outlived SIGKILL (a hung driver): not waited for; the service's supervisor lists them and keeps their
+        # GPUs out of scheduling until they are gone. Their jobs are settled below like any other.
+        r.stuck = [_stuck_orphan(pid, targets[pid], store, cfg) for pid in stuck]
 
     # 2. Jobs the store thinks are running: their trainer is gone now, and no clean stop recorded its exit.
     for job in store.jobs((states.RUNNING,)):

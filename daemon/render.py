@@ -168,7 +168,13 @@ def print_detail(data: dict[str, Any]) -> None:
               + (f"  error: {a['error']}" if a["error"] else ""))
 
 
+def compact(v: Any) -> Any:
+    """A float as a person reads it (4 significant digits: lr=0.003, not 0.0029999119841746698); the
+    events file keeps the full value."""
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
 def log_line(ev: dict[str, Any]) -> str:
     skip = {"ts", "level", "event", "job"}
-    rest = " ".join(f"{k}={v}" for k, v in ev.items() if k not in skip)
+    rest = " ".join(f"{k}={compact(v)}" for k, v in ev.items() if k not in skip)
     return f"{ev.get('ts', '')[:19]} {ev.get('level', ''):7} {ev.get('event', '')} {rest}".rstrip()

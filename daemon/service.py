@@ -121,7 +121,7 @@ def serve(home: Path, config_path: str | None) -> int:
     log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
     notifier.status("reconciling")
     try:
-        reconcile(home, cfg, store, log, intake)
+        reconciled = reconcile(home, cfg, store, log, intake)
     except sqlite3.DatabaseError as e:
         why = unusable_reason(db_path, e)  # corruption that opening did not see, or a lock taken since
         if why is None:
@@ -138,6 +138,8 @@ def serve(home: Path, config_path: str | None) -> int:
                      notifications=notifications)
     sup.shutting_down = stop.is_set()
     sups.append(sup)
+    for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
+        sup.stuck.add(st)
     sock_path = cfg.socket_path(home)
     ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0, socket_path=sock_path)
     server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,

@@ -37,6 +37,7 @@ from daemon.notifications import event_of_exit
 from daemon.run_policy import NullPolicy, Policy
 from daemon.shutdown import shut_down
 from daemon.store import Store
+from daemon.stuck import StuckTrainer, StuckTrainers
 from daemon.systemd_status import SystemdReporter, status_line
 from daemon.trainer import Child
 from engine.stop import EXIT_STOPPED
@@ -60,6 +61,7 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         self.pending = PendingWrites(log)  # job id → bookkeeping not yet written (trainer already gone)
         self.locks = TrainerLockContention(self.home, store, log)
+        self.stuck = StuckTrainers(log)  # trainers that outlived SIGKILL; their GPUs are not scheduled
         self.systemd = SystemdReporter(notifier)
         self.beats: queue.Queue = queue.Queue()
         self.may_start = True
@@ -108,6 +110,7 @@ class Supervisor:
 
     # ---------------------------------------------------------------- reap
     def reap(self) -> None:
+        self.stuck.sweep()
         for job_id, c in list(self.children.items()):
             code = c.reap()
             if code is None:
@@ -119,7 +122,7 @@ class Supervisor:
             self.pending.add(job_id, c.devices, "trainer exit", lambda c=c, code=code: self._finish(c, code))
         self.pending.settle_all()
 
-    def _finish(self, c: Child, code: int) -> None:
+    def _finish(self, c: Child, code: int | None) -> None:
         error = c.exit_error(code)
 
         def plan(job: dict[str, Any]):
@@ -182,12 +185,28 @@ class Supervisor:
                     self.log.warning("trainer_hung", job=c.job_id, pid=c.pid, message=c.last_error)
                 if c.overdue(now):
                     self.log.warning("trainer_kill", job=c.job_id, why=f"did not stop within {self.cfg.stop_grace_s} s")
+            for c in list(self.children.values()):
+                if c.outlived_kill(now, self.cfg.kill_wait_s):
+                    self._give_up_on(c)
         for c in self.children.values():
             if not c.pid_recorded:
                 self.store.record_trainer(c.job_id, c.attempt, c.pid, c.pid_start)
                 c.pid_recorded = True
             if c.dirty and (now - c.flushed_at >= PROGRESS_FLUSH_S):
                 self._flush(c)
+
+    def _give_up_on(self, c: Child) -> None:
+        """A trainer SIGKILLed kill_wait_s ago that has not exited: listed as stuck, its job settled as a crash.
+
+        Nothing waits for it (daemon/stuck.py): its GPUs stay out of scheduling until it is gone, and its job
+        waits on the trainer.lock it still holds.
+        """
+        del self.children[c.job_id]
+        c.last_error = self.stuck.add(StuckTrainer(pid=c.pid, start=c.pid_start, devices=list(c.devices),
+                                                   job_id=c.job_id, workdir=c.workdir,
+                                                   kill_wait_s=self.cfg.kill_wait_s))
+        c.stop_reason = "hung"
+        self.pending.add(c.job_id, c.devices, "trainer exit", lambda c=c: self._finish(c, None))
 
     def _drain_beats(self, now: float) -> None:
         while True:
@@ -281,7 +300,7 @@ class Supervisor:
         running = [c.running_job() for c in self.children.values()]
         d = self.policy.tick(datetime.now(timezone.utc), running)
         self.may_start = d.may_start
-        self.notes = list(d.notes)
+        self.notes = [*self.stuck.notes(), *d.notes]
         if d.outage != self._outage_recorded:
             # For the next start-up: jobs cut off while the UPS said the power was failing resume uncounted.
             self.store.set_meta("power_outage", "1" if d.outage else "0")
@@ -300,7 +319,7 @@ class Supervisor:
     def _spawn(self) -> None:
         if self.shutting_down or not self.may_start or self.store.get_meta("drain") == "1":
             return
-        busy = {d for c in self.children.values() for d in c.devices} | self.pending.gpus()
+        busy = {d for c in self.children.values() for d in c.devices} | self.pending.gpus() | self.stuck.devices()
         tried: set[str] = set()
         while True:
             job = self.store.next_queued(time.time())

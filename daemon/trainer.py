@@ -150,6 +150,7 @@ class Child:
     last_error: str | None = None
     stop_reason: str | None = None  # pause | cancel | shutdown | drain | policy:... | hung
     stop_deadline: float | None = None
+    killed_at: float | None = None  # monotonic time of the first SIGKILL to its group
     training_recorded: bool = False  # its real start step is in the store and the earlier attempt's note cleared
     pid_recorded: bool = False  # the pid is in the store (jobs and attempts); retried every tick until it is
     dirty: bool = False
@@ -267,7 +268,13 @@ class Child:
 
     def signal(self, sig: int) -> None:
         """Signal the whole process group the trainer leads."""
+        if sig == signal.SIGKILL and self.killed_at is None:
+            self.killed_at = time.monotonic()
         proc.signal_group(self.pid, sig)
+
+    def outlived_kill(self, now: float, kill_wait_s: float) -> bool:
+        """SIGKILLed more than kill_wait_s ago and still not exited: stuck in the kernel (a hung driver)."""
+        return self.killed_at is not None and now - self.killed_at > kill_wait_s and not self.exited()
 
     # ------------------------------------------------------------ exit
     def exited(self) -> bool:

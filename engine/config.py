@@ -471,6 +471,17 @@ def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
     return f"{key}: {msg}"
 
 
+def describe_errors(e: ValidationError, models: dict[str, type[BaseModel]]) -> str:
+    """Every problem pydantic found, one line, each naming its key (`did you mean` for a misspelt one).
+
+    models: dotted section path ("" for the top) → its model, where an unknown key's neighbours are looked up.
+    The daemon config's errors are worded by this too (daemon/daemon_config.py).
+    """
+    problems = [_describe(err, models) for err in e.errors()]
+    # Several union branches may fail for one key; keep the distinct messages, in order.
+    return "; ".join(dict.fromkeys(problems))
+
+
 def _section_models() -> dict[str, type[BaseModel]]:
     out: dict[str, type[BaseModel]] = {"": JobConfig}
     for name, field in JobConfig.model_fields.items():
@@ -492,10 +503,7 @@ def parse_job(raw: Any, base_dir: Path, source: str = "job", check_paths: bool =
     try:
         cfg = JobConfig.model_validate(raw)
     except ValidationError as e:
-        models = _section_models()
-        problems = [_describe(err, models) for err in e.errors()]
-        # Several union branches may fail for one key; keep the distinct messages, in order.
-        raise JobInvalid(f"{source}: " + "; ".join(dict.fromkeys(problems))) from None
+        raise JobInvalid(f"{source}: {describe_errors(e, _section_models())}") from None
     _resolve_paths(cfg, base_dir)
     if check_paths:
         _check_paths(cfg)
@@ -577,6 +585,16 @@ def load_yaml_text(text: str, source: str) -> Any:
         raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
 
 
+def decode_job_bytes(data: bytes, display: str) -> str:
+    """A job file's text; binary or non-UTF-8 content is refused in the same words wherever a job is read."""
+    if b"\x00" in data:
+        raise JobInvalid(f"{display}: job file is binary (contains NUL bytes), not YAML text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise JobInvalid(f"{display}: job file is not UTF-8 text") from None
+
+
 def load_job(path: str | Path, check_paths: bool = True, policy: JobPolicy | None = None) -> JobConfig:
     """Read, size-check, safely parse and validate a job file; with a policy (a daemon's trainer), check it first."""
     path = Path(path)
@@ -586,10 +604,7 @@ def load_job(path: str | Path, check_paths: bool = True, policy: JobPolicy | Non
         raise JobInvalid(f"{path}: cannot read the job file: {e.strerror}") from None
     if size > MAX_JOB_FILE_BYTES:
         raise JobInvalid(f"{path}: job file is {size} bytes, larger than the {MAX_JOB_FILE_BYTES}-byte limit")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError:
-        raise JobInvalid(f"{path}: job file is not UTF-8 text") from None
+    text = decode_job_bytes(path.read_bytes(), path.name)
     raw = load_yaml_text(text, str(path.name))
     if policy is not None and isinstance(raw, dict):
         policy.check(raw, path.parent.resolve())

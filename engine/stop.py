@@ -17,6 +17,9 @@ EXIT_INVALID = 65  # EX_DATAERR: the job can never run as written; not retried
 EXIT_IO = 74  # EX_IOERR: disk full or unwritable; retried by the daemon after backoff
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped cleanly after a final checkpoint; resumable
 EXIT_INTERRUPTED_HARD = 130
+SOFT_STOP_MESSAGE = "\nlorad: stopping after this step with a checkpoint (Ctrl-C again to stop at once)\n"
+HARD_STOP_MESSAGE = ("\nlorad: interrupted twice: stopped at once, without a final checkpoint; the last committed "
+                     "one is kept, and running again resumes from it\n")
 
 
 class StopFlag:
@@ -59,5 +62,8 @@ class StopFlag:
     def _on_int(self, signum, frame) -> None:
         self._sigints += 1
         if self._sigints >= 2:
+            # os.write, not print: a signal handler may run while sys.stderr is mid-write.
+            os.write(2, HARD_STOP_MESSAGE.encode())
             os._exit(EXIT_INTERRUPTED_HARD)
+        os.write(2, SOFT_STOP_MESSAGE.encode())
         self.request("SIGINT")

@@ -112,6 +112,33 @@ def test_boundary_values_are_accepted(capsys, daemon):
     assert run(capsys, "logs", "-n", "10000", jid, "--home", str(daemon.home))[0] == 0
 
 
+@pytest.mark.parametrize("content", [
+    os.urandom(256) + b"\x00junk",  # binary junk
+    job_yaml(data={"path": "/etc/passwd", "seq_len": 32}).encode(),  # outside the allowed roots
+], ids=["binary", "etc-passwd"])
+def test_submit_and_the_inbox_refuse_the_same_bad_file_for_the_same_reason_with_exit_65(capsys, daemon, tmp_path,
+                                                                                         content):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    code, out, err = run(capsys, "submit", str(bad), "--home", str(daemon.home))
+    (daemon.home / "inbox" / "bad.yaml").write_bytes(content)
+    reason = daemon.intake.take(daemon.home / "inbox" / "bad.yaml").error
+    assert code == 65 and out == ""
+    assert err == f"lorad: invalid job: {reason}\n"
+
+
+def test_logs_print_numbers_compactly_while_the_events_file_keeps_them_whole(capsys, daemon):
+    jid = daemon.submit()
+    events = daemon.home / "jobs" / jid / "events.jsonl"
+    with open(events, "a") as f:
+        f.write(json.dumps({"event": "step", "level": "info", "ts": "2026-01-01T00:00:00Z", "step": 7,
+                            "loss": 1.23456789, "lr": 0.0029999119841746698}) + "\n")
+    code, out, _ = run(capsys, "logs", jid, "--home", str(daemon.home))
+    step_line = next(ln for ln in out.splitlines() if " step " in ln)
+    assert code == 0 and step_line.endswith("step=7 loss=1.235 lr=0.003")
+    assert "0.0029999119841746698" in events.read_text()
+
+
 # ================================================================ 2. rejected inbox files show in `lorad status`
 def reject(d: LiveDaemon, name: str, content: str, age_s: float = 0) -> None:
     (d.home / "inbox" / name).write_text(content)

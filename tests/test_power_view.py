@@ -52,17 +52,30 @@ def test_job_energy_line_has_w_j_per_step_kwh_and_steps_per_kwh():
     assert line == "power (SIMULATED): 310 W avg, 333.3 J/step, 0.1852 kWh, 10800 steps/kWh"
 
 
-def test_watch_redraws_until_ctrl_c():
-    calls = []
-
+def ctrl_c_at_the_third_fetch(calls: list):
     def fetch():
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return api.power_report(None)
 
-    assert view.watch(fetch, interval_s=0.01) == 0
+    return fetch
+
+
+def test_watch_redraws_until_ctrl_c():
+    calls = []
+    assert view.watch(ctrl_c_at_the_third_fetch(calls), interval_s=0.01) == 0
     assert len(calls) == 3
+
+
+def test_watch_to_a_pipe_writes_a_timestamped_table_per_interval():
+    import io
+
+    out = io.StringIO()  # not a terminal, as `lorad power --watch | tee power.log`
+    assert view.watch(ctrl_c_at_the_third_fetch([]), interval_s=0.01, stream=out) == 0
+    text = out.getvalue()
+    first_line = _text(view.render(api.power_report(None))).strip().splitlines()[0]
+    assert text.count("--- ") == 3 and text.count(first_line) == 2  # the third fetch was the Ctrl-C
 
 
 def test_without_a_gpu_the_view_says_why_instead_of_an_empty_table():

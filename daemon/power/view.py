@@ -6,9 +6,11 @@ Simulated figures are labelled SIMULATED in the title and on every GPU row.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from datetime import datetime, timezone
+from typing import IO, Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -78,11 +80,20 @@ def show(rep: dict[str, Any], console: Console | None = None) -> None:
     (console or Console()).print(render(rep))
 
 
-def watch(fetch: Callable[[], dict[str, Any]], interval_s: float = 1.0) -> int:
-    """Redraw `lorad power` every interval until Ctrl-C."""
+def watch(fetch: Callable[[], dict[str, Any]], interval_s: float = 1.0, stream: IO[str] | None = None) -> int:
+    """Redraw `lorad power` every interval until Ctrl-C; to a pipe or file, one timestamped table per interval."""
     from rich.live import Live
 
+    stream = stream or sys.stdout
     try:
+        if not stream.isatty():
+            # Live draws nothing to a non-terminal until it stops: `lorad power --watch | tee log` would stay empty.
+            console = Console(file=stream)
+            while True:
+                console.print(f"--- {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC", markup=False)
+                console.print(render(fetch()))
+                stream.flush()
+                time.sleep(interval_s)
         with Live(render(fetch()), refresh_per_second=4, screen=False) as live:
             while True:
                 time.sleep(interval_s)
