@@ -130,3 +130,25 @@ def test_start_up_does_not_wait_forever_for_an_orphan_that_outlives_sigkill(tmp_
         orphan.kill()
         orphan.wait()
         store.close()
+
+
+def test_shutdown_does_not_wait_forever_for_a_trainer_that_outlives_sigkill(tmp_path, unkillable):
+    store = Store(tmp_path / "state.db")
+    cfg = DaemonConfig(kill_wait_s=0.5, stop_grace_s=0.5)
+    sup = Supervisor(tmp_path, cfg, store, [0], setup())
+    sup.trainer_command = lambda wd: [sys.executable, "-c", FAKE, "go"]
+    pid = None
+    try:
+        jid = queue(sup, tmp_path, "x")
+        run_ticks(sup, lambda: jid in sup.children)
+        pid = sup.children[jid].pid
+        unkillable.add(pid)  # neither its SIGTERM nor its SIGKILL takes effect
+        t0 = time.monotonic()
+        sup.shutdown(cfg.stop_grace_s)
+        assert time.monotonic() - t0 < 5  # the grace and the kill wait, then the daemon exits
+        assert not sup.children and proc.alive(pid)
+        assert store.get(jid)["state"] != states.RUNNING and "did not exit" in store.get(jid)["last_error"]
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        store.close()
