@@ -33,6 +33,7 @@ from daemon import gang, proc
 from daemon import trainer_user as trainer_user_mod
 from daemon.daemon_config import ConfigInvalid
 from daemon.exit_policy import describe_exit
+from daemon.intake import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.run_policy import RunningJob
 from engine.job_policy import JobPolicy
 from engine.stop import EXIT_OK, EXIT_STOPPED
@@ -89,6 +90,7 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
         run_as = None if cfg is None else trainer_user_mod.resolve(cfg.trainer_user, os.geteuid())
     except ConfigInvalid as e:
         raise OSError(str(e)) from None  # refused like any failed start: the job is requeued, the reason shown
+    trainer_user_mod.protect_job_files(workdir, JOB_DIR_MODE, JOB_FILE_MODE)
     extra: dict[str, Any] = {}
     if run_as is not None:
         trainer_user_mod.hand_over(workdir, run_as)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,19 @@ def check_at_start(trainer_user: str | None, euid: int, allow_root: bool) -> Run
         raise ConfigInvalid("trainer_user: required when the daemon runs as root, so that no job's code runs as "
                             "root (e.g. trainer_user: lorad; `lorad install-service` creates that user)")
     return resolve(trainer_user, euid)
+
+
+def protect_job_files(workdir: Path, dir_mode: int, file_mode: int) -> None:
+    """Before every start: the job's directory and the files that decide what its trainer does are not writable
+    by the group, whatever made them (jobs accepted by an older lorad under the unit's UMask=0007 were)."""
+    workdir = Path(workdir)
+    os.chmod(workdir, dir_mode)
+    for name in DAEMON_OWNED:
+        try:
+            if stat.S_ISREG(os.lstat(workdir / name).st_mode):  # a symlink in its place is never followed
+                os.chmod(workdir / name, file_mode)
+        except FileNotFoundError:
+            pass
 
 
 def hand_over(workdir: Path, who: RunAs) -> None:

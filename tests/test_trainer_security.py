@@ -153,3 +153,13 @@ def test_a_root_daemon_without_trainer_user_exits_78_naming_the_key(tmp_path, mo
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert serve(tmp_path / "home", None) == 78
     assert "trainer_user: required" in capsys.readouterr().err
+
+
+def test_before_each_start_job_files_left_group_writable_by_an_older_lorad_are_protected(accepted, fake_popen):
+    os.chmod(accepted.workdir, 0o770)  # what the unit's UMask=0007 gave jobs accepted before this check
+    for name in ("job.yaml", "submitted.yaml"):
+        os.chmod(accepted.workdir / name, 0o660)
+    trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY), cfg=DaemonConfig())
+    assert stat.S_IMODE(os.stat(accepted.workdir).st_mode) == 0o750
+    for name in ("job.yaml", "submitted.yaml"):
+        assert stat.S_IMODE(os.stat(accepted.workdir / name).st_mode) == 0o644
