@@ -21,7 +21,7 @@ from typing import Any
 from engine.errors import JobInvalid
 
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
-PATH_KEYS = (("data", "path"), ("model", "path"))
+PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"))
 
 
 def _under(path: Path, roots: tuple[Path, ...]) -> bool:
@@ -44,9 +44,11 @@ class JobPolicy:
     def check_roots(self, raw: dict[str, Any], base_dir: Path) -> None:
         """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""
         shown = ", ".join(str(r) for r in self.roots)
-        for section, key in PATH_KEYS:
-            sec = raw.get(section)
-            p = sec.get(key) if isinstance(sec, dict) else None
+        for keys in PATH_KEYS:
+            section, name = keys[0], ".".join(keys)
+            p: Any = raw
+            for k in keys:
+                p = p.get(k) if isinstance(p, dict) else None
             if not isinstance(p, str) or p.startswith("builtin:"):
                 continue
             cand = Path(os.path.expanduser(p))
@@ -58,7 +60,7 @@ class JobPolicy:
                 continue  # the engine's validator says "does not exist", which is the clearer message
             real = Path(os.path.realpath(cand))
             if not _under(real, self.roots):
-                raise JobInvalid(f"{section}.{key}: {p} resolves to {real}, outside the allowed roots ({shown}); "
+                raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
                                  "add a root to allowed_roots in the daemon config")
 
     def allows_path(self, path: Path) -> bool:

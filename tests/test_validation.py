@@ -110,6 +110,19 @@ def test_a_validation_path_of_the_other_family_exits_65_naming_the_key(micro_mod
         parse_job(flux, tmp_path)
 
 
+def test_the_daemons_allowed_roots_cover_the_validation_path(tmp_path):
+    from engine.job_policy import JobPolicy
+
+    inside, outside = tmp_path / "root" / "train.jsonl", tmp_path / "elsewhere" / "val.jsonl"
+    for f in (inside, outside):
+        f.parent.mkdir()
+        f.write_text('{"text": "x"}\n')
+    policy = JobPolicy(False, (inside.parent,))
+    policy.check({"data": {"path": str(inside), "validation": {"path": str(inside)}}}, tmp_path)
+    with pytest.raises(JobInvalid, match=r"^data\.validation\.path: .*outside the allowed roots"):
+        policy.check({"data": {"path": str(inside), "validation": {"path": str(outside)}}}, tmp_path)
+
+
 def test_only_the_fraction_decides_the_weights(micro_model, tmp_path):
     plain = tiny_job(micro_model, tmp_path).identity_hash()
     assert tiny_job(micro_model, tmp_path, data={"validation": EVERY_2}).identity_hash() == plain
