@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
     p_.set_defaults(fn=cmd_run, needs_training_stack=True)
 
-    p_ = sub.add_parser("cache", help="encode a flux job's latents and text embeddings into its cache (idempotent)")
+    p_ = sub.add_parser("cache", help="encode an image job's latents and text embeddings into its cache (idempotent)")
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
     p_.add_argument("--quiet", action="store_true", help="no progress bar")

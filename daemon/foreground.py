@@ -93,7 +93,7 @@ def run_summary(events: list[dict[str, Any]], code: int) -> list[str]:
 
 # ================================================================ lorad cache
 def cmd_cache(args: argparse.Namespace) -> int:
-    """Encode a job's cached inputs now (a Flux job's latents and text embeddings); training reuses them."""
+    """Encode a job's cached inputs now (an image job's latents and text embeddings); training reuses them."""
     from engine.stop import EXIT_INVALID
 
     if (job := _local_job(args)) is None:
@@ -118,7 +118,8 @@ def cache_job(cfg, workdir: Path, progress: str = "bar") -> int:
 
     family = get_family(cfg.model.family)
     if not has_cache(family):
-        print(f"lorad: model.family {cfg.model.family} has no latent cache (only flux jobs do)", file=sys.stderr)
+        print(f"lorad: model.family {cfg.model.family} has no latent cache (only the image families have one)",
+              file=sys.stderr)
         return EXIT_INVALID
     fs = RealFs()
     ensure_dir_durable(fs, Path(workdir))

@@ -5,7 +5,8 @@ Llama-architecture model (fixed seed, so every machine builds the same
 weights) and a byte-level tokenizer into a directory with `save_pretrained`,
 then the normal loader reads it back — the real loading code runs, and
 nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
-pipeline (engine/tiny_flux.py).
+pipeline (engine/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
+for FLUX.2 and Qwen-Image (engine/tiny_pipelines.py).
 
 Importable without torch: job validation (config.py) reads BUILTIN_MODELS.
 """
@@ -77,6 +78,18 @@ def _build_tiny_flux(dest: Path) -> None:
     build_tiny_flux(dest)
 
 
+def _build_tiny_flux2(dest: Path) -> None:
+    from engine.tiny_pipelines import build_tiny_flux2
+
+    build_tiny_flux2(dest)
+
+
+def _build_tiny_qwen_image(dest: Path) -> None:
+    from engine.tiny_pipelines import build_tiny_qwen_image
+
+    build_tiny_qwen_image(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -84,6 +97,12 @@ BUILTIN_MODELS = {
     "tiny-flux": BuiltinModel(
         "flux", "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights.",
         "model_index.json", _build_tiny_flux),
+    "tiny-flux2": BuiltinModel(
+        "flux2", "A FLUX.2-klein-shaped pipeline (2 double + 2 single blocks, tiny VAE, Qwen3) with random weights.",
+        "model_index.json", _build_tiny_flux2),
+    "tiny-qwen-image": BuiltinModel(
+        "qwen_image", "A Qwen-Image-shaped pipeline (4 blocks, tiny video VAE, Qwen2.5-VL) with random weights.",
+        "model_index.json", _build_tiny_qwen_image),
 }
 
 

@@ -31,7 +31,7 @@ class Strict(BaseModel):
 
 
 class ModelConfig(Strict):
-    family: Literal["causal_lm", "flux"] = "causal_lm"
+    family: Literal["causal_lm", "flux", "flux2", "qwen_image"] = "causal_lm"
     path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -356,6 +356,10 @@ IMAGE_DATA_KEYS = ("resolution", "trigger", "caption_ext", "caption_dropout", "f
 TEXT_DATA_KEYS = ("text_field", "seq_len", "packing", "train_on")
 FLUX_TRAIN_KEYS = ("timestep_sampling", "guidance", "timestep_bias", "dop")
 LM_TRAIN_KEYS = ("chunked_loss",)
+# The families that train on images (engine/families/flux.py and image_base.py); FLUX.1's keys that the others
+# do not read yet.
+IMAGE_FAMILIES = ("flux", "flux2", "qwen_image")
+FLUX1_ONLY_KEYS = ("data.masks", "data.regularisation", "data.validation", "train.dop")
 
 
 # The constructor arguments train.optimizer_args may set, per optimizer. Left out on purpose: lr and
@@ -408,19 +412,28 @@ def _family_keys_check(cfg: JobConfig) -> None:
         wrong += [f"train.{k}" for k in FLUX_TRAIN_KEYS if k in cfg.train.model_fields_set]
         wrong += ["sample"] if "sample" in cfg.model_fields_set else []
         if wrong:
-            raise ValueError(f"{', '.join(wrong)}: only for model.family flux (this job is causal_lm)")
-    elif family == "flux":
+            others = "" if set(wrong) <= set(FLUX1_ONLY_KEYS) else \
+                f" or another image family ({', '.join(IMAGE_FAMILIES[1:])})"
+            raise ValueError(f"{', '.join(wrong)}: only for model.family flux{others}; this job is causal_lm")
+    elif family in IMAGE_FAMILIES:
         wrong = [f"data.{k}" for k in TEXT_DATA_KEYS if k in cfg.data.model_fields_set]
         wrong += [f"train.{k}" for k in LM_TRAIN_KEYS if k in cfg.train.model_fields_set]
         if wrong:
-            raise ValueError(f"{', '.join(wrong)}: only for model.family causal_lm (flux reads images and captions)")
+            raise ValueError(f"{', '.join(wrong)}: only for model.family causal_lm ({family} reads images and captions)")
         if cfg.model.quantize is not None:
-            raise ValueError("model.quantize: nf4 is for causal_lm; for flux use model.base_precision")
+            raise ValueError(f"model.quantize: nf4 is for causal_lm; for {family} use model.base_precision")
         if "formats" not in cfg.output.model_fields_set:
             # the family-aware default; diffusers' load_lora_weights reads LoRA and DoRA only
             cfg.output.formats = ["comfyui"] if cfg.lora.type in ("lokr", "loha") else ["diffusers"]
         if "peft" in cfg.output.formats:
-            raise ValueError("output.formats: 'peft' is for causal_lm; flux writes 'diffusers' and/or 'comfyui'")
+            raise ValueError(f"output.formats: 'peft' is for causal_lm; {family} writes 'diffusers' and/or 'comfyui'")
+        set_ = (cfg.data.masks, cfg.data.regularisation, cfg.data.validation, cfg.train.dop)
+        flux_only = [k for k, v in zip(FLUX1_ONLY_KEYS, set_, strict=True) if v is not None]
+        if family != "flux" and flux_only:
+            raise ValueError(f"{', '.join(flux_only)}: only for model.family flux so far (this job is {family})")
+        if family != "flux" and cfg.lora.type != "lora":
+            raise ValueError(f"lora.type: {cfg.lora.type} is not supported for model.family {family} yet (only lora: "
+                             "its exports are checked against diffusers' and ComfyUI's loaders)")
         if cfg.lora.type in ("lokr", "loha") and "diffusers" in cfg.output.formats:
             raise ValueError(f"output.formats, lora.type: diffusers' load_lora_weights cannot read a {cfg.lora.type} "
                              "adapter; write output.formats: [comfyui] (LyCORIS keys ComfyUI loads)")
@@ -561,11 +574,12 @@ def _check_paths(cfg: JobConfig) -> None:
         check_text_source(dp, cfg.data.text_field, cfg.data.train_on)
         if val_path is not None:
             check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
-    elif cfg.model.family == "flux":
+    elif cfg.model.family in IMAGE_FAMILIES:
         from engine.data.images import check_image_folder
 
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
-            raise JobInvalid(f"model.path: {mp} is not a FLUX.1 diffusers directory (no transformer/config.json)")
+            what = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image"}[cfg.model.family]
+            raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
         check_image_folder(dp)
         if cfg.data.masks is not None and cfg.data.masks.path is not None and not Path(cfg.data.masks.path).is_dir():
             raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")

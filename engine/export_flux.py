@@ -86,6 +86,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.export_image import metadata
+
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 COMFYUI_FILE = "flux_lora_comfyui.safetensors"
 
@@ -129,18 +131,23 @@ _SWAP_HALVES = {"final_layer.adaLN_modulation.1"}
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 
 
-def bfl_target(module: str) -> tuple[str, tuple[str, ...] | None]:
-    """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module."""
+def bfl_target(module: str, block_rules: dict | None = None, top_rules: dict | None = None
+               ) -> tuple[str, tuple[str, ...] | None]:
+    """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module.
+
+    The rules are FLUX.1's unless given (engine/families/flux2.py passes FLUX.2's).
+    """
+    block_rules, top_rules = block_rules or _BLOCK_RULES, top_rules or _TOP_RULES
     m = _BLOCK.match(module)
     if m:
         kind, i, rest = m.groups()
-        rule = _BLOCK_RULES[kind].get(rest)
+        rule = block_rules[kind].get(rest)
         if rule is not None:
             name, parts = rule
             return name.format(i=i), parts
-    elif module in _TOP_RULES:
-        return _TOP_RULES[module], None
-    raise ValueError(f"no ComfyUI/BFL name for Flux module {module!r}")
+    elif module in top_rules:
+        return top_rules[module], None
+    raise ValueError(f"no ComfyUI/BFL name for module {module!r}")
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -191,22 +198,6 @@ def lycoris_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
-    return {
-        "format": "pt",
-        "lorad_version": str(meta.get("lorad_version", "")),
-        "base_model": str(meta.get("base_model", cfg.model.path)),
-        "rank": str(cfg.lora.rank),
-        "alpha": str(cfg.lora.alpha),
-        "steps": str(meta.get("steps", "")),
-        "trigger": str(meta.get("trigger", "")),
-        "dataset_hash": str(meta.get("dataset_hash", "")),
-        "lorad_config_hash": str(meta.get("config_hash", "")),
-        "lorad_targets": json.dumps(cfg.lora.targets) if cfg.lora.targets is not None else "flux-default",
-        "lorad_adapter_type": cfg.lora.type,
-    }
-
-
 def diffusers_state_dict(mods, alpha: float, magnitudes: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """diffusers' peft layout; a DoRA magnitude is peft's `lora_magnitude_vector` key, which diffusers reads as
     use_dora."""
@@ -225,22 +216,27 @@ def _out_features(model: torch.nn.Module, path: str) -> int:
     return (mod.get_base_layer() if hasattr(mod, "get_base_layer") else mod).out_features
 
 
-def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """kohya/ComfyUI keys over BFL names; fused linears get stacked downs and block-diagonal ups (see docstring)."""
+def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, target=bfl_target,
+                       swap_halves: set[str] = _SWAP_HALVES) -> dict[str, torch.Tensor]:
+    """kohya/ComfyUI keys over BFL names; fused linears get stacked downs and block-diagonal ups (see docstring).
+
+    `target` maps a diffusers module to its BFL name and fused parts (FLUX.1's by default; FLUX.2 passes its own),
+    `swap_halves` names the BFL linears whose output halves are in the other order.
+    """
     groups: dict[str, tuple[str, tuple[str, ...] | None]] = {}
     for name in mods:
-        target, parts = bfl_target(name)
+        bfl, parts = target(name)
         prefix = name
         if parts is not None:
             prefix = name[: -len(next(p for p in parts if name.endswith("." + p)))]
-        groups[target] = (prefix, parts)
+        groups[bfl] = (prefix, parts)
     sd: dict[str, torch.Tensor] = {}
-    for target, (prefix, parts) in sorted(groups.items()):
-        key = "lora_unet_" + target.replace(".", "_")
+    for bfl, (prefix, parts) in sorted(groups.items()):
+        key = "lora_unet_" + bfl.replace(".", "_")
         if parts is None:
             a, b, _ = mods[prefix]
             up = b
-            if target in _SWAP_HALVES:
+            if bfl in swap_halves:
                 half = b.shape[0] // 2
                 up = torch.cat([b[half:], b[:half]])
             down, k = a, 1
@@ -266,7 +262,7 @@ def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float) ->
 def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> list[str]:
     """Write the formats in cfg.output.formats into out_dir; return the file names."""
     mods = lora_modules(model)
-    md = _metadata(cfg, meta)
+    md = metadata(cfg, meta)
     names = []
     lycoris = cfg.lora.type in ("lokr", "loha")
     if "diffusers" in cfg.output.formats:  # lora or dora (validation refuses the rest)

@@ -1,9 +1,9 @@
-"""Preview images during Flux training: the way people catch over-fitting early.
+"""Preview images during image-family training: the way people catch over-fitting early.
 
 Every `sample.every_steps` steps each prompt in `sample.prompts` is rendered
 with the LoRA as it is now, with a fixed seed per prompt (sample.seed + i), so
 the images of successive steps differ only by what the LoRA learned. The
-prompt embeddings were computed with the captions (engine/families/flux_encode.py), so no
+prompt embeddings were computed with the captions (engine/families/image_cache.py), so no
 text encoder is loaded during training; the VAE decoder is loaded at the first
 render and kept.
 
@@ -17,6 +17,7 @@ model back in train mode.
 
 from __future__ import annotations
 
+import inspect
 import io
 from pathlib import Path
 
@@ -33,34 +34,49 @@ def sample_due(cfg, step: int) -> bool:
 
 
 class SampleRenderer:
-    """Renders `sample.prompts` with the LoRA as it is (engine/families/flux.py calls it every sample.every_steps)."""
+    """Renders `sample.prompts` with the LoRA as it is (the image families call it every sample.every_steps).
 
-    def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None):
+    `pipeline(transformer)` builds the family's pipeline without text encoders (default: FLUX.1's);
+    `prompt_kwargs(embedding, device, dtype)` turns one cached prompt into that pipeline's arguments.
+    """
+
+    def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None, pipeline=None, prompt_kwargs=None):
         self.cfg, self.model_path, self.workdir = cfg, model_path, Path(workdir)
         self.fs = fs or RealFs()
         # Prompt embeddings are read now, once, from the cache filled before training.
         self.prompts = [cache.load(k) for k in plan.prompt_texts]
         self.pipe = None
+        self.build_pipeline = pipeline or self._flux_pipeline
+        self.prompt_kwargs = prompt_kwargs or self._flux_prompt_kwargs
 
     def _pipeline(self, transformer):
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
-
         if self.pipe is None:
-            rev = self.cfg.model.revision
-            vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", revision=rev,
-                                                dtype=torch_dtype(self.cfg.model.dtype))
-            sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path, subfolder="scheduler", revision=rev)
-            self.pipe = FluxPipeline(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
-                                     text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+            self.pipe = self.build_pipeline(transformer)
             self.pipe.set_progress_bar_config(disable=True)
         self.pipe.transformer = transformer
         return self.pipe
+
+    @staticmethod
+    def _flux_prompt_kwargs(emb, device, dtype) -> dict:
+        return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
+                "pooled_prompt_embeds": emb["pooled"][None].to(device, dtype)}
+
+    def _flux_pipeline(self, transformer):
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        rev = self.cfg.model.revision
+        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", revision=rev,
+                                            dtype=torch_dtype(self.cfg.model.dtype))
+        sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path, subfolder="scheduler", revision=rev)
+        return FluxPipeline(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
+                            text_encoder_2=None, tokenizer_2=None, transformer=transformer)
 
     def render(self, transformer: torch.nn.Module, step: int, log) -> list[Path]:
         s = self.cfg.sample
         out_dir = self.workdir / "samples" / f"step-{step:08d}"
         ensure_dir_durable(self.fs, out_dir)
         pipe = self._pipeline(transformer)
+        accepted = inspect.signature(pipe.__call__).parameters
         device = transformer.device
         paths = []
         was_training = transformer.training
@@ -73,9 +89,11 @@ class SampleRenderer:
                     # (each one far shorter than the hang timeout) from looking like a hung trainer.
                     log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
                     gen = torch.Generator(device="cpu").manual_seed(s.seed + i)
+                    # Only what this pipeline takes (FLUX.2 dev has no negative prompt, klein no guidance embedding).
+                    kwargs = {k: v for k, v in self.prompt_kwargs(emb, device, transformer.dtype).items()
+                              if k in accepted}
                     image = pipe(
-                        prompt_embeds=emb["prompt_embeds"][None].to(device, transformer.dtype),
-                        pooled_prompt_embeds=emb["pooled"][None].to(device, transformer.dtype),
+                        **kwargs,
                         height=s.height,
                         width=s.width,
                         num_inference_steps=s.steps,

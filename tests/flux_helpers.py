@@ -92,3 +92,26 @@ def flux_uninterrupted(tmp_path_factory, flux_job) -> Path:
     t = run_engine(flux_job, wd, timeout=300)
     assert t.proc.returncode == 0, t.stderr[-3000:]
     return wd
+
+
+def tensor_bytes(path: Path) -> dict[str, bytes]:
+    """A safetensors file's tensors, by name, as raw bytes (for bit-exact comparison)."""
+    import torch
+    from safetensors.torch import load_file
+
+    return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in load_file(str(path)).items()}
+
+
+def with_last_checkpoint(model, workdir: Path):
+    """`model` (LoRA-wrapped) with the newest checkpoint's adapter in its trainable parameters, in eval mode."""
+    import torch
+    from safetensors.torch import load_file
+
+    ckpt = sorted((Path(workdir) / "checkpoints").glob("step-*"))[-1]
+    state = load_file(str(ckpt / "adapter.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert sorted(params) == sorted(state)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])
+    return model.eval()

@@ -25,8 +25,7 @@ tiny_flux = fh.tiny_flux  # shared session fixture
 OUTPUTS = (DIFFUSERS_FILE, COMFYUI_FILE)
 
 
-def _tensor_bytes(path: Path) -> dict[str, bytes]:
-    return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in load_file(str(path)).items()}
+_tensor_bytes = fh.tensor_bytes
 
 
 def _metadata(path: Path) -> dict[str, str]:
@@ -89,14 +88,7 @@ def _trained_in_memory(tiny_flux, job, workdir):
     cfg = load_job(job)
     model = FluxTransformer2DModel.from_pretrained(tiny_flux, subfolder="transformer")
     apply_lora(model, cfg)
-    ckpt = sorted((workdir / "checkpoints").glob("step-*"))[-1]
-    state = load_file(str(ckpt / "adapter.safetensors"))
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    assert sorted(params) == sorted(state)
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(state[n])
-    return model.eval(), cfg
+    return fh.with_last_checkpoint(model, workdir), cfg
 
 
 def test_load_lora_weights_reproduces_the_trained_model_exactly(tiny_flux, flux_job, flux_uninterrupted):

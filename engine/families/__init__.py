@@ -14,4 +14,12 @@ def get_family(name: str) -> Family:
         from engine.families.flux import Flux  # added by the Flux family
 
         return Flux()
+    if name == "flux2":
+        from engine.families.flux2 import Flux2
+
+        return Flux2()
+    if name == "qwen_image":
+        from engine.families.qwen_image import QwenImage
+
+        return QwenImage()
     raise ValueError(f"unknown model family {name!r}")

@@ -41,19 +41,22 @@ from typing import Any
 
 import torch
 
-from engine.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype
-from engine.blockswap import place_model
 from engine.builtin_models import resolve_model_path
 from engine.config import JobConfig
-from engine.data.image_sets import extra_batch, regularisation_items, training_masks
-from engine.dtypes import torch_dtype
-from engine.errors import JobInvalid
+from engine.data.image_sets import extra_batch
 from engine.families.flux_encode import fill_cache
+from engine.families.image_base import (
+    CachedImages,
+    ImageData,
+    add_lora,
+    flip_and_drop,
+    load_lora_transformer,
+    scan_images,
+)
+from engine.families.image_base import sample_sigmas as sample_shifted
 from engine.masked_loss import weighted_flow_loss
-from engine.precision import apply_base_precision, quantization_config
-from engine.precision import resolve as resolve_precision
 from engine.quiet import quiet_libraries
-from engine.validation import ValidationSet, holdout, sample_generator, to_device
+from engine.validation import ValidationSet, sample_generator, to_device
 
 # The modules diffusers' Flux LoRA trainer targets: attention q/k/v/out of both streams (incl. the added text
 # projections), both feed-forwards, and the single blocks' q/k/v, proj_mlp and proj_out. Matched against the
@@ -77,18 +80,8 @@ def sample_sigmas(kind: str, batch: int, image_seq_len: int, sched: dict[str, fl
 
     `bias` (train.timestep_bias) reweights the density (engine/timestep_bias.py); balanced leaves it alone.
     """
-    if bias is not None and bias.strategy != "balanced":
-        from engine.timestep_bias import sample_biased
-
-        shift = _shift_exp(image_seq_len, sched) if kind == "shift" else 1.0
-        return sample_biased(kind, batch, shift, bias.strategy, bias.multiplier, bias.begin, bias.end, generator)
-    if kind == "sigmoid":
-        return torch.sigmoid(torch.randn(batch, generator=generator))
-    t = torch.rand(batch, generator=generator)
-    if kind == "linear":
-        return t
-    e = _shift_exp(image_seq_len, sched)
-    return e * t / (e * t + (1 - t))
+    shift = _shift_exp(image_seq_len, sched) if kind == "shift" else 1.0
+    return sample_shifted(kind, batch, shift, generator, bias)
 
 
 def _shift_exp(image_seq_len: int, sched: dict[str, float]) -> float:
@@ -100,96 +93,43 @@ def _shift_exp(image_seq_len: int, sched: dict[str, float]) -> float:
 
 
 def apply_lora(transformer: torch.nn.Module, cfg: JobConfig) -> torch.nn.Module:
-    """Freeze the transformer and add the peft adapter of lora.type (named "default") to the target modules."""
-    transformer.requires_grad_(False)
-    lcfg = peft_config(cfg.lora, cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS)
-    try:
-        transformer.add_adapter(lcfg)
-    except ValueError as e:
-        raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
-    return transformer
+    """Freeze the transformer and add the peft adapter of lora.type (named "default") to the Flux targets."""
+    return add_lora(transformer, cfg, DEFAULT_TARGETS)
 
 
-class FluxDataset:
-    """Items backed by the cache; batches are single-bucket (engine.data.images.BucketOrder)."""
-
-    def __init__(self, items, order, cache, plan):
-        self.items, self.order, self.cache, self.plan = items, order, cache, plan
-        empty = cache.load(plan.empty_text)
-        self._empty = (empty["prompt_embeds"], empty["pooled"])
-
-    def __len__(self) -> int:
-        return len(self.order)
-
-    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
-        return self.order.indices_at(seed, start, count)
+class FluxDataset(CachedImages):
+    """FLUX.1 batches: T5 embeddings (all one length) and CLIP pooled embeddings, plus masks and DOP prompts."""
 
     def collate(self, indices: list[int]) -> dict[str, Any]:
-        lat = [self.cache.load(self.plan.item_latent[i]) for i in indices]
+        lat, batch = self.latents(indices)
         txt = [self.cache.load(self.plan.item_text[i]) for i in indices]
-        batch = {
-            "latents": torch.stack([x["latent"] for x in lat]),
+        batch.update({
             "prompt_embeds": torch.stack([t["prompt_embeds"] for t in txt]),
             "pooled": torch.stack([t["pooled"] for t in txt]),
-            "empty_prompt_embeds": self._empty[0][None],
-            "empty_pooled": self._empty[1][None],
-        }
-        if "latent_flip" in lat[0]:
-            batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+            "empty_prompt_embeds": self.empty["prompt_embeds"][None],
+            "empty_pooled": self.empty["pooled"][None],
+        })
         batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat))
         return batch
 
 
-class Flux:
+class Flux(ImageData):
+    dataset_class = FluxDataset
+
     def __init__(self):
         self.cfg: JobConfig | None = None
-        self.cache = None
-        self.plan = None
-        self.items = None
-        self.records = None
-        self.report = None
         self.sched = dict(SCHEDULER_DEFAULTS)
         self.renderer = None
-        self.n_train = 0  # self.items[:n_train] are trained on; the rest are data.validation's
-        self.dataset: FluxDataset | None = None
 
     # ---------------------------------------------------------------- data
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
         """Scan the image folder and make the latent/text cache complete (encoders are freed afterwards)."""
-        from engine.data.images import make_items, scan
-
         # The first thing a Flux job (or `lorad cache`) does: diffusers' loading bars have only an API switch.
         quiet_libraries(diffusers=True)
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
-        records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
-        masks = training_masks(cfg, records, log)
-        self.records, held = records, []
-        val = cfg.data.validation
-        if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
-            train, held_i = holdout(len(records), val.fraction, cfg.train.seed)
-            self.records, held = [records[i] for i in train], [records[i] for i in held_i]
-        elif val is not None:
-            held, masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
-        self.items = make_items(self.records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
-        self.n_train = len(self.items)
-        self.items += make_items(held, cfg.data.resolution, masks)
+        self.records, self.items, self.n_train = scan_images(cfg, log)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
-
-    def build_dataset(self, cfg: JobConfig, workdir: Path, log) -> FluxDataset:
-        from engine.data.images import BucketOrder
-
-        if self.cache is None:
-            self.prepare(cfg, workdir, log)
-        order = BucketOrder(self.items[:self.n_train], cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
-        buckets = sorted({f"{it.bucket[0]}x{it.bucket[1]}" for it in self.items})
-        log.info("dataset", images=len(self.records), samples_per_epoch=len(order), buckets=buckets,
-                 captions_missing=sum(r.caption_missing for r in self.records),
-                 masks=sum(it.mask is not None for it in self.items),
-                 regularisation=sum(it.repeats is not None for it in self.items),
-                 validation=len(self.items) - self.n_train)
-        self.dataset = FluxDataset(self.items, order, self.cache, self.plan)
-        return self.dataset
 
     def validation_set(self, cfg: JobConfig, workdir: Path, log) -> ValidationSet:
         """The held-out (or data.validation.path) items, which prepare cached after the training items."""
@@ -201,53 +141,15 @@ class Flux:
                   for i in indices]
         return torch.stack(losses).mean()
 
-    def dataset_hash(self) -> str:
-        from engine.data.images import dataset_hash
-
-        return dataset_hash(self.records) if self.records else ""
-
     # ---------------------------------------------------------------- model
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
         from diffusers import FluxTransformer2DModel
 
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
-        dtype = torch_dtype(cfg.model.dtype)
-        precision, _ = resolve_precision(cfg.model.effective_base_precision, device)
-        check_base_precision(cfg.lora, precision)
-        # nf4/int8: bitsandbytes quantises while loading (diffusers' BitsAndBytesConfig; it needs a CUDA GPU).
-        qconf = quantization_config(precision, dtype, library="diffusers")
-        kwargs = {"quantization_config": qconf} if qconf is not None else {}
-        try:
-            transformer = FluxTransformer2DModel.from_pretrained(
-                path, subfolder="transformer", revision=cfg.model.revision, dtype=dtype, **kwargs
-            )
-        except RuntimeError as e:
-            if qconf is None or "GPU" not in str(e):
-                raise
-            raise JobInvalid(f"model.base_precision: {precision} needs a CUDA GPU (bitsandbytes); "
-                             "use fp8 or bf16 on this machine") from None
         self.sched = _scheduler_settings(path, cfg.model.revision)
-        if qconf is not None:
-            from peft import prepare_model_for_kbit_training
-
-            transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
-        # fp8: the frozen linears become FP8 layers before peft wraps them (engine/precision.py), each quantised
-        # on the device as it moves there, so the 24 GB bf16 transformer is never on the GPU whole.
-        swap = cfg.train.blocks_to_swap
-        apply_base_precision(transformer, cfg.model.effective_base_precision, device, log,
-                             compute_dtype=dtype, skip=FP8_SKIP, blocks_to_swap=swap)
-        if cfg.train.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        apply_lora(transformer, cfg)
-        set_adapter_dtype(transformer, cfg.lora.dtype)  # fp32 by default over any base (engine/adapters.py)
-        if qconf is None:
-            # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
-            # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
-            place_model(transformer, device, swap)
-        n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
-        log.info("lora", trainable_params=n, modules=len(adapter_layers(transformer)), type=cfg.lora.type)
-        return transformer
+        return load_lora_transformer(FluxTransformer2DModel, path, cfg, device, log, fp8_skip=FP8_SKIP,
+                                     default_targets=DEFAULT_TARGETS)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator,
              evaluate: bool = False) -> torch.Tensor:
@@ -256,19 +158,12 @@ class Flux:
         from diffusers import FluxPipeline
 
         cfg = self.cfg
-        x0 = batch["latents"]
         inner = getattr(model, "module", model)  # under DDP (several processes) the forward goes through the wrapper
+        # Every random draw comes from `generator` (checkpointed), in a fixed order: flip, dropout, noise, σ.
+        x0, flip, text = flip_and_drop(batch, cfg, generator, ("prompt_embeds", "pooled"), draw=not evaluate)
+        embeds, pooled = text["prompt_embeds"], text["pooled"]
         device, dtype = x0.device, inner.dtype
         b, c, h, w = x0.shape
-        # Every random draw comes from `generator` (checkpointed), in a fixed order.
-        if "latents_flip" in batch and not evaluate:
-            flip = (torch.rand(b, generator=generator) < 0.5).to(device)
-            x0 = torch.where(flip[:, None, None, None], batch["latents_flip"], x0)
-        embeds, pooled = batch["prompt_embeds"], batch["pooled"]
-        if cfg.data.caption_dropout > 0 and not evaluate:
-            drop = (torch.rand(b, generator=generator) < cfg.data.caption_dropout).to(device)
-            embeds = torch.where(drop[:, None, None], batch["empty_prompt_embeds"].expand_as(embeds), embeds)
-            pooled = torch.where(drop[:, None], batch["empty_pooled"].expand_as(pooled), pooled)
         noise = torch.randn(x0.shape, generator=generator).to(device)
         seq_len = (h // 2) * (w // 2)
         sigma = sample_sigmas(cfg.train.timestep_sampling, b, seq_len, self.sched, generator,
@@ -305,7 +200,7 @@ class Flux:
             mask = None
             if "masks" in batch:  # [B, h, w] per latent pixel, packed like the latents (all channels alike)
                 m = batch["masks"]
-                if "latents_flip" in batch and not evaluate:
+                if flip is not None:
                     m = torch.where(flip[:, None, None], batch["masks_flip"], m)
                 mask = FluxPipeline._pack_latents(m[:, None].expand(b, c, h, w).float().to(device), b, c, h, w)
             loss = weighted_flow_loss(pred.float(), target, mask, batch.get("loss_weight"))
@@ -332,8 +227,7 @@ class Flux:
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         from engine.export_flux import export
 
-        meta = {**meta, "trigger": cfg.data.trigger or "", "dataset_hash": self.dataset_hash()}
-        return export(model, cfg, Path(out_dir), meta)
+        return export(model, cfg, Path(out_dir), self.export_meta(cfg, meta))
 
 
 def _scheduler_settings(path: str, revision: str | None) -> dict[str, float]:

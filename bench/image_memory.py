@@ -1,0 +1,82 @@
+"""Memory arithmetic (not a measurement) for the FLUX.2 and Qwen-Image families at their published shapes.
+
+    .venv/bin/python bench/image_memory.py
+
+Builds each transformer on the `meta` device (no weights, no download) with
+diffusers' class defaults — FLUX.2-dev's transformer config (8 double + 48
+single blocks, 48 heads × 128) and Qwen-Image's (60 blocks, 24 heads × 128) —
+and prints: parameters and weight bytes in bf16 and fp8 (e4m3, 1 byte, plus
+one fp32 scale per output channel), the per-block sizes that decide
+`train.blocks_to_swap`, and the LoRA parameters of the family's default
+targets per unit of rank, with the bytes one rank costs for the adapter
+weights and gradients — in fp32 (`lora.dtype: float32`, the default) or bf16
+— and 8-bit AdamW (two 1-byte states plus one fp32 absmax per 256 values
+each). Activations, the CUDA context and the
+allocator's slack are not in these numbers: a real run needs headroom
+beyond them, which only a measurement on the card can give.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+GB = 1e9
+# weight + grad in lora.dtype, and AdamW8bit's two 1-byte states with their per-256 fp32 absmax
+ADAM8BIT_BYTES = 2 * (1 + 4 / 256)
+BYTES_PER_LORA_PARAM = {"float32": 4 + 4 + ADAM8BIT_BYTES, "bfloat16": 2 + 2 + ADAM8BIT_BYTES}
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def _fp8_bytes(model: torch.nn.Module, skip: str) -> int:
+    """Linears outside `skip` in fp8 with an fp32 scale per output channel; everything else stays bf16."""
+    skip_re = re.compile(skip)
+    total = 0
+    for name, p in model.named_parameters():
+        mod_name = name.rsplit(".", 1)[0]
+        mod = model.get_submodule(mod_name)
+        if isinstance(mod, torch.nn.Linear) and name.endswith(".weight") and not skip_re.search(mod_name):
+            total += p.numel() + 4 * p.shape[0]
+        else:
+            total += 2 * p.numel()
+    return total
+
+
+def report(label: str, model: torch.nn.Module, targets: str, skip: str, block_lists: list[str]) -> None:
+    n = sum(p.numel() for p in model.parameters())
+    print(f"## {label}")
+    print(f"parameters: {n / 1e9:.2f} B; weights bf16 {2 * n / GB:.1f} GB, fp8 {_fp8_bytes(model, skip) / GB:.1f} GB")
+    for attr in block_lists:
+        blocks = getattr(model, attr)
+        per = sum(p.numel() for p in blocks[0].parameters())
+        print(f"{attr}: {len(blocks)} blocks of {per / 1e6:.0f} M params: {2 * per / GB:.3f} GB bf16 each")
+    rx = re.compile(targets)
+    per_rank = sum(m.in_features + m.out_features for name, m in _linears(model).items() if rx.search(name))
+    fp32, bf16 = BYTES_PER_LORA_PARAM["float32"], BYTES_PER_LORA_PARAM["bfloat16"]
+    print(f"LoRA (default targets): {per_rank} params per unit of rank; adapter + grads + AdamW8bit per rank: "
+          f"{per_rank * fp32 / 1e6:.1f} MB (lora.dtype float32), {per_rank * bf16 / 1e6:.1f} MB (bfloat16)")
+    for r in (16, 128, 512, 1024):
+        print(f"  rank {r:4d}: {per_rank * r / 1e6:8.1f} M params, {per_rank * r * fp32 / GB:6.2f} GB float32, "
+              f"{per_rank * r * bf16 / GB:6.2f} GB bfloat16")
+    print()
+
+
+def main() -> None:
+    from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel
+
+    from engine.families import flux2, qwen_image
+
+    with torch.device("meta"):
+        f2 = Flux2Transformer2DModel()
+        qi = QwenImageTransformer2DModel()
+    report("FLUX.2-dev transformer", f2, flux2.DEFAULT_TARGETS, flux2.FP8_SKIP,
+           ["transformer_blocks", "single_transformer_blocks"])
+    report("Qwen-Image transformer", qi, qwen_image.DEFAULT_TARGETS, qwen_image.FP8_SKIP, ["transformer_blocks"])
+
+
+if __name__ == "__main__":
+    main()
