@@ -177,10 +177,10 @@ def test_optimizer_args_are_checked_against_what_the_optimizer_takes(micro_model
 
 
 # ----------------------------------------------------------------- a real job, SIGKILLed twice and resumed
-# Each run pairs a new optimizer with a new adapter type, so three runs cover all six (lora with adamw8bit and adamw
-# is covered by tests/test_resume_exact.py's SIGKILL runs, which share every code path below but the optimizer and
-# the tuner).
-PAIRS = [("prodigy", "dora"), ("adamw_schedulefree", "lokr"), ("scao", "loha")]
+# Each run pairs an optimizer with an adapter type, so four runs cover every optimizer and type (lora with adamw8bit
+# and adamw is covered by tests/test_resume_exact.py's SIGKILL runs, which share every code path below but the
+# optimizer and the tuner).
+PAIRS = [("prodigy", "dora"), ("adamw_schedulefree", "lokr"), ("scao", "loha"), ("paged_adamw8bit", "lora")]
 
 
 def _pair_job(root: Path, name: str, kind: str, micro_model) -> Path:
@@ -189,7 +189,8 @@ def _pair_job(root: Path, name: str, kind: str, micro_model) -> Path:
         "train": {"optimizer": name, "steps": 8, "lr": 1.0 if name == "prodigy" else 2e-3,
                   "optimizer_args": ARGS.get(name, {}),
                   **({"schedule": "constant"} if name == "adamw_schedulefree" else {})},
-        "lora": {"type": kind, "rank": 8, "dropout": 0.1 if kind == "dora" else 0.0},
+        # rank 32 for lora: its A matrices reach the 4096 elements from which bitsandbytes keeps 8-bit state
+        "lora": {"type": kind, "rank": 32 if kind == "lora" else 8, "dropout": 0.1 if kind in ("dora", "lora") else 0.0},
         "checkpoint": {"every_steps": 2}})))
     return job
 
@@ -202,7 +203,7 @@ def _checkpoint_being_written(workdir: Path) -> bool:
 def _kill_twice(job: Path, wd: Path) -> int:
     """Two real trainer processes SIGKILLed: a step past the first committed checkpoint, then while the resumed one
     half-writes its next checkpoint. Returns the step the second one resumed from."""
-    slow = 500  # seconds: three trainers start side by side on a busy 2-core machine
+    slow = 500  # seconds: four trainers start side by side on a busy 2-core machine
     t = Trainer.engine(job, wd)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=slow)
     t.wait_step(t.named("checkpoint_committed")[0]["step"] + 1, timeout=slow)
@@ -217,7 +218,7 @@ def _kill_twice(job: Path, wd: Path) -> int:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, micro_model):
-    """The three jobs and their kill chains, started together: a trainer spends most of its short life importing
+    """The jobs and their kill chains, started together: a trainer spends most of its short life importing
     the libraries on one core, so side by side they take little more than one chain."""
     root = tmp_path_factory.mktemp("sigkill")
     jobs = {pair: _pair_job(root, *pair, micro_model) for pair in PAIRS}
