@@ -99,7 +99,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if (job := _local_job(args)) is None:
         return EXIT_INVALID
     cfg, workdir = job
-    print(f"lorad: cache of job {cfg.name} in {workdir / 'cache'}", file=sys.stderr)
+    from engine.home import cache_dir
+
+    print(f"lorad: cache of job {cfg.name} in {cache_dir(workdir)}", file=sys.stderr)
     return cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
 
 

@@ -4,7 +4,8 @@ A job names code (a model's remote code, a data loader's files, pickles in a che
 it runs as an unprivileged user. Only what needs root stays in the daemon (NVML power limits). The drop is
 subprocess's own: setgid, setgroups (the user's groups, as initgroups would give) and setuid in the child
 between fork and exec. The job's directory is handed to that user (it writes checkpoints, output and events
-there), except job.yaml and submitted.yaml, which stay the daemon's (see daemon/intake.py).
+there), except job.yaml and submitted.yaml, which stay the daemon's (see daemon/intake.py), and so is the
+home's shared cache directory (HOME/cache; the entries in it are each their writer's).
 
 A daemon that is not root runs trainers as its own user; trainer_user is then not used.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.daemon_config import ConfigInvalid
+from engine.home import cache_dir
 
 DAEMON_OWNED = ("job.yaml", "submitted.yaml")  # what decides what the trainer does: not the trainer user's
 
@@ -83,6 +85,11 @@ def hand_over(workdir: Path, who: RunAs) -> None:
     """
     workdir = Path(workdir)
     os.lchown(workdir, who.uid, who.gid)
+    # The home's shared content-keyed cache (engine/home.py): the trainer user writes its entries there too.
+    shared = cache_dir(workdir)
+    if shared.parent != workdir.resolve():
+        shared.mkdir(mode=0o750, exist_ok=True)
+        os.lchown(shared, who.uid, who.gid)
     for root, dirs, files in os.walk(workdir):
         for name in dirs + files:
             if Path(root) == workdir and name in DAEMON_OWNED:

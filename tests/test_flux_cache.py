@@ -43,9 +43,10 @@ def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_pat
     assert sorted(rep.encoded["text"]) == sorted(
         ["sks, " + c for _, _, _, c in IMAGES if c] + ["sks", "", PROMPT])
     assert log.named("cache_progress")[-1]["done"] == log.named("cache_progress")[-1]["total"] == 10 + 7
-    manifest = json.loads((wd / "cache" / "manifest.json").read_text())
-    files = sorted(p.name for p in (wd / "cache").iterdir() if p.name != "manifest.json")
-    assert files == sorted(e["file"] for e in manifest["entries"].values())  # nothing half-written left
+    entries = _entries(wd / "cache")
+    assert len(entries) == 17
+    files = sorted(p.name for p in (wd / "cache").iterdir() if not p.name.endswith(".entry.json"))
+    assert files == sorted(e["file"] for e in entries.values())  # nothing half-written left
     # flip: true caches the mirrored latent next to the plain one
     lat = fam.cache.load(fam.plan.item_latent[0])
     assert set(lat) == {"latent", "latent_flip"} and lat["latent"].shape[0] == 4
@@ -73,9 +74,9 @@ def test_changing_one_caption_re_encodes_only_that_caption(job, tmp_path):
     rep, _, fam = prepare(job, wd)
     assert rep.encoded["text"] == ["sks, a green tower, overgrown"]
     assert rep.encoded["latent"] == []
-    # the old caption's embedding is gone from the manifest and the directory
-    sources = [e["source"] for e in json.loads((wd / "cache" / "manifest.json").read_text())["entries"].values()]
-    assert "sks, a green tower" not in sources and "sks, a green tower, overgrown" in sources
+    # the old caption's embedding stays: the cache is shared, and another job may still train on it
+    sources = [e["source"] for e in _entries(wd / "cache").values()]
+    assert "sks, a green tower" in sources and "sks, a green tower, overgrown" in sources
 
 
 def test_a_new_image_is_encoded_alone_at_each_resolution(job, tmp_path):
@@ -106,13 +107,28 @@ def test_corrupt_truncated_and_missing_cache_files_are_detected_and_re_encoded(j
         assert (wd / "cache" / name).read_bytes() == data  # encoding is deterministic: the same bytes come back
 
 
-def test_lorad_cache_verb_fills_the_cache_that_training_then_reuses(job, tmp_path):
+def _entries(root: Path) -> dict[str, dict]:
+    return {p.name[: -len(".entry.json")]: json.loads(p.read_text()) for p in root.glob("*.entry.json")}
+
+
+def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, tmp_path):
     home = tmp_path / "home"
     assert lorad(["cache", str(job), "--home", str(home), "--quiet"]) == 0
-    wd = home / "jobs" / "tiny-flux"
-    assert (wd / "cache" / "manifest.json").is_file()
-    rep, _, _ = prepare(job, wd)
-    assert rep.encoded["latent"] == [] and rep.encoded["text"] == []
+    assert len(_entries(home / "cache")) == 17  # HOME/cache, not jobs/NAME/cache
+    # the daemon runs the job in jobs/<name>-<id>, a directory `lorad cache` never saw
+    rep, log, _ = prepare(job, home / "jobs" / "tiny-flux-3f9c2a")
+    assert rep.encoded == {"latent": [], "text": []} and rep.reused == 17
+    assert log.named("cache_start")[0]["dir"] == str((home / "cache").resolve())
+
+
+def test_two_jobs_on_the_same_images_share_their_latents(job, tmp_path, tiny_flux):
+    home = tmp_path / "home"
+    prepare(job, home / "jobs" / "a-1")
+    other = write_flux_job(tmp_path / "other.yaml", tiny_flux, tmp_path / "data", data={"trigger": "zkz"},
+                           train={"steps": 3})
+    rep, _, _ = prepare(other, home / "jobs" / "b-2")
+    assert rep.encoded["latent"] == []  # same images, buckets, model: every latent came from job a
+    assert sorted(rep.encoded["text"]) == sorted(["zkz, " + c for _, _, _, c in IMAGES if c] + ["zkz"])
 
 
 def test_lorad_cache_refuses_a_causal_lm_job(tmp_path):

@@ -128,6 +128,8 @@ def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_
     names = {n for n, _, _ in chowned}
     assert {accepted.workdir.name, "events.jsonl"} <= names
     assert not names & {"job.yaml", "submitted.yaml"}
+    # the home's shared latent/text cache (engine/home.py) is the trainer user's to write too
+    assert (accepted.home / "cache").is_dir() and ("cache", me.pw_uid, me.pw_gid) in chowned
 
 
 def test_a_daemon_that_is_not_root_starts_trainers_as_itself_with_their_own_umask(accepted, fake_popen, monkeypatch):

@@ -1,7 +1,7 @@
 """How the Flux (FLUX.1) family encodes what it caches (engine/families/image_cache.py plans and fills the cache).
 
-    cache/latent-KEY.safetensors   latent [C, h, w] (+ latent_flip with data.flip), scaled and shifted
-    cache/text-KEY.safetensors     prompt_embeds [L, D] (T5), pooled [D'] (CLIP)
+    cache/latent-KEY-SHA.safetensors   latent [C, h, w] (+ latent_flip with data.flip), scaled and shifted
+    cache/text-KEY-SHA.safetensors     prompt_embeds [L, D] (T5), pooled [D'] (CLIP)
 
 Latents are the VAE posterior mean, `(mean - shift_factor) * scaling_factor`,
 as the Flux pipeline expects them; sampling the posterior would add noise

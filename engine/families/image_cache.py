@@ -6,8 +6,10 @@ time: every image is encoded once per bucket to a latent, and every caption
 train.dop's class captions) once to its prompt embedding. Then the encoders
 are freed, before the transformer loads.
 
-    cache/latent-KEY.safetensors   latent [C, h, w] (+ latent_flip with data.flip, + mask with data.masks)
-    cache/text-KEY.safetensors     the family's prompt tensors (prompt_embeds [L, D], ...)
+    cache/latent-KEY-SHA.safetensors   latent [C, h, w] (+ latent_flip with data.flip, + mask with data.masks)
+    cache/text-KEY-SHA.safetensors     the family's prompt tensors (prompt_embeds [L, D], ...)
+
+in the home's shared cache (engine/cache.py: HOME/cache for HOME/jobs/ID).
 
 A latent's key covers the image bytes, the bucket, the flip flag, the mask,
 the model (path@revision) and dtype; a text's the final caption text, the
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine import cache as store
+from engine.builtin_models import BUILTIN_PREFIX
 from engine.config import JobConfig
 from engine.data.images import Item, load_for_bucket
 from engine.dtypes import torch_dtype
@@ -40,7 +43,9 @@ PixelEncoder = Callable[[torch.Tensor], torch.Tensor]
 
 
 def model_id(cfg: JobConfig, model_path: str) -> str:
-    return f"{model_path}@{cfg.model.revision or 'main'}"
+    """The model in a cache key: builtin:NAME as named (every job builds the same weights in its own directory)."""
+    name = cfg.model.path if cfg.model.path.startswith(BUILTIN_PREFIX) else model_path
+    return f"{name}@{cfg.model.revision or 'main'}"
 
 
 def latent_key(item: Item, flip: bool, mid: str, dtype: str) -> str:
@@ -145,5 +150,5 @@ def fill_cache(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str
     groups = [store.Group("latent", p.latents, functools.partial(_encode_latents, open_encoder=open_image_encoder,
                                                                  dtype=torch_dtype(cfg.model.dtype))),
               store.Group("text", p.texts, functools.partial(_encode_texts, open_encoder=open_text_encoder))]
-    cache, report = store.ensure(Path(workdir) / "cache", groups, log, bar=bar, fs=fs)
+    cache, report = store.ensure(store.job_cache_dir(workdir, log), groups, log, bar=bar, fs=fs)
     return cache, p, report
