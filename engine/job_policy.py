@@ -21,7 +21,9 @@ from typing import Any
 from engine.errors import JobInvalid
 
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
-PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"))
+# Every path a trainer reads: a key missing here would let a job read outside the roots.
+PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
+             ("data", "regularisation", "path"))
 
 
 def _under(path: Path, roots: tuple[Path, ...]) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -26,6 +27,7 @@ from daemon.store import Store
 from daemon.supervisor import Supervisor
 from engine.config import load_job
 from engine.errors import JobInvalid
+from engine.job_policy import JobPolicy
 from tests.conftest import QUICKSTART_DATA, REPO, child_env
 from tests.fakes import RecLog
 
@@ -165,3 +167,27 @@ def test_before_each_start_job_files_left_group_writable_by_an_older_lorad_are_p
     assert stat.S_IMODE(os.stat(accepted.workdir).st_mode) == 0o750
     for name in ("job.yaml", "submitted.yaml"):
         assert stat.S_IMODE(os.stat(accepted.workdir / name).st_mode) == 0o644
+
+
+TRAINER_READS = [("model", "path"), ("data", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
+                 ("data", "regularisation", "path")]
+
+
+@pytest.mark.parametrize("keys", TRAINER_READS, ids=lambda k: ".".join(k))
+def test_every_path_the_trainer_reads_must_lie_under_an_allowed_root(keys, tmp_path):
+    inside, outside = tmp_path / "root" / "x", tmp_path / "elsewhere" / "x"
+    for d in (inside, outside):
+        d.mkdir(parents=True)
+
+    def job(path: Path) -> dict:
+        raw: dict = {}
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = str(path)
+        return raw
+
+    policy = JobPolicy(False, (inside.parent,))
+    policy.check(job(inside), tmp_path)
+    with pytest.raises(JobInvalid, match=rf"^{re.escape('.'.join(keys))}: .*outside the allowed roots"):
+        policy.check(job(outside), tmp_path)

@@ -57,7 +57,7 @@ class Series:
         if kind == "step" and isinstance(ev.get("step"), int):
             self.steps[ev["step"]] = {"ts": _ts(ev.get("ts")), "loss": ev.get("loss"), "lr": ev.get("lr"),
                                       "s_per_step": ev.get("s_per_step")}
-            # A validation loss, when a family reports one with its step (none does yet).
+            # A validation loss carried on a step line (the engine sends `validation` events, below).
             if isinstance(ev.get("val_loss"), (int, float)):
                 self.val[ev["step"]] = float(ev["val_loss"])
         elif kind in ("eval", "validation") and isinstance(ev.get("step"), int) and \
