@@ -11,6 +11,11 @@ Layout of one checkpoint (`checkpoints/step-00000420/`):
                             is listed in the manifest and verified like the rest)
     manifest.json           written last: size and sha256 of every file above, step, config hash
 
+A sharded checkpoint (train.sharding: fsdp, engine/sharded.py) holds the adapter and the optimizer in
+`shards/` instead (torch.distributed.checkpoint: `.metadata` and one `__R_0.distcp` per rank, written by
+every rank into the same temporary directory) beside rng.safetensors and state.json; rank 0 commits it
+after a barrier, its manifest listing and checksumming every shard like any other file.
+
 Commit: write everything into `step-N.tmp-*/`, fsync each file, fsync the
 directory, rename it to `step-N/`, fsync `checkpoints/`. A directory without a
 manifest that verifies is not a checkpoint. We write this ourselves because
@@ -28,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load as st_load
@@ -60,14 +65,18 @@ class Snapshot:
     state: dict[str, Any]
     extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optional NAME.safetensors files
     ready: CopyDone = field(default_factory=CopyDone)  # when the device→host copies are complete
+    sharded: bool = False  # adapter and optimizer are in the ranks' shards/, not in this snapshot
 
     def files(self) -> dict[str, bytes]:
         self.ready.wait()  # on the writer's thread: the training loop never waits for the copies
-        return {
-            **{f"{name}.safetensors": st_save(tensors) for name, tensors in self.extra.items()},
+        whole = {} if self.sharded else {
             "adapter.safetensors": st_save(self.adapter),
             "optimizer.safetensors": st_save(self.optimizer_tensors),
             "optimizer.json": json.dumps(self.optimizer_tree).encode(),
+        }
+        return {
+            **{f"{name}.safetensors": st_save(tensors) for name, tensors in self.extra.items()},
+            **whole,
             "rng.safetensors": st_save(self.rng_tensors),
             # No indent: with indent json falls back to its pure-Python encoder, which is slow on the
             # RNG states (python's 625 and numpy's 624 integers).
@@ -85,6 +94,7 @@ class Loaded:
     rng_tensors: dict[str, torch.Tensor]
     state: dict[str, Any]
     extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    shards: Path | None = None  # a sharded checkpoint: adapter and optimizer are there (engine/sharded.py loads them)
 
 
 @dataclass
@@ -94,6 +104,8 @@ class Skipped:
 
 
 CHECKPOINT_FILES = ("adapter.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors", "state.json")
+SHARDS = "shards"  # a sharded checkpoint's torch.distributed.checkpoint directory
+SHARDED_FILES = (f"{SHARDS}/.metadata", "rng.safetensors", "state.json")
 
 
 def changed_keys(was: dict[str, Any] | None, now: dict[str, Any] | None, limit: int = 4) -> str:
@@ -136,15 +148,31 @@ class CheckpointStore:
         self.identity = identity
 
     # ---------------------------------------------------------------- commit
-    def commit(self, snap: Snapshot) -> Path:
-        """Write `snap` as checkpoint step-N atomically; return its final path."""
+    def begin(self, step: int) -> Path:
+        """A new temporary directory for checkpoint `step`, for other processes to write their shards into before
+        `commit(snap, tmp=...)`."""
+        ensure_dir_durable(self.fs, self.root)
+        tmp = self.root / f"{step_dir_name(step)}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        self.fs.mkdir(tmp)
+        return tmp
+
+    def commit(self, snap: Snapshot, tmp: Path | None = None) -> Path:
+        """Write `snap` as checkpoint step-N atomically; return its final path.
+
+        tmp: the directory `begin` made, where the ranks already wrote a sharded save's `shards/`: those files are
+        fsynced, listed and checksummed in the manifest with the rest, and the whole directory is committed."""
         fs = self.fs
-        ensure_dir_durable(fs, self.root)
         final = self.root / step_dir_name(snap.step)
-        tmp = self.root / f"{final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        if tmp is None:
+            tmp = self.begin(snap.step)
         try:
-            fs.mkdir(tmp)
             files = snap.files()
+            written = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(tmp.rglob("*")) if p.is_file()}
+            for name in written:
+                fs.fsync(tmp / name)
+            if written:
+                fs.fsync_dir(tmp / SHARDS)
+            files = {**written, **files}
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": snap.step,
@@ -155,6 +183,8 @@ class CheckpointStore:
             }
             delay = _debug_delay()
             for name, data in files.items():
+                if name in written:
+                    continue
                 fs.write(tmp / name, [data])
                 fs.fsync(tmp / name)
                 if delay:
@@ -208,7 +238,8 @@ class CheckpointStore:
             if step_dir_name(step) != path.name:
                 return None, {}, f"manifest says step {step}, directory says {path.name}"
             files_meta = manifest["files"]
-            missing = [n for n in CHECKPOINT_FILES if n not in files_meta]
+            missing = [n for n in (SHARDED_FILES if SHARDED_FILES[0] in files_meta else CHECKPOINT_FILES)
+                       if n not in files_meta]
             if missing:
                 return None, {}, f"manifest.json lists no {missing[0]}"
             blobs: dict[str, bytes] = {}
@@ -256,17 +287,19 @@ class CheckpointStore:
                     f"checkpoint {path} was written by a job with different model/lora/data/train settings "
                     f"({what}); put them back, or give the job a new name or remove that job directory"
                 )
+            sharded = SHARDED_FILES[0] in blobs
             try:
                 loaded = Loaded(
                     step=step,
                     path=path,
-                    adapter=st_load(blobs["adapter.safetensors"]),
-                    optimizer_tensors=st_load(blobs["optimizer.safetensors"]),
-                    optimizer_tree=json.loads(blobs["optimizer.json"]),
+                    adapter={} if sharded else st_load(blobs["adapter.safetensors"]),
+                    optimizer_tensors={} if sharded else st_load(blobs["optimizer.safetensors"]),
+                    optimizer_tree=None if sharded else json.loads(blobs["optimizer.json"]),
                     rng_tensors=st_load(blobs["rng.safetensors"]),
                     state=json.loads(blobs["state.json"]),
                     extra={n.removesuffix(".safetensors"): st_load(b) for n, b in blobs.items()
                            if n.endswith(".safetensors") and n not in CHECKPOINT_FILES},
+                    shards=path / SHARDS if sharded else None,
                 )
             except Exception as e:  # noqa: BLE001 — checksums matched files the writer itself got wrong: walk back
                 skip(path, f"its files do not parse ({type(e).__name__}: {e})"[:300])
@@ -347,6 +380,7 @@ class AsyncCheckpointer:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     in_flight_step: int | None = None
     started: float = 0.0  # time.monotonic() when the save in flight was submitted
+    collective: ClassVar[bool] = False  # rank 0 alone saves (engine/sharded.py's saver: every rank)
 
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()

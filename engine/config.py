@@ -215,6 +215,9 @@ class TrainConfig(Strict):
     timestep_bias: TimestepBias = Field(default_factory=TimestepBias)
     # flux only: keep the class (train.dop.preservation_class) as the base model draws it; needs data.trigger.
     dop: DopConfig | None = None
+    # How several processes hold the model: ddp, a whole copy each; fsdp, the base and adapter sharded over them
+    # (FSDP2, engine/sharded.py) for a base too big for one GPU.
+    sharding: Literal["ddp", "fsdp"] = "ddp"
 
 
 class SampleConfig(Strict):
@@ -303,6 +306,7 @@ class JobConfig(Strict):
                              f"train.blocks_to_swap: 0")
         _family_keys_check(self)
         _optimizer_check(self.train)
+        _sharding_check(self)
         return self
 
     def deprecated_keys(self) -> list[tuple[str, str]]:
@@ -399,6 +403,33 @@ def _optimizer_check(train: TrainConfig) -> None:
             raise ValueError(f"train.schedule: adamw_schedulefree replaces the decaying schedule with iterate "
                              f"averaging; use constant (the default with it) instead of {train.schedule} "
                              "(train.warmup_steps still applies)")
+
+
+# With train.sharding: fsdp the parameters are sharded tensors (DTensor) on every rank; what needs a whole
+# parameter on one process, or bitsandbytes' own tensor types, cannot go with it.
+FSDP_OPTIMIZERS = ("adamw",)  # plain torch: its state shards with the parameters (bitsandbytes' 8-bit states do not)
+
+
+def _sharding_check(cfg: JobConfig) -> None:
+    if cfg.train.sharding != "fsdp":
+        return
+    if cfg.train.optimizer not in FSDP_OPTIMIZERS:
+        raise ValueError(f"train.optimizer, train.sharding: {cfg.train.optimizer} is not verified on sharded "
+                         f"(fsdp) parameters; use train.optimizer: {' or '.join(FSDP_OPTIMIZERS)} with "
+                         "train.sharding: fsdp")
+    quantized = cfg.model.effective_base_precision
+    if quantized in ("fp8", "nf4", "int8"):
+        raise ValueError(f"model.base_precision, train.sharding: a {quantized} base is held in quantized tensor "
+                         "types that FSDP cannot shard; use model.base_precision: auto or bf16 with train.sharding: "
+                         "fsdp (sharding is what makes a big base fit)")
+    for key, bad in (("train.blocks_to_swap", bool(cfg.train.blocks_to_swap)), ("train.ema", cfg.train.ema is not None),
+                     ("sample.every_steps", cfg.sample.every_steps is not None)):
+        if bad:
+            why = {"train.blocks_to_swap": "block swapping moves whole blocks, which fsdp keeps sharded",
+                   "train.ema": "the average would need the whole adapter on one process at every update",
+                   "sample.every_steps": "samples render on rank 0 alone, which needs the whole model"}[key]
+            raise ValueError(f"{key}, train.sharding: not with train.sharding: fsdp ({why}); leave {key} out or "
+                             "use train.sharding: ddp")
 
 
 def _family_keys_check(cfg: JobConfig) -> None:

@@ -167,12 +167,13 @@ class Ranks:
     used (they keep per-rank RNG files tied to the world size and no data position: see the module docstring).
     """
 
-    def __init__(self, world: World, accelerator: Any = None):
+    def __init__(self, world: World, accelerator: Any = None, sharded: bool = False):
         self.world = world
         self._acc = accelerator
+        self.sharded = sharded  # train.sharding: fsdp (engine/sharded.py) on several processes
 
     @classmethod
-    def start(cls, world: World | None = None) -> Ranks:
+    def start(cls, world: World | None = None, sharding: str = "ddp") -> Ranks:
         world = world or world_from_env()
         if world.size == 1:
             return cls(world)
@@ -186,7 +187,7 @@ class Ranks:
         # cpu=True on a machine without CUDA: accelerate's only way to take the gloo path (MULTI_CPU) under torchrun.
         acc = Accelerator(cpu=not torch.cuda.is_available(),
                           kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=False)])
-        return cls(world, acc)
+        return cls(world, acc, sharded=sharding == "fsdp")
 
     @property
     def is_main(self) -> bool:
@@ -195,15 +196,33 @@ class Ranks:
     def device(self, default: torch.device) -> torch.device:
         return self._acc.device if self._acc is not None else default
 
+    def shard(self, model: torch.nn.Module) -> int | None:
+        """train.sharding: fsdp on several processes: shard the model in place (before the optimizer is built);
+        the number of blocks sharded, None when not sharded."""
+        if not self.sharded:
+            return None
+        from engine.sharded import shard_model
+
+        return shard_model(model)
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model the forward and backward go through: DDP-wrapped on several processes."""
-        return self._acc.prepare_model(model) if self._acc is not None else model
+        """The model the forward and backward go through: DDP-wrapped on several processes (FSDP: as sharded)."""
+        return self._acc.prepare_model(model) if self._acc is not None and not self.sharded else model
 
     def no_sync(self, model: torch.nn.Module, last_round: bool):
-        """Skip DDP's gradient all-reduce on every accumulation round but the last."""
-        if self._acc is None or last_round:
+        """Skip DDP's gradient all-reduce on every accumulation round but the last. FSDP reduce-scatters every
+        round: skipping it would keep whole gradients on each rank, the memory sharding is there to save."""
+        if self._acc is None or last_round or self.sharded:
             return nullcontext()
         return self._acc.no_sync(model)
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank."""
+        if self._acc is None:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     def agree(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag true on any rank → true on every rank (one all-reduce): decisions at a step boundary."""

@@ -67,6 +67,7 @@ from engine.progress import make_progress
 from engine.quiet import quiet_libraries, warnings_to_events
 from engine.rng import capture, restore, seed_everything
 from engine.sample import sample_due
+from engine.sharded import ShardedCheckpointer, adapter_swapped_in, gather_adapter, load_shards, rng_snapshot
 from engine.speedups import apply_train_speedups
 from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 from engine.tensorboard import TrainingBoard
@@ -105,13 +106,16 @@ def snapshot(step: int, params, optimizer, generator, state: dict[str, Any], ema
 
 
 def restore_checkpoint(loaded, params, optimizer, generator, log=None, ema: AdapterEMA | None = None) -> dict[str, Any]:
-    missing = set(params) ^ set(loaded.adapter)
-    if missing:
-        raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: {sorted(missing)[:3]}")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(loaded.adapter[n])
-    load_optimizer_state(optimizer, join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
+    """Everything but a sharded checkpoint's shards, which every rank loads together after (engine/sharded.py)."""
+    if loaded.shards is None:
+        missing = set(params) ^ set(loaded.adapter)
+        if missing:
+            raise JobInvalid(f"checkpoint {loaded.path.name} does not match the model's LoRA parameters: "
+                             f"{sorted(missing)[:3]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(loaded.adapter[n])
+        load_optimizer_state(optimizer, join_tree(loaded.optimizer_tree, loaded.optimizer_tensors))
     if ema is not None:
         ema.load(loaded.extra.get("ema", {}))
     warning = restore(loaded.state["rng"], loaded.rng_tensors, generator)
@@ -241,6 +245,7 @@ class Position:
     consumed: int = 0  # samples drawn, over all epochs: the data order's cursor
     train_seconds: float = 0.0
     lr_plan: LrPlan | None = None  # None: the schedule of train.steps (engine/lr_schedule.py)
+    shards: Path | None = None  # resumed from a sharded checkpoint: its shards, still to be loaded by every rank
 
     def lr(self, cfg: JobConfig) -> float:
         return (self.lr_plan or LrPlan.fresh(cfg.train)).lr_at(self.step, cfg.train)
@@ -258,7 +263,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     world = world_from_env()  # torchrun's; one process without it
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
     share = BatchShare(world, cfg.train.batch_size, plan_grad_accum(cfg.global_batch(), cfg.train.batch_size, world.size))
-    ranks = Ranks.start(world)
+    sharded = cfg.train.sharding == "fsdp"  # checkpoints in shards (DCP), on any number of processes
+    ranks = Ranks.start(world, cfg.train.sharding)
     ranks.check_same_job(VERSION, cfg.identity_hash())
     ranks.check_shared_dir(workdir)
     device = ranks.device(pick_device())
@@ -287,6 +293,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     log.info("phase", phase="load_model")
     model = family.load_model(cfg, workdir, device, log)
     apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
+    if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
+        log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
     optimizer = build_optimizer(list(params.values()), cfg.train)
     ema = AdapterEMA(params, **cfg.train.ema.model_dump(exclude={"export_raw"})) if cfg.train.ema else None
@@ -298,6 +306,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     with ranks.main_first():  # rank 0 sets invalid checkpoints aside; the others then find the same newest valid one
         at = resume(store, params, optimizer, generator, len(dataset), cfg, log, progress, t_start, ema, ranks.is_main)
+    if at.shards is not None:  # every rank reads its part together, resharded to this world size
+        load_shards(model, optimizer, at.shards)
     if at.step >= cfg.train.steps and output_step(workdir, cfg) == at.step:
         log.info("done", step=at.step, output=str(workdir / "output"), already=True)
         return EXIT_OK
@@ -307,7 +317,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     board = None  # rank 0 alone writes
     if ranks.is_main and (cfg.logging.tensorboard or (cfg.logging.tensorboard is None and tensorboard_available())):
         board = TrainingBoard(workdir / "tb", at.step)  # a resumed attempt hides what the last one wrote after it
-    saver = AsyncCheckpointer(store)
+    saver = ShardedCheckpointer(store, ranks, model, optimizer) if sharded else AsyncCheckpointer(store)
     cadence = SaveCadence(cfg.checkpoint.every_steps, cfg.checkpoint.every_seconds, last_step=cfg.train.steps,
                           saved_step=at.step, now=time.monotonic())
     bar = make_progress(progress, total=cfg.train.steps, start=at.step)
@@ -318,6 +328,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     batches = Prefetcher(lambda cursor: dataset.collate(pick(seed, cursor, micro)), device)
 
     def checkpoint() -> Snapshot:
+        if sharded:  # adapter and optimizer go to the shards every rank writes
+            return rng_snapshot(at.step, generator, at.state(len(dataset), cfg))
         return snapshot(at.step, params, optimizer, generator, at.state(len(dataset), cfg), ema)
 
     step_times: list[float] = []
@@ -350,9 +362,9 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
                 if board is not None:
                     board.step(at.step, **{"validation/loss": val_loss})
             stopping, urgent = ranks.agree(stop.requested, stop.take_save_request())
-            if not ranks.is_main:  # rank 0 alone renders samples and writes checkpoints
+            if not ranks.is_main and not saver.collective:  # rank 0 alone renders samples and writes checkpoints
                 continue
-            if not stopping:  # rendering samples could outlast the stop grace period: checkpoint first
+            if not stopping and ranks.is_main:  # rendering samples could outlast the stop grace period: checkpoint first
                 samples = sample_due(cfg, at.step)
                 if samples and at.step > cadence.saved_step:
                     # Committed before the samples render: a render that is killed (a hang, an OOM) never costs
@@ -372,7 +384,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
 
         # -- final or stop checkpoint, written synchronously by rank 0; no rank exits before it is committed
         record_saves(saver.wait(), cadence, store, log, board)
-        if at.step > cadence.saved_step and ranks.is_main:
+        if at.step > cadence.saved_step and (ranks.is_main or saver.collective):
             log.info("phase", phase="final_checkpoint", step=at.step)
             saver.submit(checkpoint())
             record_saves(saver.wait(), cadence, store, log, board)
@@ -388,6 +400,7 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     if at.step < cfg.train.steps:
         log.info("stopped", step=at.step, reason=stop.reason or "another rank was stopped", checkpoint=cadence.saved_step)
         return EXIT_STOPPED
+    whole = gather_adapter(model) if ranks.sharded else {}  # every rank takes part; rank 0 receives it
     if not ranks.is_main:
         ranks.barrier()  # while rank 0 exports
         return EXIT_OK
@@ -396,7 +409,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
     use_eval_weights(optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
-        out = export_output(family, model, cfg, workdir, fs, meta, log, ema)
+        with adapter_swapped_in(model, whole):  # fsdp: the whole adapter, not rank 0's shard
+            out = export_output(family, model, cfg, workdir, fs, meta, log, ema)
     except OSError as e:
         if is_disk_full(e):
             raise DiskError(f"disk full while writing the final adapter to {workdir / 'output'}; "
@@ -418,7 +432,7 @@ def resume(store: CheckpointStore, params, optimizer, generator, dataset_size: i
     if loaded is None:
         return Position()
     state = restore_checkpoint(loaded, params, optimizer, generator, log, ema)
-    at = Position(state["step"], state["samples_consumed"], state.get("train_seconds", 0.0))
+    at = Position(state["step"], state["samples_consumed"], state.get("train_seconds", 0.0), shards=loaded.shards)
     at.lr_plan, replanned = resume_plan(state, at.step, cfg.train)
     if replanned is not None:
         log.warning("lr_replanned", message=replanned)
@@ -460,12 +474,14 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at
     grad_norm = None
     if train.max_grad_norm is not None:
         grad_norm = torch.nn.utils.clip_grad_norm_(list(params.values()), train.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # fsdp: a DTensor; made whole on every rank (a collective)
+            grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return ranks.mean(float(loss_sum)), lr, grad_norm  # the mean over every rank's share
 
 
-def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: SaveCadence,
+def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer | ShardedCheckpointer, cadence: SaveCadence,
                 checkpoint: Callable[[], Snapshot], log, board: TrainingBoard | None = None) -> None:
     """After each step: note the saves that landed, start the one the cadence asks for, report a slow one.
 
@@ -476,6 +492,8 @@ def save_if_due(step: int, urgent: bool, saver: AsyncCheckpointer, cadence: Save
         cadence.urgent()
     now = time.monotonic()
     due = cadence.due(step, now, writing=saver.busy())
+    if saver.collective:  # a sharded save: every rank writes, at the step rank 0's cadence picks
+        due = saver.agreed(due)
     if due is Save.URGENT:  # the save in flight lands first: one save at a time
         record_saves(saver.wait(), cadence, saver.store, log, board)
         log.info("phase", phase="urgent_checkpoint", step=step)

@@ -104,3 +104,46 @@ def test_gpus_without_nccl_are_named_before_any_process_group_starts(monkeypatch
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
     with pytest.raises(NcclMissing, match="no NCCL"):
         Ranks.start(World(0, 2))
+
+
+# ------------------------------------------------------------------ train.sharding: fsdp
+@pytest.mark.parametrize("sections, keys", [
+    ({"train": {"optimizer": "adamw8bit"}}, "train.optimizer, train.sharding"),
+    ({"train": {"optimizer": "adamw", "ema": {"decay": 0.9}}}, "train.ema, train.sharding"),
+    ({"train": {"optimizer": "adamw", "blocks_to_swap": 1}}, "train.blocks_to_swap, train.sharding"),
+    ({"train": {"optimizer": "adamw"}, "model": {"base_precision": "nf4"}}, "model.base_precision, train.sharding"),
+])
+def test_what_cannot_go_with_fsdp_is_refused_naming_the_keys(micro_model, tmp_path, sections, keys):
+    sections = {**sections, "train": {**sections["train"], "sharding": "fsdp"}}
+    with pytest.raises(JobInvalid, match=keys.replace(".", r"\.")):
+        tiny_job(micro_model, tmp_path, **sections)
+
+
+def test_fsdp_is_part_of_the_jobs_identity_so_a_ddp_checkpoint_is_refused_by_name(micro_model, tmp_path):
+    from engine.checkpoint import changed_keys
+
+    ddp = tiny_job(micro_model, tmp_path, train={"optimizer": "adamw"})
+    fsdp = tiny_job(micro_model, tmp_path, train={"optimizer": "adamw", "sharding": "fsdp"})
+    assert "sharding" not in ddp.identity()["train"]  # the default leaves existing jobs' hashes alone
+    assert fsdp.identity_hash() != ddp.identity_hash()
+    assert "train.sharding (default) → fsdp" in changed_keys(ddp.identity(), fsdp.identity())
+
+
+def test_a_sharded_checkpoint_is_committed_with_every_shard_checksummed_and_a_corrupt_shard_is_skipped(tmp_path):
+    from engine.checkpoint import CheckpointStore
+    from engine.sharded import rng_snapshot
+
+    store = CheckpointStore(tmp_path / "checkpoints", "h", keep=3)
+    for step in (4, 8):
+        tmp = store.begin(step)  # as rank 0 names it; the ranks write their shards in it
+        (tmp / "shards").mkdir()
+        for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+            (tmp / "shards" / name).write_bytes(f"{name} of step {step}".encode())
+        store.commit(rng_snapshot(step, torch.Generator(), {"step": step}), tmp)
+    loaded, skipped = store.load_latest()
+    assert (loaded.step, loaded.shards, skipped) == (8, store.root / "step-00000008" / "shards", [])
+    shard = store.root / "step-00000008" / "shards" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1] + b"!")  # one rank's shard damaged after the commit
+    loaded, skipped = store.load_latest()
+    assert loaded.step == 4 and loaded.shards is not None
+    assert [(s.name, s.reason) for s in skipped] == [("step-00000008", "shards/__1_0.distcp fails its sha256 checksum (corrupted)")]
