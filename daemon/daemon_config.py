@@ -9,6 +9,7 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from daemon.cluster import ClusterSettings
 from daemon.notifications import NotifySettings
 from daemon.power.settings import PowerSettings
 from daemon.web.settings import WebSettings
@@ -57,6 +58,7 @@ class DaemonConfig(BaseModel):
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
+    cluster: ClusterSettings | None = None  # jobs that span machines (daemon/cluster.py); none: refused at submit
 
     def roots(self, home: Path) -> list[Path]:
         out = []

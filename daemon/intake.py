@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from daemon.cluster import check_submit
 from daemon.daemon_config import DaemonConfig
 from daemon.log import job_event
 from daemon.store import Store
@@ -108,7 +109,9 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
         cfg.job_policy(home).check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
     except JobInvalid as e:
         raise JobInvalid(f"{source}: {e}") from None
-    return parse_job(raw, base_dir, source=source)
+    job = parse_job(raw, base_dir, source=source)
+    check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
+    return job
 
 
 def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon import disk_wait, gang, proc, scheduling, states, trainer
+from daemon import cluster, disk_wait, gang, proc, scheduling, states, trainer
 from daemon.bookkeeping import PendingWrites
 from daemon.daemon_config import DaemonConfig
 from daemon.exit_policy import decide_exit, describe_exit
@@ -329,7 +329,11 @@ class Supervisor:
             gpus = gang.job_gpus(Path(job["workdir"]))
             plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
             if plan.impossible:
-                self._fail_unstartable(job, gpus)
+                self._fail_unstartable(job, f"resources.gpus: the job needs {gpus} devices at once and this machine "
+                                            f"has {len(self.devices)} (daemon devices: {self.devices})")
+                continue
+            if (why := cluster.unrunnable(Path(job["workdir"]), self.cfg.cluster)) is not None:
+                self._fail_unstartable(job, why)
                 continue
             if not plan.starts:
                 # The first in line waits for a whole gang, holding no device; the jobs behind it wait too. If
@@ -355,9 +359,7 @@ class Supervisor:
             self.log.info("preempt", job=jid, priority=prio.get(jid, 0), for_job=job["id"], for_priority=job["priority"])
             self.stop(self.children[jid], f"preempt: yields to {job['id']} (priority {job['priority']})")
 
-    def _fail_unstartable(self, job: dict[str, Any], gpus: int) -> None:
-        msg = (f"resources.gpus: the job needs {gpus} devices at once and this machine has {len(self.devices)} "
-               f"(daemon devices: {self.devices})")
+    def _fail_unstartable(self, job: dict[str, Any], msg: str) -> None:
         self.store.transition(job["id"], states.QUEUED, states.FAILED, msg, last_error=msg)
         self.log.error("job_unstartable", job=job["id"], error=msg)
         self._tell("failed", job["id"], job["name"], state=states.FAILED, reason=msg, workdir=str(job["workdir"]))
@@ -398,8 +400,8 @@ class Supervisor:
         try:
             # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
             # forwarded to every rank, no rank outliving it).
-            popen = trainer.spawn(gang.launcher_command(self.trainer_command(workdir), processes), workdir, env,
-                                  lock_fd, self.cfg)
+            cmd = cluster.launch_command(self.trainer_command(workdir), workdir, processes, self.cfg.cluster)
+            popen = trainer.spawn(cmd, workdir, env, lock_fd, self.cfg)
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)

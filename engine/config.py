@@ -266,6 +266,8 @@ class ResourcesConfig(Strict):
     gpus: int = Field(1, ge=1, le=64)
     # Machines the job spans (torchrun's rendezvous joins them; README "Several machines").
     nodes: int = Field(1, ge=1, le=64)
+    # The fewest machines it may go on with when one is lost (torchrun --nnodes MIN:MAX); null = nodes.
+    min_nodes: int | None = Field(None, ge=1, le=64)
 
 
 class JobConfig(Strict):
@@ -307,6 +309,7 @@ class JobConfig(Strict):
         _family_keys_check(self)
         _optimizer_check(self.train)
         _sharding_check(self)
+        _nodes_check(self)
         return self
 
     def deprecated_keys(self) -> list[tuple[str, str]]:
@@ -430,6 +433,19 @@ def _sharding_check(cfg: JobConfig) -> None:
                    "sample.every_steps": "samples render on rank 0 alone, which needs the whole model"}[key]
             raise ValueError(f"{key}, train.sharding: not with train.sharding: fsdp ({why}); leave {key} out or "
                              "use train.sharding: ddp")
+
+
+def _nodes_check(cfg: JobConfig) -> None:
+    res = cfg.resources
+    if res.min_nodes is None:
+        return
+    if res.min_nodes > res.nodes:
+        raise ValueError(f"resources.min_nodes: {res.min_nodes} is more than resources.nodes ({res.nodes})")
+    for n in range(res.min_nodes, res.nodes):  # on fewer machines grad_accum is re-planned: it must stay whole
+        if cfg.global_batch() % (cfg.train.batch_size * res.gpus * n):
+            raise ValueError(f"resources.min_nodes: on {n} machine(s) of {res.gpus} process(es) the global batch "
+                             f"({cfg.global_batch()} samples) cannot be kept with train.batch_size "
+                             f"{cfg.train.batch_size}; raise resources.min_nodes or train.grad_accum")
 
 
 def _family_keys_check(cfg: JobConfig) -> None:

@@ -72,6 +72,23 @@ def _forward(signum, frame) -> None:
             pass
 
 
+def describe_failure(e: BaseException, endpoint: str) -> str:
+    """One line for a launch that failed outside the ranks; the rendezvous failures say what to check."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+
+    first = f"{type(e).__name__}: {e}".splitlines()[0]
+    cause = e.__cause__ or e.__context__
+    if cause is not None:
+        first += f" ({type(cause).__name__}: {cause})".splitlines()[0]
+    if isinstance(e, RendezvousConnectionError):
+        return (f"cannot reach the rendezvous at {endpoint}: is the machine that hosts it up and its daemon running, "
+                f"and is the port open between the machines? (README \"Several machines\") — {first}")
+    if isinstance(e, RendezvousTimeoutError):
+        return (f"the other machines did not join the rendezvous at {endpoint} in time: is the same job file "
+                f"submitted to the daemon of every machine? — {first}")
+    return first
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(torchrun options, engine.run arguments), split at `--`."""
     if "--" not in argv:
@@ -100,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome["why"] = f"rank {first} exited {e.failures[first].exitcode}; every rank was stopped"
         except BaseException as e:  # noqa: BLE001 — rendezvous errors and the like: one line, a crash
             outcome["code"] = 1
-            outcome["why"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            outcome["why"] = describe_failure(e, args.rdzv_endpoint)
 
     # torchrun warns that, on a thread, it cannot install its signal handlers and ranks could be orphaned: both are
     # handled here (the forwarding below, die_with_parent), so the warning would only mislead whoever reads the log.

@@ -191,10 +191,11 @@ def train(
     quiet_libraries()  # before the model libraries are imported: they read their switches then
     try:
         ensure_dir_durable(fs, workdir)
-        # One event stream per job, rank 0's: the other ranks train the same steps; their errors go to stderr.
-        main_rank = world_from_env().is_main
-        log = EventLog(workdir / "events.jsonl" if main_rank else None, to_stdout=(progress == "json" and main_rank),
-                       job=cfg.name)
+        # One event stream per job, rank 0's: the other ranks train the same steps; their errors go to stderr. The
+        # first rank of each machine prints the heartbeats too, for the daemon that supervises that machine's part.
+        world = world_from_env()
+        log = EventLog(workdir / "events.jsonl" if world.is_main else None,
+                       to_stdout=(progress == "json" and world.local_rank == 0), job=cfg.name)
     except OSError as e:
         # No events file to write to yet: the one line on stderr is the whole report.
         _say(f"lorad: cannot create the job directory {workdir} ({e.strerror or e})")
