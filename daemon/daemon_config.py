@@ -45,6 +45,7 @@ class DaemonConfig(BaseModel):
     hang_timeout_s: float = Field(600.0, gt=0)  # no heartbeat for this long (once steps flow) = hung
     hang_step_multiple: float = Field(20.0, gt=0)  # ... or this many median step times, whichever is longer
     startup_timeout_s: float = Field(1800.0, gt=0)  # loading the model, or a final checkpoint, may take this long
+    rank_silence_s: float = Field(60.0, gt=0)  # a rank's liveness file this old, its process alive = hung
     retry_budget: int = Field(5, ge=0, le=1000)  # retries after crashes in a row; crash retry_budget + 1 = failed
     backoff_base_s: float = Field(10.0, ge=0)  # first retry after this long, then doubled
     backoff_max_s: float = Field(600.0, ge=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -395,7 +396,8 @@ class Supervisor:
         except states.IllegalTransition:
             return False  # paused or cancelled over the socket in the meantime
         self.locks.started(job_id)
-        env = trainer.trainer_env(self.cfg.trainer_env, devs)
+        env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
+        shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
         power = trainer.power_section(workdir)
         try:
             # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals

@@ -36,6 +36,7 @@ from daemon.exit_policy import describe_exit
 from daemon.intake import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.run_policy import RunningJob
 from engine.job_policy import JobPolicy
+from engine.liveness import LIVENESS_DIR, silent_ranks
 from engine.stop import EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:
@@ -53,9 +54,15 @@ def trainer_command(workdir: Path, policy: JobPolicy | None = None) -> list[str]
             "--progress", "json", *(policy.argv() if policy is not None else [])]
 
 
-def trainer_env(extra: dict[str, str], devs: list[int | None]) -> dict[str, str]:
-    """The daemon's environment, the configured `trainer_env`, and the GPUs the trainer may see."""
+RANKS_DIR = "ranks"  # jobs/ID/ranks/: every rank's liveness file (engine/liveness.py)
+
+
+def trainer_env(extra: dict[str, str], devs: list[int | None], workdir: Path | None = None) -> dict[str, str]:
+    """The daemon's environment, the configured `trainer_env`, the GPUs the trainer may see, and where its ranks
+    keep their liveness files."""
     env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+    if workdir is not None:
+        env[LIVENESS_DIR] = str(Path(workdir) / RANKS_DIR)
     if (visible := gang.visible_devices(devs)) is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
         # `dev` is an NVML index; CUDA numbers GPUs fastest-first unless told otherwise, which on a mixed
@@ -245,9 +252,15 @@ class Child:
         else:
             limit = max(cfg.hang_timeout_s, cfg.hang_step_multiple * (self.s_per_step or 0.0))
         quiet = now - self.last_beat
-        if quiet <= limit:
+        if quiet > limit:
+            self.last_error = f"hung: no heartbeat for {quiet:.0f} s (limit {limit:.0f} s) at step {self.step}"
+        elif silent := silent_ranks(self.workdir / RANKS_DIR, time.time(), cfg.rank_silence_s):
+            # Rank 0 may still be busy alone (samples, a save, the export): a rank of this machine has stopped.
+            rank, seconds = silent[0]
+            self.last_error = (f"hung: rank {rank} has shown no sign of life for {seconds:.0f} s (limit "
+                               f"{cfg.rank_silence_s:.0f} s; its process is stopped or frozen) at step {self.step}")
+        else:
             return False
-        self.last_error = f"hung: no heartbeat for {quiet:.0f} s (limit {limit:.0f} s) at step {self.step}"
         self.stop_reason = "hung"
         self.signal(signal.SIGKILL)
         return True

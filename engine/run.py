@@ -51,6 +51,7 @@ from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
 from engine.host_copy import to_host
+from engine.liveness import Liveness
 from engine.lr_schedule import LrPlan, resume_plan
 from engine.optim import (
     build_optimizer,
@@ -543,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     job_policy.add_arguments(ap)
     args = ap.parse_args(argv)
     die_with_parent()  # a rank started by engine.launch: no orphan if the launcher is killed
+    alive = Liveness.from_env()  # the daemon's: this rank's sign of life, even while it waits for the others
+    if alive is not None:
+        alive.start()
     stop = StopFlag()
     stop.install()
     try:
@@ -551,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     except JobInvalid as e:
         _say(f"lorad: invalid job: {e}")
         return EXIT_INVALID
-    return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
+    try:
+        return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
+    finally:
+        if alive is not None:
+            alive.stop()  # a rank done before the others (rank 0 still exporting) is not a silent one
 
 
 if __name__ == "__main__":

@@ -184,6 +184,47 @@ def test_a_hung_child_is_killed_as_a_group_and_retried(sup, tmp_path):
     assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
 
 
+RANK_ZERO_BUSY_ALONE = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from engine.liveness import Liveness
+    # Rank 0 keeps its heartbeats coming (as while it renders samples) beside a rank 1 that the test stops.
+    rank1 = subprocess.Popen([sys.executable, "-c", "from engine.liveness import Liveness; import time; "
+                              "Liveness.from_env().start(); time.sleep(600)"], env={**os.environ, "RANK": "1"})
+    open(sys.argv[1], "w").write(str(rank1.pid))
+    Liveness.from_env().start()
+    step = 0
+    while True:
+        step += 1
+        print(json.dumps({"event": "heartbeat", "phase": "samples", "prompt": step}), flush=True)
+        time.sleep(0.1)
+""")
+
+
+def test_a_stopped_rank_is_a_hung_job_while_rank_0_still_sends_heartbeats(sup, tmp_path):
+    sup.cfg = DaemonConfig(hang_timeout_s=600, rank_silence_s=1.5, backoff_base_s=60)
+    pid_file = tmp_path / "rank1.pid"
+    sup.trainer_command = lambda workdir: [sys.executable, "-c", RANK_ZERO_BUSY_ALONE, str(pid_file)]
+    jid = queue_job(sup, tmp_path)
+    run_ticks(sup, lambda: jid in sup.children and pid_file.exists() and
+              len(list((tmp_path / "jobs" / jid / "ranks").glob("rank-*"))) == 2, timeout=30)
+    rank1 = int(pid_file.read_text())
+    try:
+        time.sleep(2.5)  # both ranks alive past the limit: no hang
+        assert jid in sup.children and sup.store.get(jid)["state"] == states.RUNNING
+        c, stopped_at = sup.children[jid], time.monotonic()
+        os.kill(rank1, signal.SIGSTOP)
+        run_ticks(sup, lambda: not sup.children, timeout=30)
+    finally:
+        try:
+            os.kill(rank1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    job = sup.store.get(jid)
+    assert job["state"] == states.QUEUED and job["retries"] == 1
+    assert "hung: rank 1 has shown no sign of life" in job["last_error"], job["last_error"]
+    assert c.last_beat > stopped_at  # rank 0 kept sending heartbeats after rank 1 stopped (hang_timeout_s is 600)
+
+
 LEAVES_A_GRANDCHILD = textwrap.dedent("""
     import subprocess, sys
     # A worker in the trainer's own process group (as a data-loader or compile worker would be), left behind.

@@ -20,6 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from engine.liveness import silent_ranks
 from tests.conftest import PY, QUICKSTART_DATA, Trainer, adapter_bytes, child_env, deep_update, tiny_job_dict
 
 STEPS = 40
@@ -213,14 +214,17 @@ def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_ide
     kill_launcher(t)
 
     # 3. One rank SIGSTOPped: the other waits in the next all-reduce, so rank 0's heartbeats stop (the daemon sees
-    #    one hung job) and the SIGKILL then sent to the launcher takes both ranks, the stopped one included.
-    t = launch(job, workdir, 2)
+    #    one hung job) and the SIGKILL then sent to the launcher takes both ranks, the stopped one included. Each
+    #    rank's liveness file (engine/liveness.py) names the stopped one: rank 0's stays fresh while it waits.
+    alive_dir = tmp_path / "ranks"
+    t = launch(job, workdir, 2, LORAD_LIVENESS_DIR=str(alive_dir))
     first_step(t)
     os.kill(rank_pid(t.proc.pid, 1), signal.SIGSTOP)
     time.sleep(1.0)  # a step already under way may still finish
     seen = len(t.named("step"))
     time.sleep(2.0)  # a step takes a fraction of a second here
     assert len(t.named("step")) == seen, "rank 0 went on without rank 1"
+    assert [rank for rank, _ in silent_ranks(alive_dir, time.time(), 1.5)] == ["1"]
     kill_launcher(t)
 
     # 4. One rank SIGKILLed: torchrun stops the other and the job exits once, as a crash, with no rank left.
@@ -232,8 +236,12 @@ def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_ide
     assert "every rank was stopped" in t.stderr
     assert not any(alive(p) for p in ranks)
 
-    # 5. The retry resumes from the last committed checkpoint and ends on the uninterrupted run's exact bytes.
-    t = finish(launch(job, workdir, 2))
+    # 5. The retry resumes from the last committed checkpoint and ends on the uninterrupted run's exact bytes; ranks
+    #    that exit cleanly take their liveness files with them.
+    left_by_the_killed = set(os.listdir(alive_dir))
+    t = finish(launch(job, workdir, 2, LORAD_LIVENESS_DIR=str(alive_dir)))
+    assert set(os.listdir(alive_dir)) == left_by_the_killed  # and those name pids that are gone: never "silent"
+    assert silent_ranks(alive_dir, time.time() + 60, 1) == []
     assert t.named("resumed") and t.named("resumed")[0]["from_step"] > 0
     assert adapter_bytes(workdir) == adapter_bytes(ref_workdir)
     assert sample_ids_by_step(workdir) == sample_ids_by_step(ref_workdir)
