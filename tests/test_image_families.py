@@ -352,6 +352,24 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
     assert type(mem.proj_out) is torch.nn.Linear  # the final layer stays in the model dtype
 
 
+# ------------------------------------------------------------------ samples
+@pytest.mark.parametrize("family", FAMILIES)
+def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(family, runs, tmp_path):
+    from engine.run import train
+
+    _model, job, reference, _ = runs[family]
+    ref = reference.result(timeout=900)
+    d = deep_update(yaml.safe_load(job.read_text()),
+                    {"sample": {"every_steps": 2, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
+    shutil.copytree(ref / "cache", tmp_path / "work" / "cache")  # only the sample prompt is encoded
+    assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
+    for step in (2, 4):
+        assert (tmp_path / "work" / "samples" / f"step-{step:08d}" / "00.png").stat().st_size > 0
+    # The renders ran on their own generators: the adapter trained is the one the run without samples trained.
+    assert tensor_bytes(ref / "output" / DIFFUSERS_FILE) == tensor_bytes(tmp_path / "work" / "output" / DIFFUSERS_FILE)
+
+
 # ------------------------------------------------------------------ job validation
 @pytest.mark.parametrize("family,over,words", [
     ("flux2", {"lora": {"type": "dora"}}, ["lora.type", "flux2"]),
