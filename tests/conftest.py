@@ -160,6 +160,11 @@ def finished_tiny_job(tmp_path_factory, micro_model):
 
 
 # --------------------------------------------------------------------- subprocess trainer
+# How long a test waits for a child's event. A child that exits is seen at once, so this only bounds a hang; at
+# a load average of 12-18 on 2 cores the quickstart took ~10 s a step and 120 s was missed by a healthy run.
+WAIT_S = 300.0
+
+
 class Trainer:
     """`python -m engine.run` (or any command) as a child whose JSON events we read as they come."""
 
@@ -200,7 +205,7 @@ class Trainer:
         for line in self.proc.stderr:
             self.stderr_lines.append(line)
 
-    def wait_for(self, pred: Callable[[], bool], timeout: float = 120.0, poll: float = 0.005) -> None:
+    def wait_for(self, pred: Callable[[], bool], timeout: float = WAIT_S, poll: float = 0.005) -> None:
         """Wait until pred() is true; fail (with the child's stderr) if the child exits or time runs out."""
         deadline = time.monotonic() + timeout
         while not pred():
@@ -215,7 +220,7 @@ class Trainer:
                 raise AssertionError(f"timed out waiting; stderr tail: {''.join(self.stderr_lines[-15:])}")
             time.sleep(poll)
 
-    def wait_step(self, step: int, timeout: float = 120.0) -> None:
+    def wait_step(self, step: int, timeout: float = WAIT_S) -> None:
         self.wait_for(lambda: any(e.get("event") == "step" and e["step"] >= step for e in self.events), timeout)
 
     def send(self, sig: int) -> None:
