@@ -15,6 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.file_tail import tail_lines
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")  # engine/checkpoint.py's layout (the daemon must not import torch)
 EVENTS_TAIL_BYTES = 1 << 20  # the last step is near the end of events.jsonl
 
@@ -53,21 +55,13 @@ def committed_checkpoints(workdir: Path) -> list[Committed]:
 
 def last_event_step(workdir: Path) -> int | None:
     """The highest `step` of the step events at the end of events.jsonl (None: no step event there)."""
-    path = Path(workdir) / "events.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - EVENTS_TAIL_BYTES))
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for raw in reversed(lines):
+    for raw in reversed(tail_lines(Path(workdir) / "events.jsonl", EVENTS_TAIL_BYTES) or []):
         if b'"step"' not in raw:
             continue
         try:
             ev = json.loads(raw)
         except ValueError:
-            continue  # a torn last line, or the tail's cut first line
+            continue  # a line torn by a kill
         if isinstance(ev, dict) and ev.get("event") in ("step", "done") and isinstance(ev.get("step"), int):
             return ev["step"]
     return None

@@ -33,6 +33,7 @@ from daemon import gang, proc
 from daemon import trainer_user as trainer_user_mod
 from daemon.daemon_config import ConfigInvalid
 from daemon.exit_policy import describe_exit
+from daemon.file_tail import tail_lines
 from daemon.intake import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.run_policy import RunningJob
 from engine.job_policy import JobPolicy
@@ -119,13 +120,8 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
 
 def last_error_line(stderr_path: Path) -> str | None:
     """The last meaningful line of a trainer's stderr: usually the exception of a traceback."""
-    try:
-        with open(stderr_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - STDERR_TAIL_BYTES))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return None
+    raw = tail_lines(stderr_path, STDERR_TAIL_BYTES) or []
+    lines = [ln.strip() for ln in (r.decode(errors="replace") for r in raw) if ln.strip()]
     for ln in reversed(lines):
         if not ln.startswith(("warnings.warn", "File ", "^", "~")) and "Warning" not in ln:
             return ln[:500]

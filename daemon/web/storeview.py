@@ -18,6 +18,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from daemon.file_tail import tail_lines
+
 EVENTS_TAIL_BYTES = 64 * 1024
 MAX_SERIES_JOBS = 64  # parsed step series kept in memory (least recently used dropped)
 
@@ -234,20 +236,8 @@ class StoreView:
     @staticmethod
     def events_tail(workdir: Path, lines: int = 40) -> list[dict[str, Any]]:
         """The last lines of the job's events.jsonl (read from its end: cheap however long the log is)."""
-        path = Path(workdir) / "events.jsonl"
-        try:
-            with open(path, "rb") as f:
-                size = f.seek(0, 2)
-                start = max(0, size - EVENTS_TAIL_BYTES)
-                f.seek(start)
-                chunk = f.read()
-        except OSError:
-            return []
-        parts = chunk.split(b"\n")
-        if start > 0:
-            parts = parts[1:]
         out = []
-        for ln in parts[-lines - 1:]:
+        for ln in (tail_lines(Path(workdir) / "events.jsonl", EVENTS_TAIL_BYTES) or [])[-lines:]:
             if not ln.strip():
                 continue
             try:
@@ -255,7 +245,7 @@ class StoreView:
                 out.append(ev if isinstance(ev, dict) else {"event": "unparsed", "text": str(ev)})
             except ValueError:
                 out.append({"event": "unparsed", "text": ln.decode(errors="replace")})
-        return out[-lines:]
+        return out
 
 
 def energy_figures(row: dict[str, Any] | None) -> dict[str, Any]:
