@@ -270,6 +270,16 @@ def adapter_bytes(workdir: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
+def store(tmp_path):
+    """A fresh daemon store (state.db) in tmp_path, closed after the test."""
+    from daemon.store import Store
+
+    s = Store(tmp_path / "state.db")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def keep_signal_handlers():
     """engine.run.main and `lorad run` install SIGTERM/SIGINT/SIGUSR1 handlers; give pytest its own back."""
     import signal

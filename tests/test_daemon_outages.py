@@ -31,13 +31,6 @@ CFG = DaemonConfig(retry_budget=2, backoff_base_s=30)
 FULL = "disk full while saving checkpoint step-00000020 in {wd}/checkpoints (0 MiB free); step-00000010 is intact"
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
-
-
 def running_job(store: Store, tmp_path: Path, retries: int = 0, step: int = 0, checkpoint: int | None = None) -> str:
     jid = store.new_id("job")
     wd = tmp_path / "jobs" / jid

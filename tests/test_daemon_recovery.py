@@ -11,7 +11,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 import yaml
 
 from daemon import intake as intake_mod
@@ -27,13 +26,6 @@ from tests.test_daemon_intake import good_job
 
 # Stands in for a trainer: exits 75 on SIGTERM, as engine.run does after its final checkpoint.
 ORPHAN = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); time.sleep(120)"
-
-
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
 
 
 def running_job(store: Store, tmp_path, name: str, pid: int | None, start: int | None, requested: str | None = None):

@@ -13,13 +13,6 @@ from daemon import states
 from daemon.store import AmbiguousJob, Store, StoreUnusable, UnknownJob
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
-
-
 def add(store: Store, name: str = "j", priority: int = 0) -> str:
     jid = store.new_id(name)
     store.add_job(jid, name, store.path.parent / "jobs" / jid, priority, 10, "test")

@@ -12,13 +12,6 @@ from daemon.handlers import Context, dispatch
 from daemon.store import Store
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store(tmp_path / "state.db")
-    yield s
-    s.close()
-
-
 def ctx_for(store: Store, tmp_path) -> Context:
     return Context(home=tmp_path, store=store, intake=None, supervisor=None, started_at=0.0,
                    socket_path=tmp_path / "lorad.sock")
