@@ -77,7 +77,7 @@ def overhead(steps: int, rounds: int, warmup: int, root: Path) -> dict:
     """
     import resource
 
-    from engine.config import parse_job
+    from engine.config.job import parse_job
     from engine.run import train
 
     modes = {"none": (None, "19"), "every": (1, "19"), "every-nice0": (1, "0")}
@@ -123,7 +123,7 @@ def resume_latency(how: str, steps: int, root: Path) -> dict:
     job = root / f"resume-{how}.yaml"
     job.write_text(yaml.safe_dump(job_dict(steps, 10, "bench-resume")))
     events = home / "jobs" / "bench-resume" / "events.jsonl"
-    argv = [sys.executable, "-m", "daemon.cli", "run", str(job), "--home", str(home), "--quiet"]
+    argv = [sys.executable, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
     first = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -7,7 +7,7 @@ The step is what the family's loss does after the decoder: from final hidden
 states [1, seq, hidden] (requiring grad, as under a LoRA) and a frozen LM head
 weight [vocab, hidden], the loss and its backward to the hidden states.
 `plain` is the model's own path: logits = hidden · Wᵀ, then transformers'
-ForCausalLMLoss. `chunked` is engine.chunked_loss.chunked_cross_entropy.
+ForCausalLMLoss. `chunked` is engine.training.chunked_loss.chunked_cross_entropy.
 
 Measurement. On the CPU, tracemalloc does not see torch's allocations, so the
 torch profiler records them: with `profile_memory=True` every allocation and
@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.chunked_loss import chunked_cross_entropy, rows_per_chunk  # noqa: E402
+from engine.training.chunked_loss import chunked_cross_entropy, rows_per_chunk  # noqa: E402
 
 
 def plain_step(hidden, weight, labels):

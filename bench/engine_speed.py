@@ -14,7 +14,7 @@ Configurations (see CONFIGS; `--configs a,b,c` picks some):
     baseline           peft LoRA, bf16 base, fp32 LoRA params (peft's default upcast), torch AdamW
                        — what a user writes by hand with the HF stack
     bf16-8bit          bf16 base, bf16 LoRA, bitsandbytes AdamW8bit
-    fp8-8bit           FP8 base (engine/fp8.py: e4m3 + per-channel scales, _scaled_mm forward and
+    fp8-8bit           FP8 base (engine/frozen_base/fp8.py: e4m3 + per-channel scales, _scaled_mm forward and
                        input gradient on sm_89+), bf16 LoRA, AdamW8bit
     *-swap             the same with block swapping (half the blocks streamed from pinned host memory)
     fp8-8bit-ckpt      activation checkpointing toggled against the shape's default
@@ -67,11 +67,11 @@ import torch.nn as nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engine.blockswap import BlockSwapper, find_blocks  # noqa: E402
-from engine.fp8 import FP8Linear  # noqa: E402
-from engine.precision import DEFAULT_SKIP  # noqa: E402
-from engine.prefetch import Prefetcher  # noqa: E402
-from engine.speedups import compile_blocks  # noqa: E402
+from engine.frozen_base.blockswap import BlockSwapper, find_blocks  # noqa: E402
+from engine.frozen_base.fp8 import FP8Linear  # noqa: E402
+from engine.frozen_base.precision import DEFAULT_SKIP  # noqa: E402
+from engine.frozen_base.prefetch import Prefetcher  # noqa: E402
+from engine.frozen_base.speedups import compile_blocks  # noqa: E402
 
 GiB = 1024**3
 
@@ -347,8 +347,8 @@ def cleanup(device: torch.device) -> None:
 
 
 def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype: torch.dtype, args) -> Row:
-    from engine.config import TrainConfig
-    from engine.optim import build_optimizer
+    from engine.config.job import TrainConfig
+    from engine.training.optim import build_optimizer
 
     row = Row(shape.name, cfg, rank)
     cleanup(device)

@@ -68,7 +68,7 @@ def report(label: str, model: torch.nn.Module, targets: str, skip: str, block_li
 def main() -> None:
     from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel
 
-    from engine.families import flux2, qwen_image
+    from engine.families.image import flux2, qwen_image
 
     with torch.device("meta"):
         f2 = Flux2Transformer2DModel()

@@ -5,7 +5,7 @@
 The quickstart job (configs/examples/quickstart.yaml: builtin tiny-llama, LoRA rank 16 on all seven
 projections) is loaded once; each optimizer is built on its LoRA parameters and takes two steps (state is
 allocated on the first; scao's curvature factors exist from then on). We count the bytes of every tensor
-in the optimizer's state as the checkpoint stores it (engine/optim.py optimizer_state: moments, 8-bit
+in the optimizer's state as the checkpoint stores it (engine/training/optim.py optimizer_state: moments, 8-bit
 states with their quantisation maps and absmax, Prodigy's s and p0, schedule-free's z, scao's curvature
 factors), divided by the number of trainable parameters, and the ratio to torch AdamW. No GPU figure:
 the state sizes are device-independent, this counts bytes, not time.
@@ -26,9 +26,9 @@ OPTIMIZERS = ["adamw", "adamw8bit", "prodigy", "adamw_schedulefree", "scao"]
 def main() -> int:
     import torch
 
-    from engine.config import load_job
+    from engine.config.job import load_job
     from engine.families.causal_lm import CausalLM
-    from engine.optim import build_optimizer, optimizer_state, split_tree
+    from engine.training.optim import build_optimizer, optimizer_state, split_tree
 
     class Quiet:
         def info(self, *a, **k):

@@ -84,7 +84,7 @@ def measure_gpu(dev: Device, gpu: int, job: Path, limits: list[float], warmup: i
                 timeout_s: float) -> tuple[list[Point], list[str]]:
     import yaml
 
-    from engine.config import load_job
+    from engine.config.job import load_job
 
     load_job(job)  # a bad job file fails here, with the engine's message
     raw = yaml.safe_load(job.read_text())

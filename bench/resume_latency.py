@@ -39,8 +39,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from daemon.proc import find_trainers  # noqa: E402
-from engine.events import read_events as events  # noqa: E402
+from daemon.system.proc import find_trainers  # noqa: E402
+from engine.report.events import read_events as events  # noqa: E402
 
 
 def ts(e: dict) -> float:
@@ -58,7 +58,7 @@ def wait(pred, timeout: float, what: str, poll: float = 0.02):
 
 
 def start_daemon(home: Path, config: Path, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--home", str(home), "--config", str(config)],
+    return subprocess.Popen([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home), "--config", str(config)],
                             stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
 
 
@@ -98,7 +98,7 @@ def main() -> int:
     config.write_text(yaml.safe_dump({"allowed_roots": ["{home}", str(REPO), str(tmp), str(job_path.parent)],
                                       "tick_s": 0.1, "power": {"telemetry": {"backend": "off"}},
                                       "allow_root_trainers": os.geteuid() == 0}))  # as root: no trainer user here
-    log = open(tmp / "daemon.log", "ab")
+    log = open(tmp / "daemon.system.log", "ab")
     print(f"job {job_path.name}: {total} steps, checkpoint {interval}; seed {seed}; home {home}")
 
     d = start_daemon(home, config, log)

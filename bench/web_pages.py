@@ -27,11 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon import handlers, metrics  # noqa: E402
 from daemon import protocol as p  # noqa: E402
-from daemon.daemon_config import DaemonConfig  # noqa: E402
 from daemon.power.telemetry_store import TelemetryStore  # noqa: E402
-from daemon.store import Store  # noqa: E402
+from daemon.service import handlers
+from daemon.service.config import DaemonConfig  # noqa: E402
+from daemon.store.db import Store  # noqa: E402
+from daemon.web import metrics  # noqa: E402
 from daemon.web.app import Dashboard, build_app  # noqa: E402
 from daemon.web.auth import ensure_token  # noqa: E402
 from daemon.web.listener import WebListener  # noqa: E402

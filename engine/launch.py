@@ -15,7 +15,7 @@ contract with a trainer needs and torchrun does not give:
   no signal handlers: its own would SIGKILL the ranks 30 s after a SIGTERM,
   cutting a final checkpoint short.
 - No orphans: every rank asks the kernel to SIGKILL it when the launcher dies
-  (engine.distributed.die_with_parent), so a SIGKILLed launcher takes its
+  (engine.distributed.ddp.die_with_parent), so a SIGKILLed launcher takes its
   ranks with it.
 """
 
@@ -28,8 +28,8 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.distributed import LAUNCHER_PID
-from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
+from engine.distributed.ddp import LAUNCHER_PID
+from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in FORWARDED:
         signal.signal(s, _forward)
     # The ranks inherit the mask of the thread that starts them: with SIGUSR1 blocked, a "checkpoint now"
-    # forwarded while a rank still imports torch waits until its handler is in place (engine.stop) instead of
+    # forwarded while a rank still imports torch waits until its handler is in place (engine.training.stop) instead of
     # killing it. This thread, which forwards, takes it at once.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     t = threading.Thread(target=agent, name="torchrun-agent", daemon=True)

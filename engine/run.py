@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from engine import job_policy
-from engine.adapters import compute_autocast
-from engine.cadence import SLOW_SAVE, Save, SaveCadence
-from engine.checkpoint import AsyncCheckpointer, CheckpointStore, SaveResult, Snapshot
-from engine.config import JobConfig, load_job
+from engine.checkpoint.cadence import SLOW_SAVE, Save, SaveCadence
+from engine.checkpoint.host_copy import to_host
+from engine.checkpoint.store import AsyncCheckpointer, CheckpointStore, SaveResult, Snapshot
+from engine.config import policy as job_policy
+from engine.config.job import JobConfig, load_job
 from engine.data.order import Cursor
-from engine.distributed import (
+from engine.distributed.ddp import (
     BatchShare,
     Ranks,
     die_with_parent,
@@ -43,17 +43,33 @@ from engine.distributed import (
     seed_micro_batch,
     world_from_env,
 )
-from engine.dtypes import pick_device
-from engine.ema import AdapterEMA
+from engine.distributed.fsdp import (
+    ShardedCheckpointer,
+    adapter_swapped_in,
+    gather_adapter,
+    load_shards,
+    rng_snapshot,
+)
+from engine.distributed.liveness import Liveness
 from engine.errors import ConfigMismatch, DiskError, JobInvalid
-from engine.events import EventLog
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
-from engine.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
-from engine.host_copy import to_host
-from engine.liveness import Liveness
-from engine.lr_schedule import LrPlan, resume_plan
-from engine.optim import (
+from engine.families.image.sample import sample_due
+from engine.frozen_base.prefetch import Prefetcher
+from engine.frozen_base.speedups import apply_train_speedups
+from engine.report.events import EventLog
+from engine.report.progress import make_progress
+from engine.report.quiet import quiet_libraries, warnings_to_events
+from engine.report.tensorboard import TrainingBoard
+from engine.report.tensorboard import available as tensorboard_available
+from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full, normal_file_mode
+from engine.training.adapters import compute_autocast
+from engine.training.dtypes import pick_device
+from engine.training.ema import AdapterEMA
+from engine.training.heldout import due as validation_due
+from engine.training.heldout import evaluate
+from engine.training.lr_schedule import LrPlan, resume_plan
+from engine.training.optim import (
     build_optimizer,
     eval_weights,
     join_tree,
@@ -63,18 +79,8 @@ from engine.optim import (
     split_tree,
     use_eval_weights,
 )
-from engine.prefetch import Prefetcher
-from engine.progress import make_progress
-from engine.quiet import quiet_libraries, warnings_to_events
-from engine.rng import capture, restore, seed_everything
-from engine.sample import sample_due
-from engine.sharded import ShardedCheckpointer, adapter_swapped_in, gather_adapter, load_shards, rng_snapshot
-from engine.speedups import apply_train_speedups
-from engine.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
-from engine.tensorboard import TrainingBoard
-from engine.tensorboard import available as tensorboard_available
-from engine.validation import due as validation_due
-from engine.validation import evaluate
+from engine.training.rng import capture, restore, seed_everything
+from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
 
 
 def _version() -> str:
@@ -107,7 +113,7 @@ def snapshot(step: int, params, optimizer, generator, state: dict[str, Any], ema
 
 
 def restore_checkpoint(loaded, params, optimizer, generator, log=None, ema: AdapterEMA | None = None) -> dict[str, Any]:
-    """Everything but a sharded checkpoint's shards, which every rank loads together after (engine/sharded.py)."""
+    """Everything but a sharded checkpoint's shards, which every rank loads together after (engine/distributed/fsdp.py)."""
     if loaded.shards is None:
         missing = set(params) ^ set(loaded.adapter)
         if missing:
@@ -246,7 +252,7 @@ class Position:
     step: int = 0
     consumed: int = 0  # samples drawn, over all epochs: the data order's cursor
     train_seconds: float = 0.0
-    lr_plan: LrPlan | None = None  # None: the schedule of train.steps (engine/lr_schedule.py)
+    lr_plan: LrPlan | None = None  # None: the schedule of train.steps (engine/training/lr_schedule.py)
     shards: Path | None = None  # resumed from a sharded checkpoint: its shards, still to be loaded by every rank
 
     def lr(self, cfg: JobConfig) -> float:

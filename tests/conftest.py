@@ -56,7 +56,7 @@ def build_micro_llama(dest: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.builtin_models import byte_level_tokenizer
+    from engine.builtin.models import byte_level_tokenizer
 
     tok = byte_level_tokenizer()
     cfg = LlamaConfig(
@@ -107,7 +107,7 @@ def deep_update(base: dict, over: dict) -> dict:
 
 def tiny_job(model_path: Path | str, base_dir: Path, **sections: Any):
     """The tiny job on the quickstart data, its `sections` updated (e.g. train={"steps": 2}), validated."""
-    from engine.config import parse_job
+    from engine.config.job import parse_job
 
     return parse_job(deep_update(tiny_job_dict(model_path, QUICKSTART_DATA), sections), base_dir)
 
@@ -133,7 +133,7 @@ def finished_tiny_job(tmp_path_factory, micro_model):
     the last at step 12. Which middle steps were saved depends on when the background writer was free.
     Shared read-only: copy it before changing anything.
     """
-    from engine.config import load_job
+    from engine.config.job import load_job
     from engine.run import train
 
     root = tmp_path_factory.mktemp("finished")
@@ -272,7 +272,7 @@ def adapter_bytes(workdir: Path) -> dict[str, bytes]:
 @pytest.fixture
 def store(tmp_path):
     """A fresh daemon store (state.db) in tmp_path, closed after the test."""
-    from daemon.store import Store
+    from daemon.store.db import Store
 
     s = Store(tmp_path / "state.db")
     yield s

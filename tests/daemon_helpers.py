@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-from daemon import proc
 from daemon import protocol as p
-from daemon.client import Client, DaemonDown
-from engine.events import read_events as job_events
+from daemon.client.connection import Client, DaemonDown
+from daemon.system import proc
+from engine.report.events import read_events as job_events
 from tests.conftest import QUICKSTART_DATA, REPO, child_env
 
 PY = sys.executable
@@ -72,7 +72,7 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, poll: float =
 
 
 class Daemon:
-    """`python -m daemon.cli serve --home HOME --config CFG` as a child of the test."""
+    """`python -m daemon.client.cli serve --home HOME --config CFG` as a child of the test."""
 
     def __init__(self, home: Path, config: dict[str, Any], **env: str):
         self.home = Path(home)
@@ -80,14 +80,14 @@ class Daemon:
         self.config_path = write_yaml(self.home.parent / f"{self.home.name}-daemon.yaml", config)
         self.env = child_env(**env)
         self.proc: subprocess.Popen | None = None
-        self.log_path = self.home.parent / f"{self.home.name}-daemon.log"
+        self.log_path = self.home.parent / f"{self.home.name}-daemon.system.log"
         self.client = Client(self.home / "lorad.sock", timeout_s=30)
         self.started_at = 0.0
 
     def start(self, wait: bool = True) -> Daemon:
         self.started_at = time.monotonic()
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([PY, "-m", "daemon.cli", "serve", "--home", str(self.home),
+        self.proc = subprocess.Popen([PY, "-m", "daemon.client.cli", "serve", "--home", str(self.home),
                                       "--config", str(self.config_path)],
                                      stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(REPO))
         log.close()
@@ -135,7 +135,7 @@ class Daemon:
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         """The real `lorad` CLI against this daemon."""
-        r = subprocess.run([PY, "-m", "daemon.cli", *args, "--home", str(self.home)], capture_output=True, text=True,
+        r = subprocess.run([PY, "-m", "daemon.client.cli", *args, "--home", str(self.home)], capture_output=True, text=True,
                            env=self.env, cwd=str(REPO), timeout=60)
         if check and r.returncode != 0:
             raise AssertionError(f"lorad {' '.join(args)} exited {r.returncode}: {r.stderr}")
@@ -171,7 +171,7 @@ def adapter_file(workdir: Path) -> bytes:
 
 def lorad_run(job: Path, home: Path, timeout: float = 300) -> Path:
     """`lorad run JOB --home HOME` to the end (the uninterrupted reference); returns its workdir."""
-    r = subprocess.run([PY, "-m", "daemon.cli", "run", str(job), "--home", str(home), "--quiet"],
+    r = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
                        capture_output=True, text=True, env=child_env(), cwd=str(REPO), timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     name = yaml.safe_load(job.read_text())["name"]

@@ -28,7 +28,7 @@ IMAGES = [
 @pytest.fixture(scope="session")
 def tiny_flux(tmp_path_factory) -> Path:
     """A tiny random FLUX.1-dev-shaped diffusers directory (transformer, VAE, CLIP, T5, tokenizers, scheduler)."""
-    from engine.tiny_flux import build_tiny_flux
+    from engine.builtin.tiny_flux import build_tiny_flux
 
     dest = tmp_path_factory.mktemp("models") / "tiny-flux"
     build_tiny_flux(dest)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.adapters import compute_autocast
 from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
-from engine.optim import build_optimizer
+from engine.training.adapters import compute_autocast
+from engine.training.optim import build_optimizer
 from tests.conftest import tiny_job
 from tests.fakes import RecLog
 

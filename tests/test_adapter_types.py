@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import load_job
+from engine.config.job import load_job
 from engine.errors import JobInvalid
-from engine.export_flux import COMFYUI_FILE, DIFFUSERS_FILE, bfl_target
+from engine.families.image.flux_export import COMFYUI_FILE, DIFFUSERS_FILE, bfl_target
 from tests import flux_helpers as fh
 from tests.conftest import tiny_job
 from tests.fakes import RecLog
@@ -61,7 +61,7 @@ def test_each_type_exports_a_peft_adapter_that_from_pretrained_reproduces(kind, 
 def _flux_with(tiny_flux, tmp_path, lora: dict, formats: list[str]):
     from diffusers import FluxTransformer2DModel
 
-    from engine.families.flux import apply_lora
+    from engine.families.image.flux import apply_lora
 
     job = fh.write_flux_job(tmp_path / "job.yaml", tiny_flux, fh.make_images(tmp_path / "data"),
                             lora={"dropout": 0.0, **lora}, output={"formats": formats})
@@ -85,7 +85,7 @@ def _flux_inputs(model) -> dict:
 def test_a_dora_flux_adapter_loads_in_diffusers_as_dora_and_reproduces_the_model(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
 
-    from engine.export_flux import export
+    from engine.families.image.flux_export import export
 
     cfg, model = _flux_with(tiny_flux, tmp_path, {"type": "dora"}, ["diffusers"])
     out = tmp_path / "out"
@@ -133,8 +133,8 @@ def _comfy_delta(t: dict[str, torch.Tensor], shape) -> torch.Tensor:
                                   {"type": "lokr", "decompose_both": True, "factor": 4}],
                          ids=["loha", "lokr", "lokr-unfactored", "lokr-both-factored"])
 def test_lokr_and_loha_flux_files_follow_comfyuis_lycoris_rules_and_reproduce_peft(tiny_flux, tmp_path, lora):
-    from engine.adapters import adapter_layers
-    from engine.export_flux import export
+    from engine.families.image.flux_export import export
+    from engine.training.adapters import adapter_layers
 
     cfg, model = _flux_with(tiny_flux, tmp_path, lora, ["comfyui"])
     out = tmp_path / "out"
@@ -180,7 +180,7 @@ def test_combinations_a_format_cannot_hold_are_refused_naming_the_keys(tiny_flux
 def test_lycoris_flux_jobs_default_to_the_comfyui_file(tiny_flux, tmp_path):
     d = fh.flux_job_dict(tiny_flux, fh.make_images(tmp_path / "data"), lora={"type": "lokr", "dropout": 0.0})
     del d["output"]
-    from engine.config import parse_job
+    from engine.config.job import parse_job
 
     assert parse_job(d, tmp_path).output.formats == ["comfyui"]
 

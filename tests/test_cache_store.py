@@ -1,4 +1,4 @@
-"""The content-keyed cache (engine/cache.py) knows no model family: any family fills it through encoder callables."""
+"""The content-keyed cache (engine/storage/cache.py) knows no model family: any family fills it through encoder callables."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache import STALE_S, Cache, Group, Need, content_key, ensure, job_cache_dir
+from engine.storage.cache import STALE_S, Cache, Group, Need, content_key, ensure, job_cache_dir
 from tests.fakes import RecLog
 
 
@@ -97,9 +97,9 @@ def test_the_cache_library_imports_no_model_family_and_no_model_library():
     import ast
     from pathlib import Path
 
-    import engine.cache
+    import engine.storage.cache
 
-    tree = ast.parse(Path(engine.cache.__file__).read_text())
+    tree = ast.parse(Path(engine.storage.cache.__file__).read_text())
     imported = set()
     for node in tree.body:
         for sub in ast.walk(node):

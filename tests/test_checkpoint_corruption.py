@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import CheckpointStore
+from engine.checkpoint.store import CheckpointStore
 from tests.conftest import PY, REPO, adapter_bytes, child_env, read_events
 
 
@@ -95,7 +95,7 @@ def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tm
     finished = adapter_bytes(mine)
     flip_bit(mine / "checkpoints" / "step-00000012" / "adapter.safetensors")
 
-    p = subprocess.run([PY, "-m", "daemon.cli", "run", str(job), "--home", str(home), "--quiet"],
+    p = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
                        capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
 
     assert p.returncode == 0, p.stderr
@@ -112,7 +112,7 @@ def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tm
 
 def test_only_the_newest_set_aside_invalid_checkpoints_are_kept(tmp_path):
     """Invalid checkpoints are renamed aside for inspection; pruning keeps the newest few, never valid ones."""
-    from engine.checkpoint import KEEP_INVALID, CheckpointStore
+    from engine.checkpoint.store import KEEP_INVALID, CheckpointStore
 
     root = tmp_path / "checkpoints"
     root.mkdir()

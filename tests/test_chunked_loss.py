@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.chunked_loss import chunked_cross_entropy
 from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
+from engine.training.chunked_loss import chunked_cross_entropy
 from tests.conftest import tiny_job
 from tests.fakes import RecLog
 
@@ -97,7 +97,7 @@ def test_auto_stays_off_below_the_vocabulary_threshold_and_for_an_lm_head_lora(m
 
 
 def test_chunked_loss_is_a_causal_lm_key(tmp_path):
-    from engine.config import parse_job
+    from engine.config.job import parse_job
     from tests.flux_helpers import flux_job_dict
 
     with pytest.raises(JobInvalid, match=r"train.chunked_loss: only for model.family causal_lm"):

@@ -11,10 +11,10 @@ import time
 
 import yaml
 
-from daemon.cli import main as lorad
-from daemon.foreground import run_summary
-from daemon.paths import job_dir
-from engine.events import read_events
+from daemon.client.cli import main as lorad
+from daemon.client.foreground import run_summary
+from daemon.system.paths import job_dir
+from engine.report.events import read_events
 from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
 
 

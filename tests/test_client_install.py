@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from daemon.cli import TRAINING_STACK
+from daemon.client.cli import TRAINING_STACK
 from tests.conftest import REPO
 from tests.daemon_helpers import Daemon, fast_config
 

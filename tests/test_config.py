@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import dump_job, load_job, parse_job
+from engine.config.job import dump_job, load_job, parse_job
 from engine.errors import JobInvalid
 from tests.conftest import PY, QUICKSTART_DATA, REPO, child_env, deep_update, tiny_job, tiny_job_dict
 
@@ -73,7 +73,7 @@ def _one_line(err: str) -> str:
 
 @pytest.mark.parametrize("case", BAD_KEYS, ids=[c[0] for c in BAD_KEYS])
 def test_each_bad_key_is_exit_65_with_one_line_naming_it(case, tmp_path, micro_model, capsys, keep_signal_handlers):
-    from daemon.cli import main as lorad
+    from daemon.client.cli import main as lorad
     from engine.run import main as engine_run
 
     _, key, value, words = case
@@ -169,7 +169,7 @@ def test_real_processes_exit_65(tmp_path, micro_model):
     """The exit status as the daemon and a shell see it, for both commands."""
     job = _bad_job(tmp_path, micro_model, "lora.rank", 0)
     for argv in ([PY, "-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
-                 [PY, "-m", "daemon.cli", "run", str(job), "--home", str(tmp_path / "home")]):
+                 [PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(tmp_path / "home")]):
         p = subprocess.run(argv, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
         assert p.returncode == 65, p.stderr
         assert "lora.rank" in _one_line(p.stderr)
@@ -225,7 +225,7 @@ def test_the_normalised_job_file_reads_back_as_the_same_job(tmp_path, micro_mode
 def test_validating_a_job_does_not_import_torch():
     """The daemon validates every inbox file on its service loop; that must stay cheap."""
     code = (
-        "import sys; from engine.config import load_job; "
+        "import sys; from engine.config.job import load_job; "
         "[load_job(p) for p in sys.argv[1:]]; "
         "sys.exit(3 if 'torch' in sys.modules else 0)"
     )

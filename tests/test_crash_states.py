@@ -35,11 +35,11 @@ from typing import Any, Union
 import pytest
 import torch
 
-from engine.checkpoint import CheckpointStore, Snapshot
-from engine.config import TrainConfig
-from engine.fsio import RealFs
-from engine.optim import build_optimizer
+from engine.checkpoint.store import CheckpointStore, Snapshot
+from engine.config.job import TrainConfig
 from engine.run import snapshot
+from engine.storage.fsio import RealFs
+from engine.training.optim import build_optimizer
 
 HASH = "0123456789abcdef"
 

@@ -1,4 +1,4 @@
-"""Jobs that span machines under the daemon (daemon/cluster.py): what each machine's daemon refuses at submit, and
+"""Jobs that span machines under the daemon (daemon/supervisor/cluster.py): what each machine's daemon refuses at submit, and
 the launch command with which the machines' parts meet in torchrun's rendezvous."""
 
 from __future__ import annotations
@@ -10,11 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon.cluster import ClusterSettings, fs_type, is_shared, launch_command, rendezvous_id, unrunnable
-from daemon.daemon_config import ConfigInvalid, DaemonConfig, load_config
-from daemon.intake import validate_text
-from daemon.trainer import trainer_command
-from engine.config import JobInvalid, dump_job
+from daemon.intake.accept import validate_text
+from daemon.service.config import ConfigInvalid, DaemonConfig, load_config
+from daemon.supervisor.cluster import (
+    ClusterSettings,
+    fs_type,
+    is_shared,
+    launch_command,
+    rendezvous_id,
+    unrunnable,
+)
+from daemon.supervisor.trainer import trainer_command
+from engine.config.job import JobInvalid, dump_job
 from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job, tiny_job_dict
 
 MOUNTINFO = """\

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.daemon_config import ConfigInvalid, load_config
+from daemon.service.config import ConfigInvalid, load_config
 
 
 @pytest.mark.parametrize("text, words", [
@@ -24,7 +24,7 @@ def test_a_daemon_config_error_is_one_line_naming_the_key_like_the_job_validator
 
 
 def test_lorad_serve_with_a_misspelt_key_says_so_in_one_line_and_exits_78(tmp_path, capsys):
-    from daemon.service import serve
+    from daemon.service.serve import serve
 
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text("trainer_uesr: lorad\n")

@@ -1,8 +1,8 @@
-"""daemon.gang: a multi-GPU job starts on all its devices at once or waits holding none."""
+"""daemon.supervisor.gang: a multi-GPU job starts on all its devices at once or waits holding none."""
 
 from __future__ import annotations
 
-from daemon.gang import Want, plan_starts, visible_devices
+from daemon.supervisor.gang import Want, plan_starts, visible_devices
 
 
 def test_a_two_gpu_job_waits_while_one_device_is_free_and_holds_none():
@@ -34,7 +34,7 @@ def test_on_a_cpu_only_machine_a_multi_process_job_takes_the_cpu_whole():
 
 
 def test_a_multi_process_job_is_started_through_the_launcher_and_a_single_one_as_before(tmp_path):
-    from daemon.gang import job_gpus, launcher_command
+    from daemon.supervisor.gang import job_gpus, launcher_command
 
     cmd = ["py", "-m", "engine.run", "--job", "J", "--workdir", "W"]
     assert launcher_command(cmd, 1) == cmd
@@ -50,11 +50,11 @@ def test_a_multi_process_job_is_started_through_the_launcher_and_a_single_one_as
 def gang_supervisor(tmp_path, monkeypatch, devices):
     import sys
 
-    from daemon import gang
-    from daemon.daemon_config import DaemonConfig
-    from daemon.log import setup
-    from daemon.store import Store
-    from daemon.supervisor import Supervisor
+    from daemon.service.config import DaemonConfig
+    from daemon.store.db import Store
+    from daemon.supervisor import gang
+    from daemon.supervisor.loop import Supervisor
+    from daemon.system.log import setup
     from tests.test_daemon_supervisor import FAKE_TRAINER, FakeNotifier, FakePolicy
 
     sup = Supervisor(tmp_path, DaemonConfig(stop_grace_s=5), Store(tmp_path / "state.db"), devices, setup(),

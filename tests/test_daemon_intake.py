@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from daemon import intake as intake_mod
-from daemon.daemon_config import DaemonConfig
-from daemon.inbox import InboxWatcher
-from daemon.intake import Intake
-from daemon.log import setup
-from daemon.store import Store
-from engine.config import load_job
+from daemon.intake import accept as intake_mod
+from daemon.intake.accept import Intake
+from daemon.intake.inbox import InboxWatcher
+from daemon.service.config import DaemonConfig
+from daemon.store.db import Store
+from daemon.system.log import setup
+from engine.config.job import load_job
 from tests.conftest import QUICKSTART_DATA, REPO
 from tests.daemon_helpers import wait_until
 from tests.fakes import RecLog
@@ -255,9 +255,9 @@ class ListInbox:
 
 def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says_why(intake, monkeypatch, capsys):
     from daemon import protocol as p
-    from daemon.handlers import Context, dispatch
-    from daemon.render import print_stuck
-    from daemon.supervisor import Supervisor
+    from daemon.client.render import print_stuck
+    from daemon.service.handlers import Context, dispatch
+    from daemon.supervisor.loop import Supervisor
 
     cfg = intake.cfg.model_copy(update={"inbox_rescan_s": 0.2})
     intake.cfg = cfg

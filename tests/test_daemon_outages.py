@@ -14,17 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from daemon import disk_wait, states
 from daemon import protocol as p
-from daemon.daemon_config import DaemonConfig
-from daemon.handlers import Context, dispatch
-from daemon.log import setup
-from daemon.recovery import CUT_OFF, reconcile
-from daemon.render import print_table
-from daemon.run_policy import Decision
-from daemon.store import Store
-from daemon.supervisor import Supervisor
-from daemon.trainer import Child
+from daemon.client.render import print_table
+from daemon.service.config import DaemonConfig
+from daemon.service.handlers import Context, dispatch
+from daemon.service.recovery import CUT_OFF, reconcile
+from daemon.store import states
+from daemon.store.db import Store
+from daemon.supervisor import disk_wait
+from daemon.supervisor.loop import Supervisor
+from daemon.supervisor.run_policy import Decision
+from daemon.supervisor.trainer import Child
+from daemon.system.log import setup
 from tests.daemon_helpers import wait_until
 
 CFG = DaemonConfig(retry_budget=2, backoff_base_s=30)
@@ -228,8 +229,8 @@ def test_lorad_retry_queues_a_failed_job_again_with_a_fresh_budget_in_its_own_di
 
 
 def test_lorad_retry_is_a_cli_verb():
-    from daemon.cli import build_parser
-    from daemon.client_verbs import cmd_retry
+    from daemon.client.cli import build_parser
+    from daemon.client.verbs import cmd_retry
 
     assert build_parser().parse_args(["retry", "job-1a2b"]).fn is cmd_retry
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from daemon import protocol as p
-from daemon.client import Client, DaemonDown
-from daemon.log import setup
-from daemon.server import SocketInUse, SocketPathTaken, SocketServer, peer_allowed
+from daemon.client.connection import Client, DaemonDown
+from daemon.service.server import SocketInUse, SocketPathTaken, SocketServer, peer_allowed
+from daemon.system.log import setup
 
 
 def test_every_verb_round_trips_through_its_typed_request():
@@ -158,7 +158,7 @@ def test_idle_and_half_sent_clients_do_not_block_others(server):
 
 
 def test_many_concurrent_clients_are_answered_or_told_busy_never_left_hanging(server):
-    from daemon.client import RequestFailed
+    from daemon.client.connection import RequestFailed
 
     results = []
 
@@ -178,8 +178,8 @@ def test_many_concurrent_clients_are_answered_or_told_busy_never_left_hanging(se
 
 
 def test_every_verb_has_one_handler_and_one_cli_subcommand():
-    from daemon.cli import build_parser
-    from daemon.handlers import HANDLERS
+    from daemon.client.cli import build_parser
+    from daemon.service.handlers import HANDLERS
 
     assert set(HANDLERS) == p.VERBS
     sub = next(a for a in build_parser()._actions if a.dest == "verb")

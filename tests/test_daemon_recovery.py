@@ -13,15 +13,16 @@ import time
 
 import yaml
 
-from daemon import intake as intake_mod
-from daemon import proc, states
-from daemon.daemon_config import DaemonConfig
-from daemon.intake import Intake
-from daemon.log import setup
-from daemon.recovery import reconcile
-from daemon.store import Store
-from daemon.supervisor import Supervisor
-from daemon.trainer import Child
+from daemon.intake import accept as intake_mod
+from daemon.intake.accept import Intake
+from daemon.service.config import DaemonConfig
+from daemon.service.recovery import reconcile
+from daemon.store import states
+from daemon.store.db import Store
+from daemon.supervisor.loop import Supervisor
+from daemon.supervisor.trainer import Child
+from daemon.system import proc
+from daemon.system.log import setup
 from tests.test_daemon_intake import good_job
 
 # Stands in for a trainer: exits 75 on SIGTERM, as engine.run does after its final checkpoint.

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import proc
 from daemon import protocol as p
-from daemon.store import Store
+from daemon.store.db import Store
+from daemon.system import proc
 from tests.daemon_helpers import (
     Daemon,
     adapter_file,

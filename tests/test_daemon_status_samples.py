@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from daemon.handlers import latest_samples
+from daemon.client.render import print_detail
 from daemon.protocol import JobDetail
-from daemon.render import print_detail
+from daemon.service.handlers import latest_samples
 
 
 def _png(path):

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from daemon import states
-from daemon.store import AmbiguousJob, Store, StoreUnusable, UnknownJob
+from daemon.store import states
+from daemon.store.db import AmbiguousJob, Store, StoreUnusable, UnknownJob
 
 
 def add(store: Store, name: str = "j", priority: int = 0) -> str:

@@ -2,7 +2,7 @@
 
 The simulation: a real process that keeps running, and a SIGKILL (or SIGTERM) to it that does not take
 effect — what a process in an uninterruptible call looks like from the daemon. The signals to it are
-swallowed by patching daemon.proc.signal_group for its pid only; everything else is real (the Popen, its
+swallowed by patching daemon.system.proc.signal_group for its pid only; everything else is real (the Popen, its
 stdout, /proc, trainer.lock). The test then kills it for real, as a driver recovering would let it die.
 """
 
@@ -17,13 +17,14 @@ import time
 
 import pytest
 
-from daemon import proc, states
-from daemon.daemon_config import DaemonConfig
-from daemon.log import setup
-from daemon.recovery import reconcile
-from daemon.store import Store
-from daemon.supervisor import Supervisor
-from engine.events import read_events
+from daemon.service.config import DaemonConfig
+from daemon.service.recovery import reconcile
+from daemon.store import states
+from daemon.store.db import Store
+from daemon.supervisor.loop import Supervisor
+from daemon.system import proc
+from daemon.system.log import setup
+from engine.report.events import read_events
 from tests.daemon_helpers import wait_until
 from tests.test_daemon_supervisor import queue_job as queue
 from tests.test_daemon_supervisor import run_ticks
@@ -41,7 +42,7 @@ FAKE = textwrap.dedent("""
 
 @pytest.fixture
 def unkillable(monkeypatch):
-    """pids for which signals sent through daemon.proc have no effect (they stay in the kernel)."""
+    """pids for which signals sent through daemon.system.proc have no effect (they stay in the kernel)."""
     pids: set[int] = set()
     real = proc.signal_group
 

@@ -21,15 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from daemon import lock_contention, proc, shutdown, states
 from daemon import protocol as p
-from daemon.daemon_config import DaemonConfig
-from daemon.handlers import Context, dispatch
-from daemon.log import setup
-from daemon.run_policy import Decision
-from daemon.store import Store
-from daemon.supervisor import Supervisor
-from daemon.trainer import Child
+from daemon.service import shutdown
+from daemon.service.config import DaemonConfig
+from daemon.service.handlers import Context, dispatch
+from daemon.store import states
+from daemon.store.db import Store
+from daemon.supervisor import lock_contention
+from daemon.supervisor.loop import Supervisor
+from daemon.supervisor.run_policy import Decision
+from daemon.supervisor.trainer import Child
+from daemon.system import proc
+from daemon.system.log import setup
 from tests.daemon_helpers import job_events, wait_until
 
 FAKE_TRAINER = textwrap.dedent("""
@@ -186,9 +189,9 @@ def test_a_hung_child_is_killed_as_a_group_and_retried(sup, tmp_path):
 
 RANK_ZERO_BUSY_ALONE = textwrap.dedent("""
     import json, os, subprocess, sys, time
-    from engine.liveness import Liveness
+    from engine.distributed.liveness import Liveness
     # Rank 0 keeps its heartbeats coming (as while it renders samples) beside a rank 1 that the test stops.
-    rank1 = subprocess.Popen([sys.executable, "-c", "from engine.liveness import Liveness; import time; "
+    rank1 = subprocess.Popen([sys.executable, "-c", "from engine.distributed.liveness import Liveness; import time; "
                               "Liveness.from_env().start(); time.sleep(600)"], env={**os.environ, "RANK": "1"})
     open(sys.argv[1], "w").write(str(rank1.pid))
     Liveness.from_env().start()
@@ -521,7 +524,7 @@ def test_a_cancel_landing_while_an_interrupted_exit_is_written_waits_for_it_and_
 
 def test_trainers_start_with_the_checkpoint_signal_blocked_until_their_handler_is_in_place(sup, tmp_path):
     # SIGUSR1 ("checkpoint now") must not kill a trainer still importing torch: it starts blocked (pending),
-    # engine.stop.StopFlag.install unblocks it. The daemon's own mask is left as it was.
+    # engine.training.stop.StopFlag.install unblocks it. The daemon's own mask is left as it was.
     report = tmp_path / "sigblk"
     sup.trainer_command = lambda workdir: [sys.executable, "-c", (
         "import signal, sys; open(sys.argv[1], 'w').write(str(int(signal.SIGUSR1 in signal.pthread_sigmask("

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from daemon.lock import AlreadyRunning, HomeLock
-from daemon.notify import Notifier
+from daemon.system.lock import AlreadyRunning, HomeLock
+from daemon.system.notify import Notifier
 from tests.conftest import REPO
 
 UNIT = REPO / "systemd" / "lorad.service"
@@ -69,7 +69,7 @@ def test_unit_has_the_promised_settings():
                  "DeviceAllow=char-nvidia-frontend rw", "NoNewPrivileges=yes", "ProtectSystem=strict"]:
         assert line in text, line
     stop = int(text.split("TimeoutStopSec=")[1].split()[0])
-    from daemon.daemon_config import DaemonConfig
+    from daemon.service.config import DaemonConfig
 
     assert stop > DaemonConfig().stop_grace_s  # systemd must not SIGKILL a trainer that is still checkpointing
 
@@ -95,7 +95,7 @@ def test_trainers_get_sigterm_and_their_grace_whether_the_daemon_is_stopped_or_d
 
 
 def test_exit_78_is_the_status_systemd_does_not_restart_on():
-    from daemon.service import EXIT_CONFIG
+    from daemon.service.serve import EXIT_CONFIG
 
     assert unit_settings()["RestartPreventExitStatus"] == [str(EXIT_CONFIG)] and EXIT_CONFIG == 78
 
@@ -103,7 +103,7 @@ def test_exit_78_is_the_status_systemd_does_not_restart_on():
 def serve_once(home) -> subprocess.CompletedProcess:
     from tests.conftest import child_env
 
-    return subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--home", str(home)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home)], capture_output=True,
                           text=True, cwd=REPO, env=child_env(), timeout=120)
 
 
@@ -122,8 +122,8 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
                                                                         keep_signal_handlers):
     import functools
 
-    from daemon import service
-    from daemon.store import Store
+    from daemon.service import serve as service
+    from daemon.store.db import Store
 
     home = tmp_path / "home"
     home.mkdir()
@@ -145,7 +145,7 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
     # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
-    out = subprocess.run([sys.executable, "-m", "daemon.cli", "install-service", "--dry-run"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "daemon.client.cli", "install-service", "--dry-run"], capture_output=True,
                          text=True, cwd=REPO, check=True).stdout
     unit = out.split("# --- /etc/lorad/daemon.yaml")[0]  # the starter daemon.yaml follows the unit
     exe = unit.split("ExecStart=")[1].split()[0]
@@ -164,8 +164,8 @@ def test_install_service_dry_run_points_only_the_exec_lines_at_this_lorad_and_pr
 
     import yaml
 
-    from daemon import install_service
-    from daemon.daemon_config import DaemonConfig
+    from daemon.service.config import DaemonConfig
+    from daemon.system import install_service
 
     monkeypatch.setattr(install_service.shutil, "which", lambda name: "/opt/venv/bin/lorad")
     args = argparse.Namespace(dest="/etc/systemd/system/lorad.service", dry_run=True, no_enable=False)

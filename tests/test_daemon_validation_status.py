@@ -5,10 +5,10 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from daemon.client.render import print_detail, print_table
 from daemon.protocol import JobDetail, JobRow
-from daemon.render import print_detail, print_table
-from daemon.store import Store
-from daemon.trainer import Child
+from daemon.store.db import Store
+from daemon.supervisor.trainer import Child
 from daemon.web.storeview import Series
 
 # what engine/run.py logs after an evaluation of data.validation

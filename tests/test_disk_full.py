@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import CheckpointStore
-from engine.config import load_job
-from engine.fsio import RealFs
+from engine.checkpoint.store import CheckpointStore
+from engine.config.job import load_job
 from engine.run import train
+from engine.storage.fsio import RealFs
 from tests.conftest import read_events
 
 

@@ -1,12 +1,12 @@
-"""engine.distributed and engine.launch in one process: how a global batch is shared, kept and refused."""
+"""engine.distributed.ddp and engine.launch in one process: how a global batch is shared, kept and refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.config import JobInvalid
-from engine.distributed import World, micro_positions, plan_grad_accum, seed_micro_batch
+from engine.config.job import JobInvalid
+from engine.distributed.ddp import World, micro_positions, plan_grad_accum, seed_micro_batch
 from engine.launch import job_exit_code
 from tests.conftest import tiny_job
 
@@ -87,7 +87,7 @@ def test_a_world_size_that_cannot_keep_the_global_batch_exits_65_before_any_rank
 
 
 def test_ranks_with_another_lorad_version_or_another_job_file_are_named():
-    from engine.distributed import ranks_disagree
+    from engine.distributed.ddp import ranks_disagree
 
     same = [{"host": "a", "version": "0.1.0", "config_hash": "h"}, {"host": "b", "version": "0.1.0", "config_hash": "h"}]
     assert ranks_disagree(same) is None
@@ -98,7 +98,7 @@ def test_ranks_with_another_lorad_version_or_another_job_file_are_named():
 
 
 def test_gpus_without_nccl_are_named_before_any_process_group_starts(monkeypatch):
-    from engine.distributed import NcclMissing, Ranks
+    from engine.distributed.ddp import NcclMissing, Ranks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
@@ -120,7 +120,7 @@ def test_what_cannot_go_with_fsdp_is_refused_naming_the_keys(micro_model, tmp_pa
 
 
 def test_fsdp_is_part_of_the_jobs_identity_so_a_ddp_checkpoint_is_refused_by_name(micro_model, tmp_path):
-    from engine.checkpoint import changed_keys
+    from engine.checkpoint.store import changed_keys
 
     ddp = tiny_job(micro_model, tmp_path, train={"optimizer": "adamw"})
     fsdp = tiny_job(micro_model, tmp_path, train={"optimizer": "adamw", "sharding": "fsdp"})
@@ -130,8 +130,8 @@ def test_fsdp_is_part_of_the_jobs_identity_so_a_ddp_checkpoint_is_refused_by_nam
 
 
 def test_a_sharded_checkpoint_is_committed_with_every_shard_checksummed_and_a_corrupt_shard_is_skipped(tmp_path):
-    from engine.checkpoint import CheckpointStore
-    from engine.sharded import rng_snapshot
+    from engine.checkpoint.store import CheckpointStore
+    from engine.distributed.fsdp import rng_snapshot
 
     store = CheckpointStore(tmp_path / "checkpoints", "h", keep=3)
     for step in (4, 8):

@@ -20,7 +20,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from engine.liveness import silent_ranks
+from engine.distributed.liveness import silent_ranks
 from tests.conftest import PY, QUICKSTART_DATA, Trainer, adapter_bytes, child_env, deep_update, tiny_job_dict
 
 STEPS = 40
@@ -215,7 +215,7 @@ def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_ide
 
     # 3. One rank SIGSTOPped: the other waits in the next all-reduce, so rank 0's heartbeats stop (the daemon sees
     #    one hung job) and the SIGKILL then sent to the launcher takes both ranks, the stopped one included. Each
-    #    rank's liveness file (engine/liveness.py) names the stopped one: rank 0's stays fresh while it waits.
+    #    rank's liveness file (engine/distributed/liveness.py) names the stopped one: rank 0's stays fresh while it waits.
     alive_dir = tmp_path / "ranks"
     t = launch(job, workdir, 2, LORAD_LIVENESS_DIR=str(alive_dir))
     first_step(t)

@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.checkpoint import CheckpointStore
-from engine.config import JobInvalid
-from engine.ema import AdapterEMA
-from engine.events import read_events
+from engine.checkpoint.store import CheckpointStore
+from engine.config.job import JobInvalid
+from engine.report.events import read_events
 from engine.run import train
-from engine.stop import StopFlag
+from engine.training.ema import AdapterEMA
+from engine.training.stop import StopFlag
 from tests.conftest import adapter_bytes, tiny_job
 
 EMA = {"decay": 0.7, "every_steps": 2, "start_step": 1}

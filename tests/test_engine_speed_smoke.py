@@ -100,7 +100,7 @@ def test_materialised_models_are_identical_across_configs_and_fp8_is_quantised_a
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not any(p.is_meta for p in c.parameters())
-    from engine.fp8 import FP8Linear
+    from engine.frozen_base.fp8 import FP8Linear
 
     q = c.model.layers[0].self_attn.q_proj
     assert isinstance(q, FP8Linear)

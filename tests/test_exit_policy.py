@@ -6,9 +6,9 @@ import signal
 
 import pytest
 
-from daemon import states
-from daemon.daemon_config import DaemonConfig
-from daemon.exit_policy import decide_exit, describe_exit
+from daemon.service.config import DaemonConfig
+from daemon.store import states
+from daemon.supervisor.exit_policy import decide_exit, describe_exit
 
 CFG = DaemonConfig(retry_budget=2, backoff_base_s=10, backoff_max_s=25)
 

@@ -1,6 +1,6 @@
 """Reading the end of a growing log: whole lines only, whatever its length."""
 
-from daemon.file_tail import tail_lines
+from daemon.system.file_tail import tail_lines
 
 
 def test_the_tail_holds_whole_lines_only_and_the_short_file_whole(tmp_path):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli import main as lorad
-from engine.config import load_job
-from engine.families.flux import Flux
+from daemon.client.cli import main as lorad
+from engine.config.job import load_job
+from engine.families.image.flux import Flux
 from tests import flux_helpers as fh
 from tests.fakes import RecLog
 from tests.flux_helpers import IMAGES, make_images, write_flux_job

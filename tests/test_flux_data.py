@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from engine.config import load_job, parse_job
+from engine.config.job import load_job, parse_job
 from engine.data.images import BucketOrder, assign_bucket, buckets_for, make_caption, make_items, scan
 from engine.errors import JobInvalid
-from engine.families.flux import DEFAULT_TARGETS, sample_sigmas
+from engine.families.image.flux import DEFAULT_TARGETS, sample_sigmas
 from tests import flux_helpers as fh
 from tests.flux_helpers import IMAGES, flux_job_dict, make_images
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import yaml
 
-from engine.config import parse_job
+from engine.config.job import parse_job
 from engine.data.images import BucketOrder
 from engine.errors import JobInvalid
-from engine.families.flux import Flux
+from engine.families.image.flux import Flux
 from tests import flux_helpers as fh
 from tests.conftest import Trainer, run_engine
 from tests.fakes import RecLog

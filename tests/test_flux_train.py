@@ -12,9 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.config import load_job
-from engine.export_flux import COMFYUI_FILE, DIFFUSERS_FILE
-from engine.families.flux import apply_lora
+from engine.config.job import load_job
+from engine.families.image.flux import apply_lora
+from engine.families.image.flux_export import COMFYUI_FILE, DIFFUSERS_FILE
 from tests import flux_helpers as fh
 from tests.conftest import Trainer, run_engine
 
@@ -190,7 +190,7 @@ def test_partial_and_non_default_targets_map_to_comfyui_exactly(tiny_flux, tmp_p
     """A subset of q/k/v (zeros for the rest), embedders, the final layer and its swapped modulation halves."""
     from diffusers import FluxTransformer2DModel
 
-    from engine.export_flux import export
+    from engine.families.image.flux_export import export
     from tests.flux_helpers import make_images, write_flux_job
 
     targets = (r"^(transformer_blocks\.0\.(attn\.(to_k|add_v_proj)|norm1\.linear)|single_transformer_blocks\.0\."
@@ -292,8 +292,8 @@ def test_an_fp8_base_with_activation_checkpointing_trains_and_exports_on_the_cpu
     (prec,) = [e for e in events if e["event"] == "base_precision"]
     assert prec["precision"] == "fp8" and prec["converted_layers"] > 0
     # the single blocks' large proj_out is FP8 under its LoRA; the top-level proj_out (final layer) is not
-    from engine.families.flux import Flux
-    from engine.fp8 import FP8Linear
+    from engine.families.image.flux import Flux
+    from engine.frozen_base.fp8 import FP8Linear
 
     class Quiet:
         def info(self, *a, **k):

@@ -1,4 +1,4 @@
-"""The FP8 frozen linear (engine/fp8.py): accuracy, frozen base, peft composition, and CUDA's _scaled_mm rules.
+"""The FP8 frozen linear (engine/frozen_base/fp8.py): accuracy, frozen base, peft composition, and CUDA's _scaled_mm rules.
 
 Accuracy budget (stated): against an fp32 reference that uses the original
 fp32 weight, the FP8 layer's output and input gradient have a relative
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine.fp8 import (
+from engine.frozen_base.fp8 import (
     E4M3,
     FP8Linear,
     ScaledMMRejected,
@@ -302,7 +302,7 @@ def test_validator_rejects_what_cuda_rejects(case, match):
 
 
 def test_every_scaled_mm_call_in_the_layer_goes_through_the_validator(lin, monkeypatch):
-    import engine.fp8 as fp8
+    import engine.frozen_base.fp8 as fp8
 
     calls = []
     real = fp8.check_scaled_mm
@@ -319,7 +319,7 @@ def test_every_scaled_mm_call_in_the_layer_goes_through_the_validator(lin, monke
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_tensor_core_path_matches_the_reference(lin):
-    from engine.fp8 import fp8_tensor_cores
+    from engine.frozen_base.fp8 import fp8_tensor_cores
 
     dev = torch.device("cuda")
     if not fp8_tensor_cores(dev):

@@ -1,4 +1,4 @@
-"""A checkpoint's host copies (engine/host_copy.py): pinned and asynchronous on a GPU, with an event the
+"""A checkpoint's host copies (engine/checkpoint/host_copy.py): pinned and asynchronous on a GPU, with an event the
 background writer waits on before it serialises; plain synchronous copies on the CPU."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from engine.checkpoint import AsyncCheckpointer, CheckpointStore, Snapshot
-from engine.host_copy import CopyDone, to_host
+from engine.checkpoint.host_copy import CopyDone, to_host
+from engine.checkpoint.store import AsyncCheckpointer, CheckpointStore, Snapshot
 
 
 class CopyInFlight(CopyDone):

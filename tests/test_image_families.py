@@ -26,7 +26,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine.config import load_job
+from engine.config.job import load_job
 from tests.conftest import CHILD_ENV, deep_update
 from tests.flux_helpers import make_images, tensor_bytes, with_last_checkpoint
 
@@ -38,7 +38,7 @@ COMFY = {"flux2": "flux2_lora_comfyui.safetensors", "qwen_image": "qwen_image_lo
 
 
 def _build(family: str, dest: Path) -> Path:
-    from engine.tiny_pipelines import build_tiny_flux2, build_tiny_qwen_image
+    from engine.builtin.tiny_pipelines import build_tiny_flux2, build_tiny_qwen_image
 
     (build_tiny_flux2 if family == "flux2" else build_tiny_qwen_image)(dest)
     return dest
@@ -64,7 +64,7 @@ def _tmp_dirs(wd: Path) -> list[Path]:
 
 
 # What every trainer imports before its first step; the fork server imports it once for all six.
-PRELOAD = ["engine.run", "engine.families.image_base", "engine.families.flux2", "engine.families.qwen_image",
+PRELOAD = ["engine.run", "engine.families.image.base", "engine.families.image.flux2", "engine.families.image.qwen_image",
            "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
 
@@ -305,8 +305,8 @@ def test_qwen_image_comfyui_keys_are_diffusion_model_paths_with_alphas(runs):
 # ------------------------------------------------------------------ cache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path):
-    from engine.events import EventLog
     from engine.families import get_family
+    from engine.report.events import EventLog
 
     model_dir, job, reference, _ = runs[family]
     wd = reference.result(timeout=900)
@@ -325,7 +325,7 @@ def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path
 # ------------------------------------------------------------------ fp8 + block swapping
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp_path):
-    from engine.fp8 import FP8Linear
+    from engine.frozen_base.fp8 import FP8Linear
     from engine.run import train
     from tests.conftest import read_events
 
@@ -380,7 +380,7 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("flux2", {"data": {"validation": {"fraction": 0.5}}}, ["data.validation", "only for model.family flux"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
-    from engine.config import JobInvalid, parse_job
+    from engine.config.job import JobInvalid, parse_job
 
     data = make_images(tmp_path / "data", IMAGES[:1])
     d = job_dict(family, f"builtin:tiny-{family.replace('_', '-')}", data, **over)
@@ -390,7 +390,7 @@ def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(famil
 
 
 def test_the_builtin_tiny_pipelines_are_valid_job_targets(tmp_path):
-    from engine.config import parse_job
+    from engine.config.job import parse_job
 
     data = make_images(tmp_path / "data", IMAGES[:1])
     for family in FAMILIES:

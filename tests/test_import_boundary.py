@@ -29,8 +29,8 @@ def daemon_imports(source: str) -> list[str]:
 
 
 def test_the_scanner_sees_each_form_of_import():
-    src = "import daemon\nfrom daemon.cli import main\nimport importlib\nimportlib.import_module('daemon.store')\n__import__('daemon')\n"
-    assert daemon_imports(src) == ["daemon", "daemon.cli", "daemon.store", "daemon"]
+    src = "import daemon\nfrom daemon.client.cli import main\nimport importlib\nimportlib.import_module('daemon.store.db')\n__import__('daemon')\n"
+    assert daemon_imports(src) == ["daemon", "daemon.client.cli", "daemon.store.db", "daemon"]
     assert daemon_imports("import engine.daemonish\nfrom .daemon import x\n") == []
 
 

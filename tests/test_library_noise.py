@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(f"""
 
     CausalLM.on_step_end = on_step_end
     if sys.argv[1] == "foreground":
-        from daemon.cli import main
+        from daemon.client.cli import main
         sys.exit(main(["run", sys.argv[2], "--home", sys.argv[3], "--quiet"]))
     from engine.run import main
     sys.exit(main(["--job", sys.argv[2], "--workdir", sys.argv[3], "--progress", "json"]))

@@ -24,8 +24,8 @@ CHILD = textwrap.dedent("""
 
     BLOCKED = set(sys.argv[1].split(","))
     sys.meta_path.insert(0, Refuse())
-    import engine.config, engine.errors, engine.events, engine.stop
-    from engine.config import load_job
+    import engine.config.job, engine.errors, engine.report.events, engine.training.stop
+    from engine.config.job import load_job
     for job in sys.argv[2:]:
         load_job(job)  # validation with its path checks: data folders, built-in model names
     print("ok", sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED))
@@ -41,7 +41,7 @@ def test_config_errors_events_and_stop_import_and_validate_jobs_without_the_trai
 
 
 def test_the_dtype_table_covers_exactly_the_dtypes_a_job_may_name():
-    from engine.config import ModelConfig
-    from engine.dtypes import DTYPES
+    from engine.config.job import ModelConfig
+    from engine.training.dtypes import DTYPES
 
     assert set(DTYPES) == set(get_args(ModelConfig.model_fields["dtype"].annotation))

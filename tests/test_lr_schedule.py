@@ -1,4 +1,4 @@
-"""The learning-rate schedule across attempts whose `train.steps` differ (engine/lr_schedule.py).
+"""The learning-rate schedule across attempts whose `train.steps` differ (engine/training/lr_schedule.py).
 
 `steps` may change between attempts, and it is where the decay reaches 0: the plan in effect travels in
 each checkpoint's state.json, and a changed total re-plans the rest of the decay from the resume step
@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from engine.config import TrainConfig
-from engine.lr_schedule import LrPlan, resume_plan
+from engine.config.job import TrainConfig
+from engine.training.lr_schedule import LrPlan, resume_plan
 
 
 def train(**kw) -> TrainConfig:

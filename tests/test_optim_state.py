@@ -1,4 +1,4 @@
-"""Optimizer state survives the pickle-free checkpoint form bit-exactly (engine/optim.py split_tree/join_tree)."""
+"""Optimizer state survives the pickle-free checkpoint form bit-exactly (engine/training/optim.py split_tree/join_tree)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.config import TrainConfig
-from engine.optim import build_optimizer, join_tree, split_tree
+from engine.config.job import TrainConfig
+from engine.training.optim import build_optimizer, join_tree, split_tree
 
 
 def through_checkpoint(tree):

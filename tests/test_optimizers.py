@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 import yaml
 
-from engine.checkpoint import CheckpointStore
-from engine.config import TrainConfig, load_job, parse_job
+from engine.checkpoint.store import CheckpointStore
+from engine.config.job import TrainConfig, load_job, parse_job
 from engine.errors import JobInvalid
-from engine.events import read_events
-from engine.optim import (
+from engine.report.events import read_events
+from engine.run import restore_checkpoint, snapshot, train
+from engine.training.optim import (
     build_optimizer,
     eval_weights,
     optimizer_advice,
@@ -24,7 +25,6 @@ from engine.optim import (
     split_tree,
     use_eval_weights,
 )
-from engine.run import restore_checkpoint, snapshot, train
 from tests.conftest import QUICKSTART_DATA, Trainer, adapter_bytes, deep_update, tiny_job, tiny_job_dict
 
 NEW_OPTIMIZERS = ["prodigy", "adamw_schedulefree", "scao"]

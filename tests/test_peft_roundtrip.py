@@ -6,8 +6,8 @@ import json
 
 import torch
 
-from engine.checkpoint import CheckpointStore
-from engine.config import load_job
+from engine.checkpoint.store import CheckpointStore
+from engine.config.job import load_job
 from engine.families.causal_lm import CausalLM
 from engine.run import restore_checkpoint, trainable
 
@@ -60,7 +60,7 @@ def test_restore_checkpoint_rejects_an_adapter_for_another_model(write_job, tmp_
     """A checkpoint whose LoRA parameter names do not match the model is refused, not half-loaded."""
     import pytest
 
-    from engine.checkpoint import Loaded
+    from engine.checkpoint.store import Loaded
     from engine.errors import JobInvalid
 
     cfg = load_job(write_job())
@@ -76,7 +76,7 @@ def test_the_exported_adapter_is_as_readable_as_any_file_the_user_writes(finishe
     import os
     import stat
 
-    from engine.fsio import normal_file_mode
+    from engine.storage.fsio import normal_file_mode
 
     _, _, wd, _ = finished_tiny_job
     modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in (wd / "output").iterdir()}

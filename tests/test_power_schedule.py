@@ -15,7 +15,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.schedule import Schedule
 from daemon.power.settings import PowerSettings, ScheduleSettings
 from daemon.power.simulated import SimulatedDevice
-from daemon.run_policy import RunningJob
+from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import RecLog
 
 BERLIN = ZoneInfo("Europe/Berlin")

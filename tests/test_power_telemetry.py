@@ -17,7 +17,7 @@ from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.telemetry import NvmlDevice, decode_throttle, open_device
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.run_policy import RunningJob
+from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import Clock, RecLog
 
 

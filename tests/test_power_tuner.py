@@ -11,7 +11,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, TunerSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.tuner import Point, candidate_limits, choose, profiling_steps
-from daemon.run_policy import RunningJob
+from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import Clock, RecLog
 
 

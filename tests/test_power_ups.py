@@ -15,7 +15,7 @@ from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings, UpsSettings
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.ups import NutClient, NutError, UpsMonitor
-from daemon.run_policy import RunningJob
+from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import RecLog
 
 

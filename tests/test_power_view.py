@@ -10,7 +10,7 @@ from daemon.power import api, view
 from daemon.power.policy import PowerPolicy
 from daemon.power.settings import PowerSettings
 from daemon.power.simulated import SimulatedDevice
-from daemon.run_policy import NullPolicy, RunningJob
+from daemon.supervisor.run_policy import NullPolicy, RunningJob
 
 
 class NoLog:

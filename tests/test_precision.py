@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import yaml
 
-import engine.fp8 as fp8
-import engine.precision as precision
-from engine.fp8 import FP8Linear
-from engine.precision import apply_base_precision, convert_linears_to_fp8, resolve
+import engine.frozen_base.fp8 as fp8
+import engine.frozen_base.precision as precision
+from engine.frozen_base.fp8 import FP8Linear
+from engine.frozen_base.precision import apply_base_precision, convert_linears_to_fp8, resolve
 from tests.conftest import (
     QUICKSTART_DATA,
     Trainer,
@@ -116,7 +116,7 @@ def test_on_a_device_without_fp8_tensor_cores_nothing_is_a_shape_fallback():
 
 @pytest.mark.parametrize("library", ["transformers", "diffusers"])
 def test_load_time_precisions_get_a_bitsandbytes_config_for_either_library(library):
-    from engine.precision import quantization_config
+    from engine.frozen_base.precision import quantization_config
 
     assert quantization_config("fp8", torch.bfloat16, library) is None
     assert quantization_config("bf16", torch.bfloat16, library) is None
@@ -203,10 +203,10 @@ def test_fp8_job_runs_end_to_end_and_resumes_bit_exactly_after_sigterm(fp8_job, 
 # ----------------------------------------------------------------- optimizer state through a checkpoint
 @pytest.mark.parametrize("opt", ["adamw8bit", "paged_adamw8bit", "adamw"])
 def test_optimizer_state_round_trips_a_checkpoint_bit_exactly(opt, tmp_path):
-    from engine.checkpoint import CheckpointStore
-    from engine.config import TrainConfig
-    from engine.optim import build_optimizer
+    from engine.checkpoint.store import CheckpointStore
+    from engine.config.job import TrainConfig
     from engine.run import restore_checkpoint, snapshot
+    from engine.training.optim import build_optimizer
 
     train = TrainConfig(optimizer=opt, lr=1e-2, weight_decay=0.01)
 
@@ -239,7 +239,7 @@ def test_optimizer_state_round_trips_a_checkpoint_bit_exactly(opt, tmp_path):
     restore_checkpoint(loaded, params2, optimizer2, torch.Generator())
 
     def flat(o):
-        from engine.optim import split_tree
+        from engine.training.optim import split_tree
 
         tensors = {}
         tree = split_tree(o.state_dict(), "", tensors)

@@ -1,4 +1,4 @@
-"""Host→device streaming: the batch prefetcher and block swapping (engine/prefetch.py, engine/blockswap.py).
+"""Host→device streaming: the batch prefetcher and block swapping (engine/frozen_base/prefetch.py, engine/frozen_base/blockswap.py).
 
 On the CPU the "device" copies are real copies into fresh CPU tensors, so
 the swap logic (which block is where, when copies start, the two-block
@@ -13,9 +13,9 @@ import torch.nn as nn
 import torch.utils.checkpoint as ckpt
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from engine.blockswap import BlockSwapper, find_blocks
-from engine.prefetch import Prefetcher
-from engine.speedups import compile_blocks
+from engine.frozen_base.blockswap import BlockSwapper, find_blocks
+from engine.frozen_base.prefetch import Prefetcher
+from engine.frozen_base.speedups import compile_blocks
 
 
 # ----------------------------------------------------------------- prefetcher
@@ -177,7 +177,7 @@ def saved_views_of(params: list[nn.Parameter]):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_autograd_never_holds_a_swapped_weight_so_eviction_really_frees_it(fp8):
-    from engine.precision import convert_linears_to_fp8
+    from engine.frozen_base.precision import convert_linears_to_fp8
 
     model = make_stack(n=6)
     if fp8:
@@ -240,7 +240,7 @@ def tiny_lora_flux(device: torch.device, dtype: torch.dtype):
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
 
-    from engine.families.flux import DEFAULT_TARGETS
+    from engine.families.image.flux import DEFAULT_TARGETS
 
     torch.manual_seed(0)
     model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3,
@@ -315,7 +315,7 @@ def test_fp8_llama_with_lora_trains_identically_with_and_without_swapping(micro_
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from engine.precision import apply_base_precision
+    from engine.frozen_base.precision import apply_base_precision
 
     def build():
         m = AutoModelForCausalLM.from_pretrained(micro_model, dtype=torch.float32)
@@ -378,7 +378,7 @@ def test_on_gpu_evicted_blocks_give_their_memory_back_during_the_forward():
 
 
 def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(micro_model, tmp_path):
-    from engine.config import parse_job
+    from engine.config.job import parse_job
     from engine.run import train
     from tests.conftest import QUICKSTART_DATA, adapter_bytes, deep_update, read_events, tiny_job_dict
 
@@ -396,7 +396,7 @@ def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(mi
 
 def test_changing_blocks_to_swap_or_compile_keeps_checkpoints_valid(micro_model, tmp_path):
     # After an OOM a job may come back with more blocks swapped: same weights, so the same identity.
-    from engine.config import parse_job
+    from engine.config.job import parse_job
     from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
 
     base = tiny_job_dict(micro_model, QUICKSTART_DATA)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from daemon import protocol as p
-from daemon import states
-from daemon.handlers import Context, dispatch
-from daemon.store import Store
+from daemon.service.handlers import Context, dispatch
+from daemon.store import states
+from daemon.store.db import Store
 
 
 def ctx_for(store: Store, tmp_path) -> Context:

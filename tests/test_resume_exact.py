@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.checkpoint import CheckpointStore
-from engine.config import load_job, parse_job
+from engine.checkpoint.store import CheckpointStore
+from engine.config.job import load_job, parse_job
 from engine.run import train
 from tests.conftest import (
     QUICKSTART_DATA,
@@ -198,7 +198,7 @@ def test_changed_training_settings_refuse_to_resume_with_a_clear_message(finishe
 
 
 def test_checkpoints_from_before_the_identity_was_kept_still_get_the_hashes():
-    from engine.checkpoint import changed_keys
+    from engine.checkpoint.store import changed_keys
 
     assert changed_keys(None, {"train": {"lr": 1}}) == ""  # the message falls back to the two hashes
     assert changed_keys({"train": {"lr": 1}, "lora": {"rank": 8}}, {"train": {"lr": 2}}) == \

@@ -1,8 +1,8 @@
-"""When a checkpoint save starts (engine/cadence.py), driven step by step with a fake clock: no training, no disk."""
+"""When a checkpoint save starts (engine/checkpoint/cadence.py), driven step by step with a fake clock: no training, no disk."""
 
 from __future__ import annotations
 
-from engine.cadence import Save, SaveCadence
+from engine.checkpoint.cadence import Save, SaveCadence
 
 
 def cadence(every_steps=None, every_seconds=None, last_step=1000, saved_step=0, now=0.0) -> SaveCadence:

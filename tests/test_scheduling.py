@@ -9,14 +9,14 @@ import sys
 import pytest
 
 from daemon import protocol as p
-from daemon import states
-from daemon.daemon_config import DaemonConfig
-from daemon.handlers import Context, dispatch
-from daemon.log import setup
-from daemon.render import print_table
-from daemon.scheduling import Runner, Waiter, status_order, to_preempt
-from daemon.store import Store
-from daemon.supervisor import Supervisor
+from daemon.client.render import print_table
+from daemon.service.config import DaemonConfig
+from daemon.service.handlers import Context, dispatch
+from daemon.store import states
+from daemon.store.db import Store
+from daemon.supervisor.loop import Supervisor
+from daemon.supervisor.scheduling import Runner, Waiter, status_order, to_preempt
+from daemon.system.log import setup
 from tests.test_daemon_supervisor import FAKE_TRAINER, FakePolicy, run_ticks
 
 

@@ -36,7 +36,7 @@ def two_attempts(micro_model, tmp_path_factory):
     """Attempt 1: steps 4, stopped after step 2. Attempt 2: steps raised to 8, run to the end. Host reads of
     the loss per attempt, and each attempt's events."""
     from engine.families.causal_lm import CausalLM
-    from engine.stop import StopFlag
+    from engine.training.stop import StopFlag
 
     tmp = tmp_path_factory.mktemp("two-attempts")
     wd, real, out = tmp / "w", CausalLM.loss, {}

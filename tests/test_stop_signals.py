@@ -11,7 +11,7 @@ from tests.conftest import REPO, child_env
 
 WAITS_FOR_CTRL_C = textwrap.dedent("""
     import sys, time
-    from engine.stop import StopFlag
+    from engine.training.stop import StopFlag
     stop = StopFlag()
     stop.install()
     print("ready", flush=True)

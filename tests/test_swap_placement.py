@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine import fp8
-from engine.blockswap import find_blocks, place_model, swapped_blocks
-from engine.config import parse_job
+from engine.config.job import parse_job
 from engine.errors import JobInvalid
-from engine.fp8 import FP8Linear
-from engine.precision import convert_linears_to_fp8, swapped_linear_weights
+from engine.frozen_base import fp8
+from engine.frozen_base.blockswap import find_blocks, place_model, swapped_blocks
+from engine.frozen_base.fp8 import FP8Linear
+from engine.frozen_base.precision import convert_linears_to_fp8, swapped_linear_weights
 from tests import flux_helpers as fh
 from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job, tiny_job_dict
 from tests.fakes import RecLog
@@ -127,7 +127,7 @@ def test_flux_bf16_load_keeps_the_swapped_blocks_on_the_host(tiny_flux, tmp_path
 
     from diffusers import FluxTransformer2DModel
 
-    from engine.families.flux import Flux
+    from engine.families.image.flux import Flux
 
     # The built-in tiny Flux has one block of each kind (nothing to swap); give it two of each.
     model_dir = tmp_path / "flux-2x2"

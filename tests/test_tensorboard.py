@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.config import JobInvalid, load_job
+from engine.config.job import JobInvalid, load_job
 from engine.run import train
 from tests.conftest import (
     QUICKSTART_DATA,

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import TimestepBias, parse_job
+from engine.config.job import TimestepBias, parse_job
 from engine.errors import JobInvalid
-from engine.families.flux import SCHEDULER_DEFAULTS, sample_sigmas
+from engine.families.image.flux import SCHEDULER_DEFAULTS, sample_sigmas
 from tests.flux_helpers import flux_job_dict
 
 N = 200_000

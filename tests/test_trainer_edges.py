@@ -9,10 +9,10 @@ import threading
 
 import torch
 
-from engine.events import EventLog, read_events
-from engine.rng import capture, restore
+from engine.report.events import EventLog, read_events
 from engine.run import train
-from engine.stop import StopFlag
+from engine.training.rng import capture, restore
+from engine.training.stop import StopFlag
 from tests.conftest import tiny_job
 
 

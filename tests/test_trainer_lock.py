@@ -6,9 +6,9 @@ import os
 
 import yaml
 
-from daemon.cli import main as lorad
-from daemon.lock import TrainerLock
-from daemon.paths import job_dir
+from daemon.client.cli import main as lorad
+from daemon.system.lock import TrainerLock
+from daemon.system.paths import job_dir
 from tests.conftest import QUICKSTART_DATA, deep_update, tiny_job_dict
 
 

@@ -18,16 +18,16 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from daemon import trainer
-from daemon import trainer_user as trainer_user_mod
-from daemon.daemon_config import ConfigInvalid, DaemonConfig
-from daemon.intake import Intake
-from daemon.state_files import protect_state_db
-from daemon.store import Store
-from daemon.supervisor import Supervisor
-from engine.config import load_job
+from daemon.intake.accept import Intake
+from daemon.service.config import ConfigInvalid, DaemonConfig
+from daemon.store.db import Store
+from daemon.store.state_files import protect_state_db
+from daemon.supervisor import trainer
+from daemon.supervisor.loop import Supervisor
+from daemon.system import trainer_user as trainer_user_mod
+from engine.config.job import load_job
+from engine.config.policy import JobPolicy
 from engine.errors import JobInvalid
-from engine.job_policy import JobPolicy
 from tests.conftest import QUICKSTART_DATA, REPO, child_env
 from tests.fakes import RecLog
 
@@ -130,7 +130,7 @@ def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_
     names = {n for n, _, _ in chowned}
     assert {accepted.workdir.name, "events.jsonl"} <= names
     assert not names & {"job.yaml", "submitted.yaml"}
-    # the home's shared latent/text cache (engine/home.py) is the trainer user's to write too
+    # the home's shared latent/text cache (engine/storage/home.py) is the trainer user's to write too
     assert (accepted.home / "cache").is_dir() and ("cache", me.pw_uid, me.pw_gid) in chowned
 
 
@@ -152,7 +152,7 @@ def test_a_root_daemon_needs_an_unprivileged_trainer_user():
 
 
 def test_a_root_daemon_without_trainer_user_exits_78_naming_the_key(tmp_path, monkeypatch, capsys):
-    from daemon.service import serve
+    from daemon.service.serve import serve
 
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert serve(tmp_path / "home", None) == 78

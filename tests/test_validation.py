@@ -6,10 +6,10 @@ import pytest
 import torch
 import yaml
 
-from engine.config import JobInvalid, parse_job
+from engine.config.job import JobInvalid, parse_job
 from engine.families.causal_lm import CausalLM
 from engine.run import main, train
-from engine.validation import holdout, sample_generator
+from engine.training.heldout import holdout, sample_generator
 from tests.conftest import (
     QUICKSTART_DATA,
     adapter_bytes,
@@ -111,7 +111,7 @@ def test_a_validation_path_of_the_other_family_exits_65_naming_the_key(micro_mod
 
 
 def test_the_daemons_allowed_roots_cover_the_validation_path(tmp_path):
-    from engine.job_policy import JobPolicy
+    from engine.config.policy import JobPolicy
 
     inside, outside = tmp_path / "root" / "train.jsonl", tmp_path / "elsewhere" / "val.jsonl"
     for f in (inside, outside):
@@ -140,9 +140,9 @@ def test_a_flux_validation_sample_gets_the_same_noise_at_every_evaluation():
 
 
 def test_flux_validation_gives_the_same_number_for_the_same_weights_and_leaves_the_rng_alone(tiny_flux, tmp_path):  # noqa: F811
-    from engine.distributed import Ranks, World
-    from engine.families.flux import Flux
-    from engine.validation import evaluate
+    from engine.distributed.ddp import Ranks, World
+    from engine.families.image.flux import Flux
+    from engine.training.heldout import evaluate
 
     data = make_images(tmp_path / "data")
     cfg = parse_job(flux_job_dict(tiny_flux, data, data={"validation": {"fraction": 0.4, "every_steps": 1}}),

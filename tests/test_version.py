@@ -7,8 +7,8 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 import tomllib
 
-from daemon import version as version_mod
-from daemon.cli import main as lorad
+from daemon.client.cli import main as lorad
+from daemon.system import version as version_mod
 from tests.conftest import REPO
 
 DECLARED = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

@@ -10,10 +10,10 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from daemon import states
-from daemon.daemon_config import ConfigInvalid, load_config
 from daemon.power.telemetry import Sample
 from daemon.power.telemetry_store import TelemetryStore
+from daemon.service.config import ConfigInvalid, load_config
+from daemon.store import states
 from daemon.web import auth
 from daemon.web.settings import WebSettings
 from tests.web_helpers import BASE, Site, iso, quick_job_yaml, signed_in, step_line
@@ -281,7 +281,7 @@ def test_power_page_and_schedule(tmp_path):
 
 # ---------------------------------------------------------------- metrics
 def test_metrics_reads_the_store_at_scrape_time(tmp_path):
-    from daemon.metrics import registry
+    from daemon.web.metrics import registry
 
     site = Site(tmp_path)
     jid = site.add_job("m", total=100)
@@ -318,7 +318,7 @@ def test_metrics_reads_the_store_at_scrape_time(tmp_path):
 
 def test_metrics_loopback_only_when_configured(tmp_path):
     site = Site(tmp_path, metrics_auth="loopback")
-    from daemon.metrics import registry
+    from daemon.web.metrics import registry
 
     site.dash.metrics = registry(site.view, lambda: {}, site.home / "rejected")
     with TestClient(site.app, base_url=BASE, client=("127.0.0.1", 5000)) as c:
@@ -378,7 +378,7 @@ def test_the_listener_does_not_hold_small_responses_back_for_acks(site):
 def test_the_view_reads_a_store_no_daemon_has_open_and_never_writes_it(tmp_path):
     import sqlite3
 
-    from daemon.store import Store
+    from daemon.store.db import Store
     from daemon.web.storeview import StoreView
 
     store = Store(tmp_path / "state.db")

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from daemon import protocol as p
-from engine.events import read_events
+from engine.report.events import read_events
 from tests.conftest import REPO
 from tests.daemon_helpers import Daemon, fast_config, wait_until
 

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from daemon import protocol as p
-from daemon.client import RequestFailed
+from daemon.client.connection import RequestFailed
 from tests.daemon_helpers import Daemon, fast_config
 
 

@@ -8,10 +8,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon import handlers
-from daemon.daemon_config import DaemonConfig
-from daemon.intake import Intake
-from daemon.store import Store
+from daemon.intake.accept import Intake
+from daemon.service import handlers
+from daemon.service.config import DaemonConfig
+from daemon.store.db import Store
 from daemon.web.app import Dashboard, build_app
 from daemon.web.auth import ensure_token
 from daemon.web.settings import WebSettings

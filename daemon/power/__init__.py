@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from daemon.power.settings import PowerSettings
-    from daemon.run_policy import Policy
+    from daemon.supervisor.run_policy import Policy
 
 
 def make_policy(settings: PowerSettings, home: Path, db_path: Path, log: Any) -> Policy:

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.file_tail import tail_lines
+from daemon.system.file_tail import tail_lines
 
 EVENTS_TAIL_BYTES = 64 * 1024
 MAX_SERIES_JOBS = 64  # parsed step series kept in memory (least recently used dropped)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
-from daemon import states
+from daemon.store import states
 from daemon.web.auth import ensure_token
 
 
@@ -17,7 +17,8 @@ def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
     if not cfg.web.enabled:
         return None
     # Imported here: a daemon with `web.enabled: false` never loads starlette, uvicorn or prometheus-client.
-    from daemon import handlers, metrics
+    from daemon.service import handlers
+    from daemon.web import metrics
     from daemon.web.app import Dashboard, build_app
     from daemon.web.listener import WebListener
     from daemon.web.storeview import StoreView

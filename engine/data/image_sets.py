@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from engine.config import JobConfig
+from engine.config.job import JobConfig
 from engine.data.images import ImageRecord, Item, MaskSource, make_items, scan
 
 

@@ -11,15 +11,15 @@ def get_family(name: str) -> Family:
 
         return CausalLM()
     if name == "flux":
-        from engine.families.flux import Flux  # added by the Flux family
+        from engine.families.image.flux import Flux  # added by the Flux family
 
         return Flux()
     if name == "flux2":
-        from engine.families.flux2 import Flux2
+        from engine.families.image.flux2 import Flux2
 
         return Flux2()
     if name == "qwen_image":
-        from engine.families.qwen_image import QwenImage
+        from engine.families.image.qwen_image import QwenImage
 
         return QwenImage()
     raise ValueError(f"unknown model family {name!r}")

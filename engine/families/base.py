@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.config import JobConfig
+from engine.config.job import JobConfig
 
 
 class Dataset(Protocol):
@@ -44,11 +44,11 @@ class Family(Protocol):
         """Loss of one micro-batch. Any randomness (noise, timesteps) must come from `generator`."""
 
     def validation_set(self, cfg: JobConfig, workdir: Path, log) -> Any:
-        """data.validation's samples (engine.validation.ValidationSet), after build_dataset held a fraction out."""
+        """data.validation's samples (engine.training.heldout.ValidationSet), after build_dataset held a fraction out."""
 
     def validation_loss(self, model: torch.nn.Module, dataset: Any, indices: list[int], seed: int,
                         device: torch.device) -> torch.Tensor:
-        """Mean loss per sample of these validation samples; randomness from engine.validation.sample_generator."""
+        """Mean loss per sample of these validation samples; randomness from engine.training.heldout.sample_generator."""
 
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
         """Hook after an optimizer step (e.g. render samples every N steps). Must not touch training RNG."""

@@ -7,17 +7,17 @@ from typing import Any
 
 import torch
 
-from engine.adapters import check_base_precision, peft_config, set_adapter_dtype
-from engine.blockswap import place_model
-from engine.builtin_models import resolve_model_path
-from engine.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
-from engine.config import JobConfig
+from engine.builtin.models import resolve_model_path
+from engine.config.job import JobConfig
 from engine.data.text import TokenDataset, encode_documents, read_documents
-from engine.dtypes import DTYPES, torch_dtype
 from engine.errors import JobInvalid
-from engine.precision import apply_base_precision, quantization_config
-from engine.precision import resolve as resolve_precision
-from engine.validation import ValidationSet, holdout, to_device
+from engine.frozen_base.blockswap import place_model
+from engine.frozen_base.precision import apply_base_precision, quantization_config
+from engine.frozen_base.precision import resolve as resolve_precision
+from engine.training.adapters import check_base_precision, peft_config, set_adapter_dtype
+from engine.training.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
+from engine.training.dtypes import DTYPES, torch_dtype
+from engine.training.heldout import ValidationSet, holdout, to_device
 
 # LoRA targets when lora.targets is not given: every attention and MLP projection of a Llama-like block.
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -75,7 +75,7 @@ class CausalLM:
             model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
         except ValueError as e:
             raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
-        set_adapter_dtype(model, cfg.lora.dtype)  # fp32 by default over any base (engine/adapters.py)
+        set_adapter_dtype(model, cfg.lora.dtype)  # fp32 by default over any base (engine/training/adapters.py)
         self._chunked = use_chunked_loss(model, cfg, log)
         if quantize is None:
             # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
@@ -133,7 +133,7 @@ class CausalLM:
 
 
 def _chunk_blocker(base: torch.nn.Module) -> str | None:
-    """Why this model's LM head cannot go through engine.chunked_loss (which reads its weight directly), or None."""
+    """Why this model's LM head cannot go through engine.training.chunked_loss (which reads its weight directly), or None."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     head = base.get_output_embeddings()

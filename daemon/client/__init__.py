@@ -1,0 +1,1 @@
+"""The `lorad` command line: verbs over the socket, what they print, and the foreground commands."""

@@ -1,0 +1,180 @@
+"""How the CLI shows the daemon's replies to a person: the queue table, one job in detail, stuck and rejected
+inbox files, log lines. Plain functions of the reply's data (its JSON form is printed as is with --json).
+
+Only rich and the standard library: the client verbs import this on machines without the training stack.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon.supervisor.disk_wait import waiting_note
+
+COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA", "NOTE")
+
+
+def fmt_eta(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def num(v: Any, fmt: str = "{}") -> str:
+    """A value as the tables show it: `-` when there is none."""
+    return "-" if v is None else fmt.format(v)
+
+
+def when(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def shorten(text: str, width: int) -> str:
+    """One line of at most `width` characters, cut at a word boundary with an ellipsis."""
+    text = " ".join(str(text).split())
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    if text[width - 1] != " " and cut.rfind(" ") >= width // 2:  # the cut is inside a word: drop that word
+        cut = cut[: cut.rfind(" ")]
+    return cut.rstrip(" ,;:.-(") + "…"
+
+
+def console(**kw: Any):
+    """A rich Console whose closed stdout raises BrokenPipeError for main() (rich's own answer is exit 1)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError
+
+    return _Console(**kw)
+
+
+def print_table(data: dict[str, Any]) -> None:
+    """The queue, one line per job in the daemon's order (running, then the queue in the order it will run, ...):
+    NOTE (why it failed, what was asked) is cut to the room left, at a word."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rows = []
+    for j in data["jobs"]:
+        note = j["requested"] and f"{j['requested']} requested" or (j["last_error"] or "")
+        if j["state"] == "waiting":
+            note = f"waiting: {waiting_note(j.get('wait_bytes'))}"
+        if j["state"] in ("succeeded", "cancelled"):
+            note = ""
+        rows.append([j["id"], j["name"], j["state"], str(j["priority"]), f"{j['step']}/{j['total']}",
+                     f"{j['loss']:.4f}" if j["loss"] is not None else "-",
+                     f"{j['val_loss']:.4f}" if j.get("val_loss") is not None else "-",
+                     f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
+                     fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note])
+    columns, val = COLUMNS, COLUMNS.index("VAL")
+    if all(r[val] == "-" for r in rows):  # no job validates (data.validation): no VAL column taking the note's room
+        columns = tuple(c for c in COLUMNS if c != "VAL")
+        rows = [r[:val] + r[val + 1:] for r in rows]
+    width = shutil.get_terminal_size((120, 20)).columns
+    fixed = sum(max([len(col), *(len(r[i]) for r in rows)]) + 2 for i, col in enumerate(columns[:-1]))
+    room = max(width - fixed, 16)
+    t = Table(box=None, pad_edge=False)
+    for col in columns:
+        t.add_column(col, justify="right" if col in ("PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA") else "left",
+                     no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        t.add_row(*(Text(v) for v in r[:-1]), Text(shorten(r[-1], room)))  # Text: an error's [..] is not markup
+    c = console(width=max(width, fixed + room))
+    if not data["jobs"]:
+        c.print("no jobs (drop a job file into the inbox, or: lorad submit FILE)")
+    else:
+        with c.capture() as cap:
+            c.print(t)
+        # rich pads every cell to its column's width; a line ends at its last character (styles kept).
+        print(re.sub(r" +((?:\x1b\[[0-9;]*m)*)$", r"\1", cap.get(), flags=re.M), end="")
+    if data.get("draining"):
+        c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
+    for n in data.get("notes", []):
+        c.print(f"note: {n}", markup=False, highlight=False)
+    print_stuck(data, width)
+    print_rejections(data, width)
+
+
+def print_stuck(data: dict[str, Any], width: int) -> None:
+    """`lorad status`: inbox files the daemon could neither accept nor reject yet (disk full, ...), and why."""
+    stuck = data.get("inbox_stuck") or []
+    if not stuck:
+        return
+    every = data.get("inbox_retry_s")
+    print(f"inbox stuck: {len(stuck)} file(s) not taken yet, kept safe and retried"
+          + (f" every {every:g} s:" if every else ":"))
+    name_w = max(len(s["file"]) for s in stuck)
+    for s in stuck:
+        head = f"  {s['file']:<{name_w}}  since {when(s['since'])}  "
+        print(head + shorten(s["error"], max(width - len(head), 30)))
+    print(f"  (waiting in {Path(stuck[0]['path']).parent}/; free the space or fix the cause and it goes through)")
+
+
+def print_rejections(data: dict[str, Any], width: int) -> None:
+    """`lorad status`: the newest inbox files the daemon rejected, one line each: file, when, why."""
+    rej = data.get("rejected") or []
+    if not rej:
+        return
+    hours = round(data.get("rejected_within_s", 86400) / 3600)
+    print(f"rejected inbox files (last {hours} h, newest first):")
+    name_w = max(len(r["file"]) for r in rej)
+    for r in rej:
+        head = f"  {r['file']:<{name_w}}  {when(r['at'])}  "
+        print(head + shorten(r["reason"], max(width - len(head), 30)))
+    more = data.get("rejected_total", len(rej)) - len(rej)
+    print(f"  ({f'… and {more} more; ' if more > 0 else ''}"
+          f"each reason in full: {data.get('rejected_dir', 'rejected')}/NAME.error.txt)")
+
+
+def print_detail(data: dict[str, Any]) -> None:
+    j = data["job"]
+    rows = [("id", j["id"]), ("name", j["name"]), ("state", j["state"]), ("priority", j["priority"]),
+            ("step", f"{j['step']}/{j['total']}"), ("loss", num(j["loss"], "{:.4f}")),
+            ("validation loss", f"{j['val_loss']:.4f} (step {j['val_step']})" if j.get("val_loss") is not None else "-"),
+            ("s/step", num(j["s_per_step"], "{:.3f}")),
+            ("ETA", fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
+            ("last checkpoint", j["last_checkpoint"] or "-"), ("output", j["output"] or "-"),
+            ("workdir", j["workdir"]), ("submitted", when(j["submitted_at"])), ("source", num(j["source"])),
+            ("crashes in a row", j["retries"])]
+    if j["not_before"] and j["not_before"] > time.time() and j["state"] == "queued":
+        rows.append(("next try", when(j["not_before"])))
+    if j["state"] == "waiting":
+        rows.append(("waiting", f"{waiting_note(j.get('wait_bytes'))}; retried when the space is free"))
+    if j["requested"]:
+        rows.append(("requested", j["requested"]))
+    if j["last_error"]:
+        rows.append(("last error", j["last_error"]))
+    if j.get("samples"):
+        rows.append((f"samples (step {j['samples_step']})", j["samples"][0]))
+        rows += [("", path) for path in j["samples"][1:]]
+    if data.get("power"):
+        from daemon.power.view import job_lines
+
+        rows += [("energy", line) for line in job_lines(data["power"])]
+    for k, v in rows:
+        print(f"{k:>17}: {v}")
+    print("attempts:")
+    for a in j["attempts"]:
+        end = when(a["ended_at"]) if a["ended_at"] else "running"
+        print(f"  #{a['n']:<3} {when(a['started_at'])} → {end}  pid {num(a['pid'])}  exit {num(a['exit_code'])}  "
+              f"steps {a['start_step']}→{a['end_step'] if a['end_step'] is not None else '…'}"
+              + (f"  error: {a['error']}" if a["error"] else ""))
+
+
+def compact(v: Any) -> Any:
+    """A float as a person reads it (4 significant digits: lr=0.003, not 0.0029999119841746698); the
+    events file keeps the full value."""
+    return f"{v:.4g}" if isinstance(v, float) else v
+
+
+def log_line(ev: dict[str, Any]) -> str:
+    skip = {"ts", "level", "event", "job"}
+    rest = " ".join(f"{k}={compact(v)}" for k, v in ev.items() if k not in skip)
+    return f"{ev.get('ts', '')[:19]} {ev.get('level', ''):7} {ev.get('event', '')} {rest}".rstrip()

@@ -1,0 +1,132 @@
+"""The client verbs: one function per socket verb, each one typed request (daemon/protocol.py) and its reply
+printed for a person (daemon/client/render.py) or, with --json, as JSON.
+
+These run on machines that only talk to a daemon (`pip install lorad`, no training stack): nothing here may
+import torch, directly or through the engine, except lazily where a verb needs the engine's job validator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from daemon import protocol as p
+from daemon.client import render
+
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+def call(args: argparse.Namespace, req: p.BaseModel) -> dict[str, Any]:
+    from daemon.client.connection import Client, find_socket
+
+    return Client(find_socket(args.home, args.socket)).call(req)
+
+
+def fail(as_json: bool, code: str, message: str, status: int) -> int:
+    """An error: one line on stderr and, with --json, also {"ok": false, "error", "message", "exit"} on stdout."""
+    if as_json:
+        print(json.dumps({"ok": False, "error": code, "message": message, "exit": status}))
+    print(f"lorad: {message}", file=sys.stderr)
+    return status
+
+
+def out(args: argparse.Namespace, data: dict[str, Any], human) -> int:
+    if args.json:
+        print(json.dumps(data, indent=1, default=str))
+    else:
+        human(data)
+    return 0
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    data = call(args, p.Ping())
+
+    def human(d: dict[str, Any]) -> None:
+        who = f"lorad {d['version']}" if d.get("version") else "lorad"  # an older daemon does not say
+        print(f"{who} is up: pid {d['pid']}, home {d['home']}, {d['running']} running, up {d['uptime_s']} s"
+              + (", draining" if d["draining"] else ""))
+
+    return out(args, data, human)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from engine.config.job import dump_job, load_job
+    from engine.errors import JobInvalid
+
+    try:
+        # The schema locally first (a typo is shown without a daemon), with relative paths resolved against the
+        # file's directory. What the paths hold is for the daemon to check, in the same order and with the
+        # same words as for an inbox file: its allowed roots before anything reads them.
+        cfg = load_job(args.job, check_paths=False)
+    except JobInvalid as e:
+        return fail(args.json, "invalid_job", f"invalid job: {e}", 65)
+    data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
+    if data.get("same_name") and not args.json:
+        others = ", ".join(f"{j['id']} ({j['state']})" for j in data["same_name"])
+        print(f"lorad: note: {cfg.name!r} is also the name of {others}; refer to these jobs by id",
+              file=sys.stderr)
+    return out(args, data, lambda d: print(d["job"]))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    data = call(args, p.Status(job=args.job))
+    return out(args, data, render.print_detail if args.job else render.print_table)
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    data = call(args, p.Logs(job=args.job, tail=args.lines))
+    while True:
+        for ev in data["lines"]:
+            print(json.dumps(ev) if args.json else render.log_line(ev), flush=True)
+        if not args.follow:
+            return 0
+        if data["state"] in FINAL and not data["lines"]:
+            return 0
+        time.sleep(0.5)
+        data = call(args, p.Logs(job=args.job, offset=data["offset"]))
+
+
+def _action(req_cls):
+    def cmd(args: argparse.Namespace) -> int:
+        data = call(args, req_cls(job=args.job))
+        return out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+
+    return cmd
+
+
+cmd_pause = _action(p.Pause)
+cmd_resume = _action(p.Resume)
+cmd_cancel = _action(p.Cancel)
+cmd_retry = _action(p.Retry)
+
+
+def cmd_priority(args: argparse.Namespace) -> int:
+    data = call(args, p.SetPriority(job=args.job, priority=args.priority))
+    return out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+
+
+def cmd_power(args: argparse.Namespace) -> int:
+    from daemon.power import view
+
+    data = call(args, p.Power(limit_w=args.limit, gpu=args.gpu, clear=args.clear))
+    if args.watch and not args.json:
+        return view.watch(lambda: call(args, p.Power()), args.interval)
+    refused = bool(data.get("set")) and not data["set"].get("ok")
+    if refused:
+        print(f"lorad: power limit not set: {data['set'].get('error')}", file=sys.stderr)
+    out(args, data, lambda d: view.show(d, render.console()))
+    return 1 if refused else 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    data = call(args, p.Drain(on=not args.off))
+    return out(args, data, lambda d: print(d["message"]))
+
+
+def cmd_web_url(args: argparse.Namespace) -> int:
+    data = call(args, p.WebUrl())
+    return out(args, data, lambda d: print(d["url"]))

@@ -1,0 +1,400 @@
+"""Job intake: read a job file defensively, validate it, and accept it (jobs/ID/) or reject it (rejected/).
+
+The order of writes is what makes "a job file is never lost" true:
+claim (rename inbox/NAME → incoming/), then either write rejected/NAME.error.txt
+durably and rename the file next to it, or write jobs/ID/job.yaml durably,
+insert the job row, then drop the claimed copy. A crash at any point leaves
+the file in incoming/, and `recover()` finishes the work at start-up.
+
+A write that fails (disk full, an I/O error, the store refusing) is not a
+verdict on the job file: the file stays in incoming/ (a half-made jobs/ID/ is
+removed), the error is logged in one line and listed by `lorad status`
+(`stuck`), and the service loop calls `recover()` again every inbox_rescan_s
+until it goes through.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sqlite3
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daemon.service.config import DaemonConfig
+from daemon.store.db import Store
+from daemon.supervisor.cluster import check_submit
+from daemon.system.log import job_event
+from engine.config.job import JobConfig, decode_job_bytes, dump_job, parse_job
+from engine.errors import JobInvalid
+from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
+
+JOB_DIR_MODE = 0o750  # jobs/ and jobs/ID/: explicit, whatever the daemon's umask
+JOB_FILE_MODE = 0o644  # job.yaml, submitted.yaml: the trainer (another user under root) reads them
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+JOB_SUFFIXES = (".yaml", ".yml")
+# Names editors and copy tools use while a file is being written: never taken.
+IGNORED_SUFFIXES = (".tmp", ".part", ".partial", ".swp", ".crdownload", "~")
+
+
+@dataclass
+class Outcome:
+    name: str
+    job_id: str | None = None
+    error: str | None = None
+    rejected_path: Path | None = None
+    same_name: list[dict[str, Any]] = field(default_factory=list)  # unfinished jobs that already had this name
+    stuck: bool = False  # neither accepted nor rejected (error says why): kept in incoming/, retried later
+
+
+def ignored(name: str) -> bool:
+    """Hidden files and in-progress names are left alone: writers rename them in when complete."""
+    return name.startswith(".") or name.endswith(IGNORED_SUFFIXES)
+
+
+def safe_name(name: str) -> str:
+    """A name that is harmless as a path component and in a terminal."""
+    s = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-")[:120]
+    return s or "job"
+
+
+class _CountingLoader(yaml.SafeLoader):
+    """SafeLoader that refuses documents with more than `max_aliases` aliases (billion-laughs bombs)."""
+
+    max_aliases = 16
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.alias_count = getattr(self, "alias_count", 0) + 1
+            if self.alias_count > self.max_aliases:
+                raise JobInvalid(f"uses more than {self.max_aliases} YAML aliases (*name); "
+                                 "refused as a possible YAML bomb")
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str, source: str, max_aliases: int) -> Any:
+    loader_cls = type("Loader", (_CountingLoader,), {"max_aliases": max_aliases})
+    loader = loader_cls(text)
+    try:
+        return loader.get_single_data()
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise JobInvalid(f"{source}: YAML nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
+    """Everything a job must pass, in order of cost: size, YAML safety, daemon policy, roots, the engine's validator."""
+    if len(text.encode("utf-8", errors="replace")) > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{source}: job file is larger than the {cfg.max_job_file_bytes}-byte limit")
+    raw = parse_yaml(text, source, cfg.max_yaml_aliases)
+    if not isinstance(raw, dict):
+        raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
+                         f"got {type(raw).__name__}")
+    try:
+        cfg.job_policy(home).check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
+    job = parse_job(raw, base_dir, source=source)
+    check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
+    return job
+
+
+def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:
+    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        real = Path(os.path.realpath(path))
+        if not cfg.job_policy(home).allows_path(real):
+            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise JobInvalid(f"{display}: not a regular file")
+    if st.st_size > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{display}: job file is {st.st_size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        data = b""
+        while len(data) <= cfg.max_job_file_bytes:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > cfg.max_job_file_bytes:
+        raise JobInvalid(f"{display}: job file grew past the {cfg.max_job_file_bytes}-byte limit while being read")
+    return decode_job_bytes(data, display)
+
+
+REJECTED_HEADER = "lorad rejected "
+ERROR_SUFFIX = ".error.txt"
+
+
+def recent_rejections(rejected: Path, now: float, within_s: float, most: int) -> tuple[list[dict[str, Any]], int]:
+    """The newest `most` rejections of the last `within_s` seconds, newest first, and how many there were in all.
+
+    Read back from rejected/NAME.error.txt (durable, so they survive a restart; deleting a file forgets it):
+    {"file": NAME, "at": when (the error file's mtime), "reason": its reason on one line, "error_file": path}.
+    Only regular files that start the way _reject writes them count; nothing is followed through a symlink.
+    """
+    found = []
+    try:
+        entries = list(os.scandir(rejected))
+    except OSError:
+        return [], 0
+    for e in entries:
+        if not e.name.endswith(ERROR_SUFFIX):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and now - st.st_mtime <= within_s:
+            found.append((st.st_mtime, e))
+    found.sort(key=lambda t: (t[0], t[1].name), reverse=True)
+    out = []
+    for mtime, e in found:
+        if len(out) == most:
+            break
+        reason = _rejection_reason(Path(e.path))
+        if reason is not None:
+            out.append({"file": e.name[: -len(ERROR_SUFFIX)], "at": mtime, "reason": reason, "error_file": e.path})
+    return out, len(found)
+
+
+def _rejection_reason(path: Path) -> str | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 8192).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    header, _, body = text.partition("\n")
+    if not (header.startswith(REJECTED_HEADER) and header.endswith(":")):
+        return None  # not one of ours (a rejected file that happens to be called *.error.txt)
+    shown = header[len(REJECTED_HEADER):-1]
+    reason = " ".join(body.split())
+    return reason.removeprefix(f"{shown}: ") or "(no reason recorded)"
+
+
+class Intake:
+    def __init__(self, home: Path, cfg: DaemonConfig, store: Store, log):
+        self.home = Path(home)
+        self.cfg = cfg
+        self.store = store
+        self.log = log
+        self.fs = RealFs()
+        self.inbox = self.home / "inbox"
+        self.incoming = self.home / "incoming"
+        self.rejected = self.home / "rejected"
+        for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
+            ensure_dir_durable(self.fs, d)
+        # jobs/ holds what trainers run: the socket group may look, not rename or create (see _accept).
+        os.chmod(self.home / "jobs", JOB_DIR_MODE)
+        self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
+        self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
+
+    # ---------------------------------------------------------------- files that cannot be taken yet
+    @property
+    def stuck(self) -> list[dict[str, Any]]:
+        """Inbox files that could be neither accepted nor rejected yet (oldest first), and why."""
+        with self._stuck_lock:
+            return sorted((dict(v) for v in self._stuck.values()), key=lambda v: v["since"])
+
+    def _mark_stuck(self, path: Path, name: str, e: BaseException) -> Outcome:
+        error = f"{type(e).__name__}: {e}"
+        with self._stuck_lock:
+            prev = self._stuck.get(str(path))
+            self._stuck[str(path)] = {"file": name, "path": str(path), "error": error,
+                                      "since": prev["since"] if prev else time.time(),
+                                      "tries": (prev["tries"] if prev else 0) + 1}
+        if prev is None or prev["error"] != error:  # one line per file and cause, not one per retry
+            self.log.error("intake_stuck", file=name, path=str(path), error=error,
+                           message=f"kept; retried every {self.cfg.inbox_rescan_s:g} s")
+        return Outcome(name=name, error=error, stuck=True)
+
+    def _unstick(self, path: Path) -> None:
+        with self._stuck_lock:
+            entry = self._stuck.pop(str(path), None)
+        if entry is not None:
+            self.log.info("intake_unstuck", file=entry["file"], tries=entry["tries"])
+
+    # ---------------------------------------------------------------- inbox files
+    def take(self, path: Path) -> Outcome | None:
+        """Claim one inbox entry and accept or reject it. None when there is nothing to take."""
+        name = path.name
+        if ignored(name) or path.parent != self.inbox:
+            return None
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None  # taken already (an event and a rescan raced) or removed by its owner
+        if stat.S_ISDIR(st.st_mode):
+            return None
+        claimed = self.incoming / f"{time.time_ns()}-{safe_name(name)}"
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            return None
+        except OSError as e:  # still in the inbox: the next rescan tries again
+            return self._mark_stuck(path, name, e)
+        self._unstick(path)
+        try:
+            self.fs.fsync_dir(self.incoming)
+            self.fs.fsync_dir(self.inbox)
+        except OSError as e:
+            return self._mark_stuck(claimed, name, e)
+        return self._process_claimed(claimed, name)
+
+    def recover(self) -> list[Outcome]:
+        """Finish what a crash or a failed write left in incoming/: files claimed but not accepted or rejected.
+
+        Run at start-up, and by the service loop while some file is stuck. One file that cannot be taken
+        (disk full, ...) is marked stuck and left where it is; the others go on.
+        """
+        out = []
+        accepted = {j["source"] for j in self.store.jobs()}
+        present = sorted(self.incoming.iterdir())
+        with self._stuck_lock:  # forget what someone removed by hand
+            for key in [k for k in self._stuck if not os.path.lexists(k)]:
+                del self._stuck[key]
+        for p in present:
+            if p.name in accepted:
+                try:
+                    p.unlink()  # accepted and recorded; only the claimed copy was left behind
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    out.append(self._mark_stuck(p, p.name.split("-", 1)[-1], e))
+                    continue
+                self._unstick(p)
+                continue
+            out.append(self._process_claimed(p, p.name.split("-", 1)[-1]))
+        try:
+            self.fs.fsync_dir(self.incoming)
+        except OSError as e:
+            self.log.error("intake_fsync_failed", path=str(self.incoming), error=str(e))
+        return out
+
+    def _process_claimed(self, claimed: Path, name: str) -> Outcome:
+        try:
+            out = self._decide(claimed, name)
+        except (OSError, sqlite3.Error) as e:
+            # Not the file's fault: it stays in incoming/ (no half-made jobs/ID/ is left) and is tried again.
+            return self._mark_stuck(claimed, name, e)
+        self._unstick(claimed)
+        return out
+
+    def _decide(self, claimed: Path, name: str) -> Outcome:
+        display = safe_name(name)
+        try:
+            if not SAFE_NAME.match(name):
+                raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
+                                 "starting with a letter or digit (no path separators or '..')")
+            if not name.endswith(JOB_SUFFIXES):
+                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
+            text = read_job_file(claimed, name, self.cfg, self.home)
+            job = validate_text(text, name, self.inbox, self.cfg, self.home)
+        except JobInvalid as e:
+            return self._reject(claimed, display, str(e))
+        except Exception as e:  # noqa: BLE001 — a job file must never take the daemon down
+            return self._reject(claimed, display, f"{name}: could not be read or validated: {type(e).__name__}: {e}")
+        job_id, same = self._accept(job, claimed.name, text)
+        claimed.unlink()
+        self.fs.fsync_dir(self.incoming)
+        self.log.info("job_accepted", job=job_id, file=name)
+        return Outcome(name=name, job_id=job_id, same_name=same)
+
+    def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
+        dest = self.rejected / display
+        n = 1
+        while dest.exists() or dest.with_name(dest.name + ERROR_SUFFIX).exists():
+            n += 1
+            dest = self.rejected / f"{display}.{n}"
+        err = dest.with_name(dest.name + ERROR_SUFFIX)
+        try:
+            write_file_durable(self.fs, err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
+            os.rename(claimed, dest)
+        except OSError:
+            # Leave nothing half-done in rejected/: the claimed file is still in incoming/ and is retried.
+            for leftover in [err, *self.rejected.glob(f".{err.name}.tmp-*")]:
+                try:
+                    leftover.unlink()
+                except OSError:
+                    pass
+            raise
+        self.fs.fsync_dir(self.rejected)
+        self.fs.fsync_dir(self.incoming)
+        self.log.warning("job_rejected", file=display, reason=reason)
+        self.store.event(None, "rejected", source=display, reason=reason)
+        return Outcome(name=display, error=reason, rejected_path=dest)
+
+    # ---------------------------------------------------------------- socket submissions
+    def submit_text(self, name: str, text: str) -> Outcome:
+        """`lorad submit`: the client sends the normalised job (absolute paths); validated again here."""
+        if not SAFE_NAME.match(name):
+            raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
+        job = validate_text(text, name, self.home, self.cfg, self.home)
+        job_id, same = self._accept(job, f"submit:{name}", text)
+        self.log.info("job_accepted", job=job_id, file=f"submit:{name}")
+        return Outcome(name=name, job_id=job_id, same_name=same)
+
+    def _accept(self, job: JobConfig, source: str, original: str) -> tuple[str, list[dict[str, Any]]]:
+        """(the new job's id, the unfinished jobs that already had its name: its name alone no longer tells)."""
+        same = self.store.unfinished_named(job.name)
+        job_id = self.store.new_id(job.name)
+        workdir = self.home / "jobs" / job_id
+        try:
+            # Born private (not under whatever umask the daemon has: the unit's 0007 would make it group-writable),
+            # so no one else can open a file in it while job.yaml is written; then readable, never writable, by
+            # the group. What decides what a trainer does is the daemon's to write.
+            os.mkdir(workdir, 0o700)
+            self.fs.fsync_dir(workdir.parent)
+            for name, data in (("submitted.yaml", original), ("job.yaml", dump_job(job))):
+                write_file_durable(self.fs, workdir / name, data.encode())
+                os.chmod(workdir / name, JOB_FILE_MODE)
+            os.chmod(workdir, JOB_DIR_MODE)
+            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+        except BaseException:
+            self._discard_partial(job_id, workdir)
+            raise
+        job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
+        if same:
+            ids = [j["id"] for j in same]
+            self.log.warning("job_name_in_use", job=job_id, name=job.name, unfinished=ids)
+            job_event(workdir, job_id, "name_in_use", level="warning", name=job.name, unfinished=ids,
+                      message="refer to these jobs by id")
+        return job_id, same
+
+    def _discard_partial(self, job_id: str, workdir: Path) -> None:
+        """A jobs/ID/ whose job row was never written belongs to no job: remove it (the file is retried)."""
+        try:
+            self.store.get(job_id)
+            return  # recorded after all: keep it
+        except Exception:  # noqa: BLE001 — UnknownJob, or a store that cannot even be read: not recorded
+            pass
+        shutil.rmtree(workdir, ignore_errors=True)

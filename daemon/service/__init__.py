@@ -1,0 +1,1 @@
+"""`lorad serve`: start-up recovery, the socket server and its handlers, notifications, the clean stop."""

@@ -1,0 +1,187 @@
+"""`lorad serve`: put the parts together, reconcile, say READY, run the loop, stop cleanly.
+
+    lock → store → intake → reconcile → policy → socket → inbox watcher → READY → loop → shutdown
+
+SIGTERM or SIGINT ends the loop: every trainer is asked to checkpoint and
+stop (SIGKILL after stop_grace_s), their jobs are recorded as interrupted,
+and the next start resumes them. That record is what tells a clean stop from
+a crash: a job still `running` in the store at the next start was cut off
+(daemon or host down), and recovery counts it as a crash.
+
+A state.db that is corrupt or locked by another process is one line on
+stderr and exit 78 (EX_CONFIG; the unit's RestartPreventExitStatus), not a
+traceback and a restart loop.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+from daemon.intake.accept import Intake
+from daemon.intake.inbox import InboxWatcher
+from daemon.service.config import ConfigInvalid, DaemonConfig, load_config
+from daemon.service.handlers import Context, dispatch
+from daemon.service.notifications import Notifications
+from daemon.service.recovery import reconcile
+from daemon.service.server import SocketInUse, SocketServer
+from daemon.store.db import Store, StoreUnusable, unusable_reason
+from daemon.store.state_files import protect_state_db
+from daemon.supervisor import devices as devices_mod
+from daemon.supervisor.loop import Supervisor
+from daemon.supervisor.run_policy import NullPolicy
+from daemon.system import trainer_user
+from daemon.system.lock import AlreadyRunning, HomeLock
+from daemon.system.log import setup as setup_log
+from daemon.system.notify import Notifier
+from daemon.system.version import lorad_version
+from daemon.web.wiring import start_dashboard
+from engine.storage.fsio import RealFs, ensure_dir_durable
+
+EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
+
+
+def make_policy(cfg: DaemonConfig, home: Path, store: Store, log):
+    """daemon.power.make_policy (telemetry, caps, schedules, UPS) if it is there, else the null policy."""
+    try:
+        from daemon.power import make_policy as power_policy  # noqa: PLC0415 — optional, loaded lazily
+    except ImportError:
+        return NullPolicy()
+    try:
+        return power_policy(cfg.power, home, home / "state.db", log)
+    except Exception as e:  # noqa: BLE001 — power features must never stop training
+        log.error("policy_unavailable", error=f"{type(e).__name__}: {e}", message="running without a power policy")
+        return NullPolicy()
+
+
+def serve(home: Path, config_path: str | None) -> int:
+    home = Path(home).resolve()
+    try:
+        cfg = load_config(config_path)
+    except ConfigInvalid as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    log = setup_log()
+    ensure_dir_durable(RealFs(), home)
+    lock = HomeLock(home)
+    try:
+        lock.acquire()
+    except AlreadyRunning as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return 1
+
+    t0 = time.time()
+    db_path = home / "state.db"
+    try:
+        protect_state_db(db_path)
+    except OSError as e:  # a directory in its place, a read-only home, ...: opening it below says what is wrong
+        log.warning("state_db_mode", path=str(db_path), error=str(e), message="could not set its mode to 0640")
+    try:
+        store = Store(db_path)
+    except StoreUnusable as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return EXIT_CONFIG
+
+    try:
+        # As root, no job's code runs as root. Checked once the state.db is known to be usable, so that its
+        # verdict (exit 78 too) is the one a broken home gets.
+        if trainer_user.check_at_start(cfg.trainer_user, os.geteuid(), cfg.allow_root_trainers) is None \
+                and os.geteuid() == 0:
+            log.warning("root_trainers", message="allow_root_trainers: job code runs as root; set trainer_user")
+    except ConfigInvalid as e:
+        print(f"lorad: {config_path or 'daemon config'}: {e}", file=sys.stderr)
+        store.close()
+        lock.release()
+        return EXIT_CONFIG
+
+    stop = threading.Event()
+    sups: list[Supervisor] = []
+
+    def on_stop(signum, frame) -> None:
+        stop.set()
+        for s in sups:
+            # At once, not at the end of this tick: under systemd the trainers get the same SIGTERM, and one
+            # that exits before shutdown() begins must be recorded as interrupted by it, not requeued.
+            s.shutting_down = True
+            s.wake.set()
+
+    signal.signal(signal.SIGTERM, on_stop)
+    signal.signal(signal.SIGINT, on_stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal must not stop training
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    notifier = Notifier()
+    intake = Intake(home, cfg, store, log)
+    log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
+    notifier.status("reconciling")
+    try:
+        reconciled = reconcile(home, cfg, store, log, intake)
+    except sqlite3.DatabaseError as e:
+        why = unusable_reason(db_path, e)  # corruption that opening did not see, or a lock taken since
+        if why is None:
+            raise
+        print(f"lorad: {why}", file=sys.stderr)
+        store.close()
+        lock.release()
+        return EXIT_CONFIG
+    policy = make_policy(cfg, home, store, log)
+    devs = devices_mod.detect(cfg.devices)
+    inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
+    notifications = Notifications(cfg.notify, log)
+    sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
+                     notifications=notifications)
+    sup.shutting_down = stop.is_set()
+    sups.append(sup)
+    for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
+        sup.stuck.add(st)
+    sock_path = cfg.socket_path(home)
+    ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0, socket_path=sock_path)
+    server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,
+                          max_request_bytes=cfg.max_request_bytes, timeout_s=cfg.client_timeout_s,
+                          max_connections=cfg.max_connections)
+    try:
+        server.start()
+    except SocketInUse as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return 1
+    except OSError as e:  # a path longer than AF_UNIX allows (107 bytes), a read-only directory, ...
+        print(f"lorad: cannot create the socket at {sock_path}: {e}; set `socket:` in the daemon config",
+              file=sys.stderr)
+        lock.release()
+        return 1
+    web = start_dashboard(home, cfg, ctx, log)
+    inbox.start()
+    log.info("ready", socket=str(sock_path), devices=[d for d in devs], seconds=round(time.time() - t0, 3))
+    notifier.ready(sup.status_line())
+
+    try:
+        while not stop.is_set():
+            sup.tick()
+            sup.wake.wait(cfg.tick_s)
+            sup.wake.clear()
+    finally:
+        n = len(sup.children)
+        log.info("stopping", trainers=n)
+        notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
+        inbox.stop()
+        sup.shutdown(cfg.stop_grace_s)
+        server.close()
+        if web is not None:
+            web.close()
+        try:
+            policy.close()
+        except Exception as e:  # noqa: BLE001
+            log.error("policy_close_failed", error=str(e))
+        store.close()
+        notifications.close()  # what is queued gets its chance (a few seconds at most)
+        notifier.close()
+        log.info("stopped", seconds=round(time.time() - t0, 1))
+        lock.release()
+    return 0

@@ -1,0 +1,1 @@
+"""The one persisted state: SQLite jobs, attempts and events, the state table, and retried writes."""

@@ -1,0 +1,67 @@
+"""What a job's directory says about its progress, read without the engine (no torch in the daemon):
+its committed checkpoints (`checkpoints/step-N/` with a manifest whose files are all there, at their size)
+and the last step its events file reached. Start-up recovery trusts these over state.db, which a SIGKILLed
+daemon may have left behind; a full disk's wait is sized by the newest checkpoint.
+
+The sha256 of each file is not checked here (that is a full read of every checkpoint at every start); the
+trainer verifies what it resumes from, and walks back past a checkpoint that does not verify.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from daemon.system.file_tail import tail_lines
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")  # engine/checkpoint/store.py's layout (the daemon must not import torch)
+EVENTS_TAIL_BYTES = 1 << 20  # the last step is near the end of events.jsonl
+
+
+@dataclass(frozen=True)
+class Committed:
+    step: int
+    path: Path
+    bytes: int
+
+
+def committed_checkpoints(workdir: Path) -> list[Committed]:
+    """Checkpoints whose manifest lists files that are all present at their recorded size, newest first."""
+    out = []
+    try:
+        entries = list(os.scandir(Path(workdir) / "checkpoints"))
+    except OSError:
+        return []
+    for e in entries:
+        m = STEP_DIR.match(e.name)
+        if not m or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            manifest = json.loads((Path(e.path) / "manifest.json").read_bytes())
+            files = manifest["files"]
+            if int(manifest["step"]) != int(m.group(1)):
+                continue
+            if any(os.stat(Path(e.path) / name).st_size != meta["size"] for name, meta in files.items()):
+                continue
+            size = sum(int(meta["size"]) for meta in files.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # not committed (a save cut short), or unreadable: not a checkpoint
+        out.append(Committed(int(m.group(1)), Path(e.path), size))
+    return sorted(out, key=lambda c: c.step, reverse=True)
+
+
+def last_event_step(workdir: Path) -> int | None:
+    """The highest `step` of the step events at the end of events.jsonl (None: no step event there)."""
+    for raw in reversed(tail_lines(Path(workdir) / "events.jsonl", EVENTS_TAIL_BYTES) or []):
+        if b'"step"' not in raw:
+            continue
+        try:
+            ev = json.loads(raw)
+        except ValueError:
+            continue  # a line torn by a kill
+        if isinstance(ev, dict) and ev.get("event") in ("step", "done") and isinstance(ev.get("step"), int):
+            return ev["step"]
+    return None

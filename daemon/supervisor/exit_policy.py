@@ -1,0 +1,88 @@
+"""Where a job goes when its trainer exits: a pure function of the exit code, why it was stopped, how many
+times in a row it crashed before, and whether this attempt committed a new checkpoint. No processes, no store,
+no clock: the supervisor and start-up recovery both ask it, and tests walk it as a table
+(tests/test_exit_policy.py).
+
+    exit 0                               succeeded (whatever was asked meanwhile: it is done)
+    stopped for cancel / pause           cancelled / paused
+    stopped for shutdown, drain, policy,
+      preemption, or cut off by an
+      outage (reboot, UPS shutdown)      interrupted (resumed from its last checkpoint at once, nothing counted)
+    exit 65                              failed: the job is invalid, never retried
+    exit 74 with a full disk             waiting for free space (retried when it returns, never counted)
+    exit 75 nobody here asked for        interrupted (an operator's or the system's SIGTERM)
+    anything else                        a crash: queued again after an exponential backoff, until
+                                         crash retry_budget + 1 in a row fails the job
+
+Crashes in a row: an attempt that committed a new checkpoint made progress, so the count starts again with
+its own crash (the budget is refunded); only a job that keeps failing without new checkpoints ends `failed`.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from daemon.store import states
+from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
+
+if TYPE_CHECKING:
+    from daemon.service.config import DaemonConfig
+
+RESUMABLE_STOPS = ("shutdown", "drain", "outage")
+RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    state: str
+    reason: str
+    retry_in: float | None = None  # for RUNNING → QUEUED: the backoff
+    crashes: int = 0  # crashes in a row after this exit (the job's `retries` column)
+
+
+def disk_full(code: int | None, last_error: str | None) -> bool:
+    """Exit 74 (EX_IOERR) saying the disk is full: the engine's disk_error messages all start with "disk full"."""
+    return code == EXIT_IO and "disk full" in (last_error or "")
+
+
+def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, cfg: DaemonConfig,
+                last_error: str | None, progressed: bool = False) -> ExitDecision:
+    """Where a job goes when its trainer exits. `crashes_before`: crashes in a row before this attempt;
+    `progressed`: this attempt committed a new checkpoint."""
+    before = 0 if progressed else crashes_before
+    if code == EXIT_OK:
+        return ExitDecision(states.SUCCEEDED, "finished", crashes=0)
+    if stop_reason == "cancel":
+        return ExitDecision(states.CANCELLED, "cancelled by the user", crashes=before)
+    if stop_reason == "pause":
+        return ExitDecision(states.PAUSED, "paused by the user", crashes=before)
+    if stop_reason in RESUMABLE_STOPS or (stop_reason or "").startswith(RESUMABLE_PREFIXES):
+        return ExitDecision(states.INTERRUPTED, stop_reason or "stopped", crashes=before)
+    if code == EXIT_INVALID:
+        return ExitDecision(states.FAILED, f"invalid job: {last_error or 'exit 65'}", crashes=before)
+    if disk_full(code, last_error):
+        return ExitDecision(states.WAITING, f"disk full; waits for free space ({last_error})", crashes=before)
+    if code == EXIT_STOPPED and stop_reason is None:
+        # Someone else sent the trainer SIGTERM (an operator, a system shutdown): resumable, not a crash.
+        return ExitDecision(states.INTERRUPTED, "the trainer was stopped from outside the daemon", crashes=before)
+    crashes = before + 1
+    if crashes > cfg.retry_budget:
+        return ExitDecision(states.FAILED, f"retry budget spent ({cfg.retry_budget}); last error: {last_error}",
+                            crashes=crashes)
+    backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * (2 ** (crashes - 1)))
+    return ExitDecision(states.QUEUED, f"crashed ({last_error}); retry {crashes}/{cfg.retry_budget}",
+                        retry_in=backoff, crashes=crashes)
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit status in words: `exit code 1`, `killed by SIGKILL`, `unknown exit` (the trainer was not ours)."""
+    if code is None:
+        return "unknown exit"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

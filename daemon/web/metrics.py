@@ -1,0 +1,149 @@
+"""Prometheus /metrics: a custom collector that reads the store at scrape time (prometheus-client renders).
+
+Nothing here is updated by the supervisor or the trainer: each scrape reads
+state.db (read-only connection) and the running jobs' events.jsonl
+incrementally, so an idle Prometheus costs training nothing and a daemon
+restart loses no metric. Every name is listed in the README ("Metrics").
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+
+from daemon.store import states
+from daemon.web.storeview import StoreView
+
+GPU_FIELDS = [  # (metric suffix, column, help)
+    ("power_watts", "power_w", "GPU power draw (W), latest telemetry sample"),
+    ("power_limit_watts", "limit_w", "GPU power limit in force (W)"),
+    ("sm_clock_mhz", "sm_mhz", "SM clock (MHz)"),
+    ("memory_clock_mhz", "mem_mhz", "memory clock (MHz)"),
+    ("temperature_celsius", "temp_c", "GPU temperature (°C)"),
+    ("utilization_percent", "util_gpu", "GPU utilisation (%)"),
+]
+
+
+class StoreCollector:
+    def __init__(self, view: StoreView, health: Callable[[], dict[str, Any]], rejected_dir: Path):
+        self.view = view
+        self.health = health
+        self.rejected_dir = Path(rejected_dir)
+
+    def describe(self) -> list[Metric]:
+        return []  # no registration-time scrape: the store is read only when Prometheus asks
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._daemon()
+        try:
+            rows = self._store()
+        except sqlite3.Error:
+            readable = 0.0
+            rows = []
+        else:
+            readable = 1.0
+        g = GaugeMetricFamily("lorad_store_readable", "1 if state.db could be read for this scrape")
+        g.add_metric([], readable)
+        yield g
+        yield from rows
+
+    # ---------------------------------------------------------------- the daemon itself
+    def _daemon(self) -> Iterator[Metric]:
+        try:
+            h = self.health()
+        except Exception:  # noqa: BLE001 — a scrape must answer even while the daemon is in trouble
+            h = {}
+        for name, key, help_ in [("lorad_up", None, "1 while the daemon answers"),
+                                 ("lorad_uptime_seconds", "uptime_s", "seconds since the daemon started"),
+                                 ("lorad_draining", "draining", "1 while `lorad drain` holds new jobs back"),
+                                 ("lorad_trainers_running", "running", "trainer processes alive"),
+                                 ("lorad_inbox_stuck_files", "inbox_stuck", "inbox files neither accepted nor "
+                                  "rejected yet (e.g. disk full), retried")]:
+            g = GaugeMetricFamily(name, help_)
+            g.add_metric([], 1.0 if key is None else float(h.get(key) or 0))
+            yield g
+        c = CounterMetricFamily("lorad_inbox_rejected_files", "job files in HOME/rejected (never deleted)")
+        try:
+            c.add_metric([], float(sum(1 for _ in self.rejected_dir.glob("*.error.txt"))))
+        except OSError:
+            c.add_metric([], 0.0)
+        yield c
+
+    # ---------------------------------------------------------------- jobs and GPUs, from the store
+    def _store(self) -> list[Metric]:
+        out: list[Metric] = []
+        counts = self.view.state_counts()
+        g = GaugeMetricFamily("lorad_jobs", "jobs by state", labels=["state"])
+        for st in states.STATES:
+            g.add_metric([st], float(counts.get(st, 0)))
+        out.append(g)
+
+        running = self.view.query("SELECT id, name, workdir, gpu, step, total, loss, s_per_step, eta_s FROM jobs "
+                                  "WHERE state=?", (states.RUNNING,))
+        energy = self.view.energy_all()
+        latest = self.view.latest_gpu_samples()
+        first_start = {r["job_id"]: r["t"] for r in self.view.query(
+            "SELECT job_id, MIN(started_at) AS t FROM attempts WHERE job_id IN "
+            "(SELECT id FROM jobs WHERE state=?) GROUP BY job_id", (states.RUNNING,))}
+        now = time.time()
+        fams = {k: GaugeMetricFamily(f"lorad_job_{k}", h, labels=["job", "name"]) for k, h in [
+            ("step", "last step reported by the trainer"),
+            ("total_steps", "steps the job trains in all"),
+            ("loss", "training loss at the last reported step"),
+            ("seconds_per_step", "median seconds per step (last 20 steps)"),
+            ("eta_seconds", "estimated seconds to the end"),
+            ("seconds_since_checkpoint", "seconds since the last committed checkpoint (since the first start "
+                                         "when none is committed yet): the work a crash now would lose"),
+            ("power_watts", "power of the job's GPU, latest sample"),
+            ("joules_per_step", "energy per step so far (all attempts)"),
+            ("energy_kwh", "energy used so far (all attempts)"),
+        ]}
+        for j in running:
+            lab = [j["id"], j["name"]]
+            for key, col in [("step", "step"), ("total_steps", "total"), ("loss", "loss"),
+                             ("seconds_per_step", "s_per_step"), ("eta_seconds", "eta_s")]:
+                if j[col] is not None:
+                    fams[key].add_metric(lab, float(j[col]))
+            ck = self.view.series(j["id"], Path(j["workdir"])).last_checkpoint_ts or first_start.get(j["id"])
+            if ck is not None:
+                fams["seconds_since_checkpoint"].add_metric(lab, max(0.0, now - ck))
+            s = latest.get(j["gpu"]) if j["gpu"] is not None else None
+            if s is not None and s["power_w"] is not None:
+                fams["power_watts"].add_metric(lab, float(s["power_w"]))
+            e = energy.get(j["id"]) or {}
+            if e.get("j_per_step") is not None:
+                fams["joules_per_step"].add_metric(lab, e["j_per_step"])
+            if e.get("kwh") is not None:
+                fams["energy_kwh"].add_metric(lab, e["kwh"])
+        out.extend(fams.values())
+
+        total = CounterMetricFamily("lorad_energy_kwh", "energy used by all jobs recorded in the store")
+        total.add_metric([], sum(e["kwh"] or 0.0 for e in energy.values()))
+        out.append(total)
+
+        gpu = {k: GaugeMetricFamily(f"lorad_gpu_{k}", h, labels=["gpu"]) for k, _, h in GPU_FIELDS}
+        thr = GaugeMetricFamily("lorad_gpu_throttle", "1 for each clock-event (throttle) reason active in the "
+                                "latest sample", labels=["gpu", "reason"])
+        sim = GaugeMetricFamily("lorad_gpu_simulated", "1 if the readings come from the simulated device",
+                                labels=["gpu"])
+        for idx, s in sorted(latest.items()):
+            for k, col, _ in GPU_FIELDS:
+                if s[col] is not None:
+                    gpu[k].add_metric([str(idx)], float(s[col]))
+            for reason in filter(None, (s["throttle"] or "").split(",")):
+                thr.add_metric([str(idx), reason], 1.0)
+            sim.add_metric([str(idx)], float(s["simulated"] or 0))
+        out.extend([*gpu.values(), thr, sim])
+        return out
+
+
+def registry(view: StoreView, health: Callable[[], dict[str, Any]], rejected_dir: Path) -> CollectorRegistry:
+    """A registry holding only lorad's collector (no process/platform defaults: one daemon, one set of names)."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(StoreCollector(view, health, rejected_dir))
+    return reg

@@ -1,0 +1,1 @@
+"""Checkpoints: when to save (cadence), host copies at a step boundary, and the crash-safe store."""

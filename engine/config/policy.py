@@ -1,0 +1,93 @@
+"""The daemon's policy over what a job may name: remote code, and where its model and data may live.
+
+Checked twice: by the daemon when a job file comes in (daemon/intake/accept.py), and by the trainer itself on the
+job.yaml it is about to run, from command-line arguments the daemon sets at spawn. The second check is what
+makes the policy hold: jobs/ID/job.yaml is a file on disk, and whoever can change it between intake and
+start must not be able to widen the policy; a trainer's argv is the daemon's alone.
+
+    python -m engine.run --job J --workdir W --enforce-policy --allowed-root /srv/data [--allow-trust-remote-code]
+
+Without --enforce-policy (`lorad run` in a terminal) nothing is restricted: the user runs their own job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import JobInvalid
+
+# Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
+# Every path a trainer reads: a key missing here would let a job read outside the roots.
+PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
+             ("data", "regularisation", "path"))
+
+
+def _under(path: Path, roots: tuple[Path, ...]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+@dataclass(frozen=True)
+class JobPolicy:
+    allow_trust_remote_code: bool
+    roots: tuple[Path, ...]  # resolved
+
+    def check(self, raw: dict[str, Any], base_dir: Path) -> None:
+        """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping)."""
+        model = raw.get("model")
+        if isinstance(model, dict) and model.get("trust_remote_code") is True and not self.allow_trust_remote_code:
+            raise JobInvalid("model.trust_remote_code: true is not allowed by this daemon "
+                             "(set allow_trust_remote_code: true in the daemon config to permit it)")
+        self.check_roots(raw, base_dir)
+
+    def check_roots(self, raw: dict[str, Any], base_dir: Path) -> None:
+        """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""
+        shown = ", ".join(str(r) for r in self.roots)
+        for keys in PATH_KEYS:
+            section, name = keys[0], ".".join(keys)
+            p: Any = raw
+            for k in keys:
+                p = p.get(k) if isinstance(p, dict) else None
+            if not isinstance(p, str) or p.startswith("builtin:"):
+                continue
+            cand = Path(os.path.expanduser(p))
+            if not cand.is_absolute():
+                cand = base_dir / cand
+            if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
+                continue  # a hub id (org/name), not a local path
+            if not os.path.lexists(cand):
+                continue  # the engine's validator says "does not exist", which is the clearer message
+            real = Path(os.path.realpath(cand))
+            if not _under(real, self.roots):
+                raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
+                                 "add a root to allowed_roots in the daemon config")
+
+    def allows_path(self, path: Path) -> bool:
+        return _under(Path(os.path.realpath(path)), self.roots)
+
+    def argv(self) -> list[str]:
+        """The trainer arguments that carry this policy (add_arguments/from_args read them back)."""
+        out = ["--enforce-policy"]
+        for r in self.roots:
+            out += ["--allowed-root", str(r)]
+        if self.allow_trust_remote_code:
+            out.append("--allow-trust-remote-code")
+        return out
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--enforce-policy", action="store_true",
+                    help="re-check the job against the policy below (the daemon sets these at spawn)")
+    ap.add_argument("--allowed-root", action="append", default=[], metavar="DIR",
+                    help="model.path / data.path must lie under one of these (repeatable)")
+    ap.add_argument("--allow-trust-remote-code", action="store_true")
+
+
+def from_args(args: argparse.Namespace) -> JobPolicy | None:
+    if not args.enforce_policy:
+        return None
+    return JobPolicy(allow_trust_remote_code=args.allow_trust_remote_code,
+                     roots=tuple(Path(r).resolve() for r in args.allowed_root))

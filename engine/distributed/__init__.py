@@ -1,0 +1,1 @@
+"""One job on several processes or machines: DDP, FSDP2 sharding, and per-rank liveness."""

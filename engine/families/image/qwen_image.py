@@ -1,0 +1,139 @@
+"""Qwen-Image LoRA: diffusers `QwenImageTransformer2DModel`, trained by flow matching (engine/families/image/base.py).
+
+What is Qwen-Image's own, all through diffusers' `QwenImagePipeline`:
+
+- Latents: the video-style VAE (`AutoencoderKLQwenImage`, 16 channels, one
+  frame) encodes [1, 3, 1, H, W]; the posterior mode is normalised with the
+  VAE config's per-channel `latents_mean` / `latents_std`, as
+  `QwenImageImg2ImgPipeline._encode_vae_image` does (that helper samples the
+  posterior; the cache keeps the mode, as the Flux cache keeps the mean —
+  flow matching adds its own noise).
+- Tokens: `_pack_latents` cuts 2×2 patches into [B, h/2·w/2, 64]; positions
+  come from `img_shapes` [(1, h/2, w/2)] per sample (the transformer builds
+  its 3-D RoPE from them).
+- Text: the pipeline's `encode_prompt` — Qwen2.5-VL's last hidden state of
+  the caption inside the pipeline's chat template (its 34 template tokens
+  dropped). Captions keep their own length: a batch is padded to its longest
+  with `encoder_hidden_states_mask`, as the pipeline does for a prompt list.
+- Timesteps: `shift` uses the pipeline's `calculate_shift` with the model's
+  scheduler settings (base/max_shift over base/max_image_seq_len) and the
+  scheduler's exponential time shift.
+- LoRA targets (DEFAULT_TARGETS): attention q/k/v/out of both streams and
+  both MLPs of every block — the names ComfyUI's Qwen-Image model and
+  diffusers' loader share.
+- Export: the diffusers file (engine/families/image/export.py) and
+  `qwen_image_lora_comfyui.safetensors`:
+
+      diffusion_model.<module path>.lora_A.weight   [r, in]
+      diffusion_model.<module path>.lora_B.weight   [out, r]
+      diffusion_model.<module path>.alpha           lora.alpha; scale alpha / r
+
+  ComfyUI's Qwen-Image model keeps diffusers' module names, and its loader
+  (comfy/lora.py, model_lora_keys_unet) maps the generic
+  `diffusion_model.<path>` to the weight `diffusion_model.<path>.weight`,
+  reading `lora_A`/`lora_B` ("diffusers" style) and `<key>.alpha`. diffusers'
+  Qwen-Image loader reads the same file (it strips `diffusion_model.` and
+  folds alpha / r into the weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config.job import JobConfig
+from engine.families.image.export import diffusers_lora_file, metadata, save
+
+DEFAULT_TARGETS = (
+    r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+    r"|img_mlp\.net\.(0\.proj|2)|txt_mlp\.net\.(0\.proj|2))$"
+)
+# Kept in the model dtype under fp8: the input/output projections and the timestep embedding.
+FP8_SKIP = r"^(img_in|txt_in|txt_norm|time_text_embed|norm_out|proj_out)(\.|$)"
+COMFYUI_FILE = "qwen_image_lora_comfyui.safetensors"
+
+
+class QwenImageModel:
+    """The Qwen-Image half of an ImageFamily (see the module docstring)."""
+
+    name = "qwen_image"
+    default_targets = DEFAULT_TARGETS
+    fp8_skip = FP8_SKIP
+
+    def transformer_class(self) -> type:
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel
+
+    def text_max_len(self, model_path: str, revision: str | None) -> int:
+        return 1024  # the pipeline's tokenizer_max_length; captions are not padded to it
+
+    def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
+
+        vae = pipe.vae
+        lat = retrieve_latents(vae.encode(pixels[:, :, None]), sample_mode="argmax")  # [1, C, 1, h, w]
+        mean = torch.tensor(vae.config.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+        return ((lat - mean) / std)[0, :, 0]
+
+    def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
+        embeds, _mask = pipe.encode_prompt(text, device=device, max_sequence_length=max_len)
+        return embeds[0]
+
+    def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        return calculate_shift(image_seq_len, sched.get("base_image_seq_len", 256),
+                               sched.get("max_image_seq_len", 4096), sched.get("base_shift", 0.5),
+                               sched.get("max_shift", 1.15))
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        from diffusers import QwenImagePipeline
+
+        b, c, h, w = x.shape
+        return QwenImagePipeline._pack_latents(x, b, c, h, w)
+
+    def predict(self, model, inner, x_t, sigma, embeds, mask, cfg: JobConfig) -> torch.Tensor:
+        dtype, device = inner.dtype, x_t.device
+        b, _c, h, w = x_t.shape
+        return model(
+            hidden_states=self.pack(x_t.to(dtype)),
+            encoder_hidden_states=embeds.to(device, dtype),
+            encoder_hidden_states_mask=mask.to(device),
+            timestep=sigma.to(dtype),
+            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            return_dict=False,
+        )[0]
+
+    def sample_kwargs(self, emb, empty, device, dtype, cfg: JobConfig) -> dict[str, Any]:
+        # sample.guidance is Qwen-Image's true CFG scale, against the cached empty caption.
+        return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
+                "negative_prompt_embeds": empty["prompt_embeds"][None].to(device, dtype),
+                "true_cfg_scale": cfg.sample.guidance}
+
+    def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
+        from engine.families.image.flux_export import lora_modules
+
+        md = metadata(cfg, meta)
+        names = []
+        if "diffusers" in cfg.output.formats:
+            names.append(diffusers_lora_file(model, out_dir, md))
+        if "comfyui" in cfg.output.formats:
+            sd = {}
+            for name, (a, b, _base) in lora_modules(model).items():
+                sd[f"diffusion_model.{name}.lora_A.weight"] = a
+                sd[f"diffusion_model.{name}.lora_B.weight"] = b
+                sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
+            names.append(save(sd, out_dir / COMFYUI_FILE, {**md, "ss_network_dim": str(cfg.lora.rank),
+                                                           "ss_network_alpha": str(cfg.lora.alpha),
+                                                           "ss_base_model_version": "qwen_image"}))
+        return names
+
+
+def QwenImage():  # noqa: N802 - reads as the family's class at get_family's call site
+    from engine.families.image.base import ImageFamily
+
+    return ImageFamily(QwenImageModel())

@@ -1,0 +1,112 @@
+"""Preview images during image-family training: the way people catch over-fitting early.
+
+Every `sample.every_steps` steps each prompt in `sample.prompts` is rendered
+with the LoRA as it is now, with a fixed seed per prompt (sample.seed + i), so
+the images of successive steps differ only by what the LoRA learned. The
+prompt embeddings were computed with the captions (engine/families/image/cache.py), so no
+text encoder is loaded during training; the VAE decoder is loaded at the first
+render and kept.
+
+Files: WORKDIR/samples/step-NNNNNNNN/NN.png, each written atomically; a
+`samples` event lists the paths (what `lorad status ID` shows).
+
+Rendering must not change training: it runs under `torch.random.fork_rng`
+with its own generators, in eval mode and without gradients, and puts the
+model back in train mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+from pathlib import Path
+
+import torch
+
+from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
+from engine.training.dtypes import torch_dtype
+
+
+def sample_due(cfg, step: int) -> bool:
+    """Whether preview images are rendered after optimizer step `step`."""
+    every = cfg.sample.every_steps
+    return bool(every and cfg.sample.prompts and step % every == 0)
+
+
+class SampleRenderer:
+    """Renders `sample.prompts` with the LoRA as it is (the image families call it every sample.every_steps).
+
+    `pipeline(transformer)` builds the family's pipeline without text encoders (default: FLUX.1's);
+    `prompt_kwargs(embedding, device, dtype)` turns one cached prompt into that pipeline's arguments.
+    """
+
+    def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None, pipeline=None, prompt_kwargs=None):
+        self.cfg, self.model_path, self.workdir = cfg, model_path, Path(workdir)
+        self.fs = fs or RealFs()
+        # Prompt embeddings are read now, once, from the cache filled before training.
+        self.prompts = [cache.load(k) for k in plan.prompt_texts]
+        self.pipe = None
+        self.build_pipeline = pipeline or self._flux_pipeline
+        self.prompt_kwargs = prompt_kwargs or self._flux_prompt_kwargs
+
+    def _pipeline(self, transformer):
+        if self.pipe is None:
+            self.pipe = self.build_pipeline(transformer)
+            self.pipe.set_progress_bar_config(disable=True)
+        self.pipe.transformer = transformer
+        return self.pipe
+
+    @staticmethod
+    def _flux_prompt_kwargs(emb, device, dtype) -> dict:
+        return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
+                "pooled_prompt_embeds": emb["pooled"][None].to(device, dtype)}
+
+    def _flux_pipeline(self, transformer):
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        rev = self.cfg.model.revision
+        vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", revision=rev,
+                                            dtype=torch_dtype(self.cfg.model.dtype))
+        sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path, subfolder="scheduler", revision=rev)
+        return FluxPipeline(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
+                            text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+
+    def render(self, transformer: torch.nn.Module, step: int, log) -> list[Path]:
+        s = self.cfg.sample
+        out_dir = self.workdir / "samples" / f"step-{step:08d}"
+        ensure_dir_durable(self.fs, out_dir)
+        pipe = self._pipeline(transformer)
+        accepted = inspect.signature(pipe.__call__).parameters
+        device = transformer.device
+        paths = []
+        was_training = transformer.training
+        transformer.eval()
+        devices = [torch.cuda.current_device()] if device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.no_grad():
+                for i, emb in enumerate(self.prompts):
+                    # The supervisor counts any event as a heartbeat: one per prompt keeps a long list of prompts
+                    # (each one far shorter than the hang timeout) from looking like a hung trainer.
+                    log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
+                    gen = torch.Generator(device="cpu").manual_seed(s.seed + i)
+                    # Only what this pipeline takes (FLUX.2 dev has no negative prompt, klein no guidance embedding).
+                    kwargs = {k: v for k, v in self.prompt_kwargs(emb, device, transformer.dtype).items()
+                              if k in accepted}
+                    image = pipe(
+                        **kwargs,
+                        height=s.height,
+                        width=s.width,
+                        num_inference_steps=s.steps,
+                        guidance_scale=s.guidance,
+                        generator=gen,
+                        output_type="pil",
+                    ).images[0]
+                    buf = io.BytesIO()
+                    image.save(buf, format="PNG")
+                    path = out_dir / f"{i:02d}.png"
+                    write_file_durable(self.fs, path, buf.getvalue())
+                    paths.append(path)
+        finally:
+            transformer.train(was_training)
+        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=list(s.prompts))
+        return paths

@@ -1,0 +1,348 @@
+"""A frozen linear layer whose weight lives in FP8 and whose matmuls run on FP8 tensor cores.
+
+Storage
+-------
+The frozen base weight W (out × in) is stored as float8_e4m3fn with one fp32
+scale per output channel (row of W):
+
+    s_w[o] = max(amax(|W[o, :]|), eps) / 448        (448 = largest finite e4m3 value)
+    W8[o, k] = e4m3(W[o, k] / s_w[o])                  so  W ≈ diag(s_w) · W8
+
+One byte per parameter plus 4 bytes per output channel. The weight never
+receives a gradient: it is a `requires_grad=False` parameter and the autograd
+function below returns no gradient for it (LoRA trains the adapters only).
+
+Forward (y = x Wᵀ)
+------------------
+The activation is quantised per token (per row of the flattened input), with
+its amax clamped away from zero so an all-zero row (padding) gives scale eps,
+not a division by zero:
+
+    s_x[t] = max(amax(|x[t, :]|), eps) / 448,    x8 = e4m3(x / s_x)
+    y[t, o] = s_x[t] · s_w[o] · Σ_k x8[t, k] · W8[o, k]
+
+Per-token scales keep one outlier token from crushing the resolution of every
+other token (a per-tensor scale would). On the GPU this is one
+`torch._scaled_mm(x8, W8ᵀ, scale_a=s_x (T×1), scale_b=s_wᵀ (1×O))` with bf16
+output ("row-wise" scaling). `W8ᵀ` is a free view: W8 is stored row-major
+(O × K), so its transpose is exactly the column-major K × O operand cuBLASLt
+wants. Where row-wise scaling is not available (older torch/CUDA, or a
+non-bf16 output) we call the tensor-wise kernel with unit scales, take an fp32
+result and multiply by s_x · s_w afterwards.
+
+Input gradient (dx = dy W)
+--------------------------
+    dx[t, k] = Σ_o dy[t, o] · s_w[o] · W8[o, k]
+
+Here the weight scale lies along the *contracted* dimension, where a GEMM
+cannot apply it as an output scale. So we fold it into the gradient first,
+g = dy · s_w (broadcast over tokens), quantise g per token (s_g, g8) exactly
+like an activation, and compute
+
+    dx[t, k] = s_g[t] · Σ_o g8[t, o] · W8[o, k]  =  _scaled_mm(g8, W8_colmajor, s_g, ones(1×K))
+
+The second operand must be W8 (O × K) in column-major order, i.e. the bytes
+of W8ᵀ laid out row-major. We build that transposed FP8 copy on the fly in
+each backward (one O·K byte read and write, ~1/(T) of the GEMM's work at
+thousands of tokens) instead of keeping a persistent copy: a persistent copy
+would double the base weight's memory to 2 bytes/param — as much as bf16 —
+and throw away the memory saving that is half the point of FP8. The
+`transposed_copy=True` option keeps the copy for those who have the memory
+and want the last few percent; bench/engine_speed.py can measure both. (The
+kept copy lives on the GPU and is not streamed by block swapping: do not
+combine the two.)
+We quantise gradients to e4m3 (not e5m2): per-token scaling already gives
+the range, and e4m3's extra mantissa bit halves the rounding error.
+
+Nothing but the module itself is saved for backward: the input gradient needs
+only W, not x, so the FP8 base keeps no activations alive at all (the LoRA
+branch saves its own small ones). Reading the weight from the module at
+backward time (instead of saving the tensor) is also what lets block
+swapping (engine/frozen_base/blockswap.py) move it between host and GPU in between.
+
+Fallbacks
+---------
+- `dequant` compute: W is dequantised to the compute dtype (bf16) per call and
+  a normal matmul runs. Used on the CPU and on GPUs without FP8 tensor cores
+  (before sm_89); same storage, same gradients' maths, bf16 speed.
+- Per layer: a layer whose in/out features are not multiples of 16 cannot be
+  fed to `_scaled_mm` on CUDA and uses `dequant` (the choice is made once at
+  construction, and `FP8Linear.compute` says which).
+
+CUDA's rules for `_scaled_mm` are checked in our own code before every call
+(`check_scaled_mm`), because the CPU kernel accepts layouts CUDA rejects and
+CPU tests must catch such bugs before a GPU does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
+# amax floor: a zero row quantises to zeros with a tiny finite scale instead of dividing by zero.
+AMAX_EPS = 1e-12
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+ALIGN = 16
+
+Compute = Literal["auto", "scaled_mm", "dequant"]
+
+
+class ScaledMMRejected(ValueError):
+    """The operands break a rule CUDA's `torch._scaled_mm` enforces."""
+
+
+def check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                    out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> str:
+    """Enforce CUDA's `_scaled_mm(a, b, scale_a, scale_b, out_dtype)` rules; return "tensorwise" or "rowwise".
+
+    The rules (torch's ScaledBlas.cpp and cuBLASLt on sm_89/sm_90):
+    both operands 2-D float8 with matching inner size, not both e5m2; `a`
+    row-major and `b` column-major (the only combination H100 cuBLASLt runs);
+    a's inner dim and both of b's dims multiples of 16; 16-byte aligned
+    storage; scales fp32 and either single-element (tensor-wise) or a
+    contiguous (M, 1) and (1, N) pair (row-wise); row-wise output bf16 (the
+    only dtype every torch release since 2.4 accepts) and second operand e4m3
+    (CUTLASS's row-wise kernel); a bias of the output's dtype (bf16/fp16),
+    never with an fp32 output.
+    """
+    def no(msg: str) -> None:
+        raise ScaledMMRejected(msg)
+
+    if a.dim() != 2 or b.dim() != 2:
+        no(f"_scaled_mm takes 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype not in FP8_TYPES or b.dtype not in FP8_TYPES:
+        no(f"_scaled_mm operands must be float8, got {a.dtype} and {b.dtype}")
+    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
+        no("_scaled_mm cannot multiply two float8_e5m2 matrices")
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        no(f"_scaled_mm shapes cannot be multiplied: {m}x{k} and {k2}x{n}")
+    if k % ALIGN:
+        no(f"_scaled_mm needs the inner dimension of the first operand divisible by 16, got {m}x{k}")
+    if k2 % ALIGN or n % ALIGN:
+        no(f"_scaled_mm needs both dimensions of the second operand divisible by 16, got {k2}x{n}")
+    if not (a.stride(1) == 1 and a.stride(0) >= max(k, 1)):
+        no(f"_scaled_mm needs the first operand row-major, got strides {a.stride()} for shape {tuple(a.shape)}")
+    if not (b.stride(0) == 1 and b.stride(1) >= max(k2, 1)):
+        no(f"_scaled_mm needs the second operand column-major, got strides {b.stride()} for shape {tuple(b.shape)}")
+    for name, t in (("first operand", a), ("second operand", b)):
+        ld = t.stride(0) if t is a else t.stride(1)
+        if ld % ALIGN:
+            no(f"_scaled_mm needs the {name}'s leading dimension a multiple of 16 bytes, got {ld}")
+        if not torch.compiler.is_compiling() and t.data_ptr() % ALIGN:
+            no(f"_scaled_mm needs the {name}'s storage 16-byte aligned")
+    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
+        no(f"_scaled_mm scales must be float32, got {scale_a.dtype} and {scale_b.dtype}")
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        kind = "tensorwise"
+    elif (scale_a.dim() == 2 and tuple(scale_a.shape) == (m, 1) and scale_a.is_contiguous()
+          and scale_b.dim() == 2 and tuple(scale_b.shape) == (1, n) and scale_b.is_contiguous()):
+        kind = "rowwise"
+    else:
+        no(f"_scaled_mm scales must be single-element (tensor-wise) or ({m}, 1) and (1, {n}) contiguous "
+           f"(row-wise); got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        no(f"_scaled_mm output dtype must be bf16, fp16 or fp32 here, got {out_dtype}")
+    if kind == "rowwise" and out_dtype != torch.bfloat16:
+        no(f"row-wise _scaled_mm needs a bf16 output, got {out_dtype}")
+    if kind == "rowwise" and b.dtype != torch.float8_e4m3fn:
+        no(f"row-wise _scaled_mm needs the second operand float8_e4m3fn, got {b.dtype}")
+    if bias is not None:
+        if out_dtype == torch.float32:
+            no("_scaled_mm cannot add a bias with a float32 output")
+        if bias.dtype != out_dtype or bias.numel() != n:
+            no(f"_scaled_mm bias must be {out_dtype} (the output dtype) of size {n}, "
+               f"got {bias.dtype} of size {bias.numel()}")
+    devs = {t.device for t in (a, b, scale_a, scale_b)}
+    if len(devs) != 1:
+        no(f"_scaled_mm operands and scales must be on one device, got {sorted(map(str, devs))}")
+    return kind
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation of a 2-D tensor: (x8 row-major, fp32 scales of shape (rows, 1))."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=AMAX_EPS)
+    scale = amax / E4M3_MAX
+    x8 = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return x8.contiguous(), scale.contiguous()
+
+
+def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
+    """(a_scale ⊙ a8) @ (b8 ⊙ b_scale) for per-row a_scale (M,1) and per-column b_scale (1,N).
+
+    Row-wise: one `_scaled_mm` call with the scales fused. Otherwise: the
+    tensor-wise kernel with unit scales into fp32, then the scales applied
+    after the GEMM (the fp32 accumulator result loses nothing before scaling).
+    """
+    if rowwise and out_dtype == torch.bfloat16:
+        check_scaled_mm(a8, b8, a_scale, b_scale, out_dtype)
+        return torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    check_scaled_mm(a8, b8, one, one, torch.float32)
+    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (out * a_scale * b_scale).to(out_dtype)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """y = x Wᵀ (+ b) on FP8 tensor cores; gradient for x only (W and b are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x2d: torch.Tensor, layer: FP8Linear) -> torch.Tensor:
+        ctx.layer = layer  # backward reads the weight from the module: it may have been swapped in between
+        ctx.out_dtype = x2d.dtype
+        x8, sx = quantize_rows(x2d)
+        w8 = layer.weight  # (O, K) row-major; .t() is the column-major (K, O) operand
+        y = scaled_mm(x8, sx, w8.t(), layer.weight_scale.t(), x2d.dtype, layer.rowwise)
+        if layer.bias is not None:
+            y = y + layer.bias.to(y.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        layer = ctx.layer
+        g8, sg = quantize_rows(dy.float() * layer.weight_scale.t())  # fold s_w[o] into the gradient
+        w_col = layer.weight_colmajor()  # (O, K) column-major
+        ones = torch.ones((1, w_col.shape[1]), dtype=torch.float32, device=dy.device)
+        dx = scaled_mm(g8, sg, w_col, ones, ctx.out_dtype, layer.rowwise)
+        return dx, None
+
+
+class _DequantLinearFunction(torch.autograd.Function):
+    """The same layer without FP8 tensor cores: W dequantised per call, nothing kept between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x2d: torch.Tensor, layer: FP8Linear) -> torch.Tensor:
+        ctx.layer = layer
+        y = x2d @ layer.dequantized(x2d.dtype).t()
+        if layer.bias is not None:
+            y = y + layer.bias.to(y.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return dy @ ctx.layer.dequantized(dy.dtype), None
+
+
+def scaled_mm_rowwise_supported(device: torch.device) -> bool:
+    """Row-wise `_scaled_mm` runs here (CPU: yes; CUDA: probe once — it depends on the GPU, CUDA and torch build)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    key = torch.cuda.get_device_capability(device)
+    if key not in _ROWWISE_PROBED:
+        try:
+            a = torch.zeros((16, 16), dtype=E4M3, device=device)
+            s = torch.ones((16, 1), dtype=torch.float32, device=device)
+            torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
+            _ROWWISE_PROBED[key] = True
+        except (RuntimeError, ValueError, NotImplementedError):
+            _ROWWISE_PROBED[key] = False
+    return _ROWWISE_PROBED[key]
+
+
+_ROWWISE_PROBED: dict[tuple[int, int], bool] = {}
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """FP8 tensor cores exist: CUDA compute capability 8.9 (Ada) or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def shape_fits(in_features: int, out_features: int) -> bool:
+    return in_features % ALIGN == 0 and out_features % ALIGN == 0
+
+
+class FP8Linear(nn.Linear):
+    """A frozen nn.Linear stored in FP8 (see the module docstring for the maths).
+
+    It subclasses nn.Linear so that peft's LoRA wraps it like any Linear; its
+    `compute_dtype` attribute is what peft reads to pick the adapters' dtype
+    (it would otherwise copy the float8 weight dtype onto LoRA A/B).
+
+    compute: "scaled_mm" (FP8 tensor cores), "dequant" (bf16 matmul), or
+    "auto" = scaled_mm on sm_89+ GPUs for shapes that fit, dequant otherwise.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 compute_dtype: torch.dtype = torch.bfloat16, compute: Compute = "auto",
+                 transposed_copy: bool = False):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a full-precision weight
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.zeros((out_features, in_features), dtype=E4M3, device=device),
+                                   requires_grad=False)
+        self.register_buffer("weight_scale", torch.ones((out_features, 1), dtype=torch.float32, device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+                     if bias else None)
+        self.compute_dtype = compute_dtype
+        self.requested_compute = compute
+        self.transposed_copy = transposed_copy
+        self._weight_t: torch.Tensor | None = None
+        self.compute = self._resolve_compute(compute, self.weight.device)
+        self.rowwise = scaled_mm_rowwise_supported(self.weight.device)
+
+    def _resolve_compute(self, compute: Compute, device: torch.device) -> str:
+        if not shape_fits(self.in_features, self.out_features):
+            return "dequant"  # per-layer fallback: CUDA's _scaled_mm would reject these dims
+        if compute == "auto":
+            return "scaled_mm" if fp8_tensor_cores(device) else "dequant"
+        return compute
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype | None = None, compute: Compute = "auto",
+                    transposed_copy: bool = False) -> FP8Linear:
+        w = linear.weight.detach()
+        cdt = compute_dtype or (w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16)
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device,
+                    compute_dtype=cdt, compute=compute, transposed_copy=transposed_copy)
+        w8, sw = quantize_rows(w)
+        layer.weight.data = w8
+        layer.weight_scale.copy_(sw)
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.detach().to(cdt).clone()
+        return layer
+
+    def _apply(self, fn, recurse=True):
+        # Device moves must keep the weight in float8 (nn.Module.to(dtype) would cast it like any float).
+        out = super()._apply(fn, recurse)
+        if self.weight.dtype != E4M3:
+            raise TypeError("FP8Linear's weight must stay float8_e4m3fn; move it with .to(device) only")
+        self._weight_t = None
+        # The scale buffer, not the weight, says where this layer computes: block swapping parks the weight in
+        # host memory between uses (engine/frozen_base/blockswap.py) while the scale stays on the GPU.
+        self.compute = self._resolve_compute(self.requested_compute, self.weight_scale.device)
+        self.rowwise = scaled_mm_rowwise_supported(self.weight_scale.device)
+        return out
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * self.weight_scale).to(dtype)
+
+    def weight_colmajor(self) -> torch.Tensor:
+        """W8 (O × K) in column-major order: a transposed FP8 copy (kept only with transposed_copy=True)."""
+        if self._weight_t is not None and self._weight_t.device == self.weight.device:
+            return self._weight_t.t()
+        wt = self.weight.t().contiguous()  # (K, O) row-major bytes == (O, K) column-major
+        if self.transposed_copy:
+            self._weight_t = wt
+        return wt.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            x2d = x2d.to(self.compute_dtype)
+        fn = _FP8LinearFunction if self.compute == "scaled_mm" else _DequantLinearFunction
+        y = fn.apply(x2d, self)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"compute={self.compute}, rowwise={self.rowwise}")
