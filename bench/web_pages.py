@@ -28,9 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon import protocol as p  # noqa: E402
+from daemon.config.daemon import DaemonConfig  # noqa: E402
 from daemon.power.telemetry_store import TelemetryStore  # noqa: E402
 from daemon.service import handlers
-from daemon.service.config import DaemonConfig  # noqa: E402
 from daemon.store.db import Store  # noqa: E402
 from daemon.web import metrics  # noqa: E402
 from daemon.web.app import Dashboard, build_app  # noqa: E402
@@ -124,7 +124,7 @@ def main() -> int:
             return dt
 
         # The daemon reads the histories of the jobs that are training on a thread when it starts
-        # (daemon/web/wiring.py); timed here on its own, then the first view of the page.
+        # (daemon/service/dashboard.py); timed here on its own, then the first view of the page.
         t = time.perf_counter()
         view.warm([(running, home / "jobs" / running)])
         warm = time.perf_counter() - t

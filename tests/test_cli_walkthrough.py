@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from daemon.client.cli import main as lorad
+from daemon.config.daemon import DaemonConfig
 from daemon.intake.accept import Intake
-from daemon.service.config import DaemonConfig
 from daemon.service.handlers import Context, dispatch
 from daemon.service.server import SocketServer
 from daemon.store.db import Store

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.config.cluster import ClusterSettings
+from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
 from daemon.intake.accept import validate_text
-from daemon.service.config import ConfigInvalid, DaemonConfig, load_config
 from daemon.supervisor.cluster import (
-    ClusterSettings,
     fs_type,
     is_shared,
     launch_command,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.service.config import ConfigInvalid, load_config
+from daemon.config.daemon import ConfigInvalid, load_config
 
 
 @pytest.mark.parametrize("text, words", [

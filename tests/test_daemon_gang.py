@@ -50,7 +50,7 @@ def test_a_multi_process_job_is_started_through_the_launcher_and_a_single_one_as
 def gang_supervisor(tmp_path, monkeypatch, devices):
     import sys
 
-    from daemon.service.config import DaemonConfig
+    from daemon.config.daemon import DaemonConfig
     from daemon.store.db import Store
     from daemon.supervisor import gang
     from daemon.supervisor.loop import Supervisor

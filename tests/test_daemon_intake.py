@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from daemon.config.daemon import DaemonConfig
 from daemon.intake import accept as intake_mod
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
-from daemon.service.config import DaemonConfig
 from daemon.store.db import Store
 from daemon.system.log import setup
 from engine.config.job import load_job

@@ -16,14 +16,14 @@ import pytest
 
 from daemon import protocol as p
 from daemon.client.render import print_table
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
+from daemon.power.run_policy import Decision
 from daemon.service.handlers import Context, dispatch
 from daemon.service.recovery import CUT_OFF, reconcile
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.supervisor import disk_wait
 from daemon.supervisor.loop import Supervisor
-from daemon.supervisor.run_policy import Decision
 from daemon.supervisor.trainer import Child
 from daemon.system.log import setup
 from tests.daemon_helpers import wait_until

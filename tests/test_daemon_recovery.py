@@ -13,9 +13,9 @@ import time
 
 import yaml
 
+from daemon.config.daemon import DaemonConfig
 from daemon.intake import accept as intake_mod
 from daemon.intake.accept import Intake
-from daemon.service.config import DaemonConfig
 from daemon.service.recovery import reconcile
 from daemon.store import states
 from daemon.store.db import Store

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
 from daemon.service.recovery import reconcile
 from daemon.store import states
 from daemon.store.db import Store

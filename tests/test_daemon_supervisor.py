@@ -22,14 +22,13 @@ from pathlib import Path
 import pytest
 
 from daemon import protocol as p
-from daemon.service import shutdown
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
+from daemon.power.run_policy import Decision
 from daemon.service.handlers import Context, dispatch
 from daemon.store import states
 from daemon.store.db import Store
-from daemon.supervisor import lock_contention
+from daemon.supervisor import lock_contention, shutdown
 from daemon.supervisor.loop import Supervisor
-from daemon.supervisor.run_policy import Decision
 from daemon.supervisor.trainer import Child
 from daemon.system import proc
 from daemon.system.log import setup

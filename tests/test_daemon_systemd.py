@@ -69,7 +69,7 @@ def test_unit_has_the_promised_settings():
                  "DeviceAllow=char-nvidia-frontend rw", "NoNewPrivileges=yes", "ProtectSystem=strict"]:
         assert line in text, line
     stop = int(text.split("TimeoutStopSec=")[1].split()[0])
-    from daemon.service.config import DaemonConfig
+    from daemon.config.daemon import DaemonConfig
 
     assert stop > DaemonConfig().stop_grace_s  # systemd must not SIGKILL a trainer that is still checkpointing
 
@@ -164,7 +164,7 @@ def test_install_service_dry_run_points_only_the_exec_lines_at_this_lorad_and_pr
 
     import yaml
 
-    from daemon.service.config import DaemonConfig
+    from daemon.config.daemon import DaemonConfig
     from daemon.system import install_service
 
     monkeypatch.setattr(install_service.shutil, "which", lambda name: "/opt/venv/bin/lorad")

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
 from daemon.store import states
 from daemon.supervisor.exit_policy import decide_exit, describe_exit
 

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from pydantic import ValidationError
 
-from daemon.service.notifications import Notifications, NotifySettings, event_of_exit
+from daemon.config.notify import NotifySettings
+from daemon.supervisor.notifications import Notifications, event_of_exit
 from tests.fakes import RecLog
 
 
@@ -149,7 +150,7 @@ def test_notify_config_is_strict():
 
 
 def test_the_yaml_key_on_is_read_as_on_not_as_true(tmp_path):
-    from daemon.service.config import load_config
+    from daemon.config.daemon import load_config
 
     cfg = tmp_path / "d.yaml"
     cfg.write_text("notify:\n  command: [/bin/true]\n  on: [failed]\n")

@@ -10,12 +10,12 @@ from zoneinfo import ZoneInfo
 import pytest
 from pydantic import ValidationError
 
+from daemon.config.power import PowerSettings, ScheduleSettings
 from daemon.power import simulated as sim
 from daemon.power.policy import PowerPolicy
+from daemon.power.run_policy import RunningJob
 from daemon.power.schedule import Schedule
-from daemon.power.settings import PowerSettings, ScheduleSettings
 from daemon.power.simulated import SimulatedDevice
-from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import RecLog
 
 BERLIN = ZoneInfo("Europe/Berlin")

@@ -7,8 +7,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from daemon.power.settings import PowerSettings
-from daemon.service.config import load_config
+from daemon.config.daemon import load_config
+from daemon.config.power import PowerSettings
 
 DAEMON_YAML = Path(__file__).resolve().parents[1] / "configs" / "daemon.yaml"
 

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from daemon.config.power import PowerSettings
 from daemon.power import job_power_summary
 from daemon.power import simulated as sim
 from daemon.power.gpu import Sample
 from daemon.power.policy import PowerPolicy
-from daemon.power.settings import PowerSettings
+from daemon.power.run_policy import RunningJob
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.telemetry import NvmlDevice, decode_throttle, open_device
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import Clock, RecLog
 
 

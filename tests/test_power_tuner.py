@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from daemon.config.power import PowerSettings, TunerSettings
 from daemon.power import simulated as sim
 from daemon.power.policy import PowerPolicy
-from daemon.power.settings import PowerSettings, TunerSettings
+from daemon.power.run_policy import RunningJob
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.tuner import Point, candidate_limits, choose, profiling_steps
-from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import Clock, RecLog
 
 

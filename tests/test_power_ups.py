@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from daemon.config.power import PowerSettings, UpsSettings
 from daemon.power import simulated as sim
 from daemon.power.policy import PowerPolicy
-from daemon.power.settings import PowerSettings, UpsSettings
+from daemon.power.run_policy import RunningJob
 from daemon.power.simulated import SimulatedDevice
 from daemon.power.ups import NutClient, NutError, UpsMonitor
-from daemon.supervisor.run_policy import RunningJob
 from tests.fakes import RecLog
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from daemon.config.power import PowerSettings
 from daemon.power import api, view
 from daemon.power.policy import PowerPolicy
-from daemon.power.settings import PowerSettings
+from daemon.power.run_policy import NullPolicy, RunningJob
 from daemon.power.simulated import SimulatedDevice
-from daemon.supervisor.run_policy import NullPolicy, RunningJob
 
 
 class NoLog:

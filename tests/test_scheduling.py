@@ -10,7 +10,7 @@ import pytest
 
 from daemon import protocol as p
 from daemon.client.render import print_table
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
 from daemon.service.handlers import Context, dispatch
 from daemon.store import states
 from daemon.store.db import Store

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from daemon.config.daemon import ConfigInvalid, DaemonConfig
 from daemon.intake.accept import Intake
-from daemon.service.config import ConfigInvalid, DaemonConfig
 from daemon.store.db import Store
 from daemon.store.state_files import protect_state_db
 from daemon.supervisor import trainer

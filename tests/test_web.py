@@ -10,12 +10,12 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from daemon.config.daemon import ConfigInvalid, load_config
+from daemon.config.web import WebSettings
 from daemon.power.telemetry import Sample
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.service.config import ConfigInvalid, load_config
 from daemon.store import states
 from daemon.web import auth
-from daemon.web.settings import WebSettings
 from tests.web_helpers import BASE, Site, iso, quick_job_yaml, signed_in, step_line
 
 

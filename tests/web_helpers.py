@@ -8,13 +8,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from daemon.config.daemon import DaemonConfig
+from daemon.config.web import WebSettings
 from daemon.intake.accept import Intake
 from daemon.service import handlers
-from daemon.service.config import DaemonConfig
 from daemon.store.db import Store
 from daemon.web.app import Dashboard, build_app
 from daemon.web.auth import ensure_token
-from daemon.web.settings import WebSettings
 from daemon.web.storeview import StoreView
 from tests.conftest import QUICKSTART_DATA, REPO
 from tests.fakes import RecLog

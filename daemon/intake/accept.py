@@ -28,16 +28,15 @@ from typing import Any
 
 import yaml
 
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
+from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
 from engine.config.job import JobConfig, decode_job_bytes, dump_job, parse_job
 from engine.errors import JobInvalid
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
 
-JOB_DIR_MODE = 0o750  # jobs/ and jobs/ID/: explicit, whatever the daemon's umask
-JOB_FILE_MODE = 0o644  # job.yaml, submitted.yaml: the trainer (another user under root) reads them
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JOB_SUFFIXES = (".yaml", ".yml")
 # Names editors and copy tools use while a file is being written: never taken.

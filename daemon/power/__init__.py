@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from daemon.power.settings import PowerSettings
-    from daemon.supervisor.run_policy import Policy
+    from daemon.config.power import PowerSettings
+    from daemon.power.run_policy import Policy
 
 
 def make_policy(settings: PowerSettings, home: Path, db_path: Path, log: Any) -> Policy:

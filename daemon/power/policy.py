@@ -25,15 +25,15 @@ from typing import Any
 
 import yaml
 
+from daemon.config.power import PowerSettings
 from daemon.power.caps import CapManager
 from daemon.power.gpu import Device
+from daemon.power.run_policy import Decision, RunningJob
 from daemon.power.schedule import Schedule
-from daemon.power.settings import PowerSettings
 from daemon.power.telemetry import TelemetrySampler, open_device
 from daemon.power.telemetry_store import TelemetryStore
 from daemon.power.tuner import Point, Tuner, candidate_limits, choose, job_shape_key, profiling_steps
 from daemon.power.ups import UpsMonitor
-from daemon.supervisor.run_policy import Decision, RunningJob
 
 _FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
 _HISTORY = 64  # (time, energy) readings kept per GPU to find the energy at a step's own timestamp

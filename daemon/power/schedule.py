@@ -29,7 +29,7 @@ from zoneinfo import ZoneInfo
 import yaml
 from apscheduler.triggers.cron import CronTrigger
 
-from daemon.power.settings import ScheduleSettings, Window
+from daemon.config.power import ScheduleSettings, Window
 
 
 @dataclass

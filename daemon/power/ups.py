@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.power.settings import UpsSettings
+from daemon.config.power import UpsSettings
 
 
 class NutError(Exception):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from daemon.service.config import DaemonConfig
+from daemon.config.daemon import DaemonConfig
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.supervisor.disk_progress import committed_checkpoints, last_event_step

@@ -23,24 +23,24 @@ import threading
 import time
 from pathlib import Path
 
+from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
-from daemon.service.config import ConfigInvalid, DaemonConfig, load_config
+from daemon.power.run_policy import NullPolicy
+from daemon.service.dashboard import start_dashboard
 from daemon.service.handlers import Context, dispatch
-from daemon.service.notifications import Notifications
 from daemon.service.recovery import reconcile
 from daemon.service.server import SocketInUse, SocketServer
 from daemon.store.db import Store, StoreUnusable, unusable_reason
 from daemon.store.state_files import protect_state_db
 from daemon.supervisor import devices as devices_mod
 from daemon.supervisor.loop import Supervisor
-from daemon.supervisor.run_policy import NullPolicy
+from daemon.supervisor.notifications import Notifications
 from daemon.system import trainer_user
 from daemon.system.lock import AlreadyRunning, HomeLock
 from daemon.system.log import setup as setup_log
 from daemon.system.notify import Notifier
 from daemon.system.version import lorad_version
-from daemon.web.wiring import start_dashboard
 from engine.storage.fsio import RealFs, ensure_dir_durable
 
 EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)

@@ -28,7 +28,7 @@ from daemon.store import states
 from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:
-    from daemon.service.config import DaemonConfig
+    from daemon.config.daemon import DaemonConfig
 
 RESUMABLE_STOPS = ("shutdown", "drain", "outage")
 RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."

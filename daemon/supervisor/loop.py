@@ -7,12 +7,12 @@
     requests    pause / cancel / drain asked for over the socket → SIGTERM
     inbox       complete job files → accepted or rejected
     disk waits  jobs that found the disk full → queued again once their disk has the space (daemon/supervisor/disk_wait.py)
-    policy      power, schedules, UPS (daemon/supervisor/run_policy.py) → may_start, stop, checkpoint now
+    policy      power, schedules, UPS (daemon/power/run_policy.py) → may_start, stop, checkpoint now
     spawn       a free device and the first queued job (priority, then arrival) → a new trainer
 
 One trainer's life (spawn, stdout, heartbeats, hang, reap) is daemon/supervisor/trainer.py; a job whose trainer.lock
 someone else holds, daemon/supervisor/lock_contention.py; writes retried until they land, daemon/store/bookkeeping.py; what
-systemd is told, daemon/service/systemd_status.py; the clean stop, daemon/service/shutdown.py.
+systemd is told, daemon/supervisor/systemd_status.py; the clean stop, daemon/supervisor/shutdown.py.
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from daemon.service.config import DaemonConfig
-from daemon.service.notifications import event_of_exit
-from daemon.service.shutdown import shut_down
-from daemon.service.systemd_status import SystemdReporter, status_line
+from daemon.config.daemon import DaemonConfig
+from daemon.power.run_policy import NullPolicy, Policy
 from daemon.store import states
 from daemon.store.bookkeeping import PendingWrites
 from daemon.store.db import Store
 from daemon.supervisor import cluster, disk_wait, gang, scheduling, trainer
 from daemon.supervisor.exit_policy import decide_exit, describe_exit
 from daemon.supervisor.lock_contention import TrainerLockContention
-from daemon.supervisor.run_policy import NullPolicy, Policy
+from daemon.supervisor.notifications import event_of_exit
+from daemon.supervisor.shutdown import shut_down
 from daemon.supervisor.stuck import StuckTrainer, StuckTrainers
+from daemon.supervisor.systemd_status import SystemdReporter, status_line
 from daemon.supervisor.trainer import Child
 from daemon.system import proc
 from daemon.system.lock import write_pid
@@ -60,7 +60,7 @@ class Supervisor:
         self.inbox = inbox
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
-        self.notifications = notifications  # daemon.service.notifications.Notifications: webhook / command per event
+        self.notifications = notifications  # daemon.supervisor.notifications.Notifications: webhook / command per event
         self.children: dict[str, Child] = {}
         self.pending = PendingWrites(log)  # job id → bookkeeping not yet written (trainer already gone)
         self.locks = TrainerLockContention(self.home, store, log)

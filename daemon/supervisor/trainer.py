@@ -29,20 +29,20 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from daemon.intake.accept import JOB_DIR_MODE, JOB_FILE_MODE
-from daemon.service.config import ConfigInvalid
+from daemon.config.daemon import ConfigInvalid
+from daemon.power.run_policy import RunningJob
 from daemon.supervisor import gang
 from daemon.supervisor.exit_policy import describe_exit
-from daemon.supervisor.run_policy import RunningJob
 from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.file_tail import tail_lines
+from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
 from engine.config.policy import JobPolicy
 from engine.distributed.liveness import LIVENESS_DIR, silent_ranks
 from engine.training.stop import EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:
-    from daemon.service.config import DaemonConfig
+    from daemon.config.daemon import DaemonConfig
 
 TRAINER_UMASK = 0o027  # the trainer's files: the group may read them, no one else may write them
 SLOW_PHASES = {"prepare", "load_model", "final_checkpoint", "urgent_checkpoint"}

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 SYSTEM_HOME = Path("/var/lib/lorad")
+JOB_DIR_MODE = 0o750  # jobs/ and jobs/ID/: explicit, whatever the daemon's umask
+JOB_FILE_MODE = 0o644  # job.yaml, submitted.yaml: the trainer (another user under root) reads them
 
 
 def default_home() -> Path:

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.service.config import ConfigInvalid
+from daemon.config.daemon import ConfigInvalid
 from engine.storage.home import cache_dir
 
 DAEMON_OWNED = ("job.yaml", "submitted.yaml")  # what decides what the trainer does: not the trainer user's

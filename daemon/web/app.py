@@ -27,10 +27,10 @@ from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from daemon import protocol as p
+from daemon.config.web import WebSettings, is_loopback
 from daemon.web import auth, pages
 from daemon.web import submit as submit_help
 from daemon.web.charts import Line, line_chart, thin
-from daemon.web.settings import WebSettings, is_loopback
 from daemon.web.storeview import StoreView
 
 Caller = Callable[[BaseModel], dict[str, Any]]

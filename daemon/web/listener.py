@@ -13,7 +13,7 @@ import threading
 
 import uvicorn
 
-from daemon.web.settings import split_listen
+from daemon.config.web import split_listen
 
 
 class WebListener:

@@ -535,7 +535,7 @@ def describe_errors(e: ValidationError, models: dict[str, type[BaseModel]]) -> s
     """Every problem pydantic found, one line, each naming its key (`did you mean` for a misspelt one).
 
     models: dotted section path ("" for the top) → its model, where an unknown key's neighbours are looked up.
-    The daemon config's errors are worded by this too (daemon/service/config.py).
+    The daemon config's errors are worded by this too (daemon/config/daemon.py).
     """
     problems = [_describe(err, models) for err in e.errors()]
     # Several union branches may fail for one key; keep the distinct messages, in order.

@@ -9,10 +9,10 @@ from typing import Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from daemon.power.settings import PowerSettings
-from daemon.service.notifications import NotifySettings
-from daemon.supervisor.cluster import ClusterSettings
-from daemon.web.settings import WebSettings
+from daemon.config.cluster import ClusterSettings
+from daemon.config.notify import NotifySettings
+from daemon.config.power import PowerSettings
+from daemon.config.web import WebSettings
 from engine.config.job import MAX_JOB_FILE_BYTES, describe_errors
 from engine.config.policy import JobPolicy
 
