@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -x --timeout=600 tests
 
-# The dashboard's browser test drives Debian's chromium through chromedriver (tests/test_web_browser.py).
+# The dashboard's browser test drives Debian's chromium through chromedriver (tests/e2e/test_dashboard_browser.py).
 # Installed here when missing and we may (root, apt-get); otherwise that one test is skipped and says why.
 browser:
 	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \

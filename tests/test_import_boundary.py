@@ -6,7 +6,7 @@ import ast
 import json
 import subprocess
 
-from tests.conftest import PY, REPO, child_env
+from tests.helpers.processes import PY, REPO, child_env
 
 ENGINE = REPO / "engine"
 

@@ -8,7 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.conftest import PY, REPO, child_env
+from tests.helpers.processes import PY, REPO, child_env
 
 PACKAGES = ("engine", "daemon")
 

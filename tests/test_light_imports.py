@@ -7,7 +7,7 @@ import sys
 import textwrap
 from typing import get_args
 
-from tests.conftest import REPO, child_env
+from tests.helpers.processes import REPO, child_env
 
 TRAINING_STACK = ("torch", "numpy", "transformers", "diffusers", "peft", "bitsandbytes", "safetensors",
                   "accelerate", "PIL")

@@ -1,7 +1,7 @@
 """Where a job goes when its trainer exits: a pure function of the exit code, why it was stopped, how many
 times in a row it crashed before, and whether this attempt committed a new checkpoint. No processes, no store,
 no clock: the supervisor and start-up recovery both ask it, and tests walk it as a table
-(tests/test_exit_policy.py).
+(tests/daemon/supervisor/test_exit_policy.py).
 
     exit 0                               succeeded (whatever was asked meanwhile: it is done)
     stopped for cancel / pause           cancelled / paused

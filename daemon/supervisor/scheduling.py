@@ -2,7 +2,7 @@
 
 Pure functions of the jobs' priorities, arrivals and devices: no store, no processes, no clock of their own.
 The supervisor's spawn step asks `to_preempt` when the first job in line cannot start; `lorad status` lists the
-jobs in `status_order`. Tests walk both as tables (tests/test_scheduling.py).
+jobs in `status_order`. Tests walk both as tables (tests/daemon/supervisor/test_scheduling.py).
 
 Preemption (daemon config `preempt: true`, the default): when the first job in line does not fit the free
 devices and every device it would need runs work of strictly lower priority, the lowest-priority running jobs

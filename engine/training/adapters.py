@@ -12,7 +12,7 @@
 Why fp32 by default: with a bf16 base the adapters used to be bf16 too, with no fp32 copy. bf16 keeps 8
 bits of mantissa, so an update smaller than about 1/256 of a weight is rounded away: at a small (or late,
 decayed) learning rate the LoRA A matrices, which start at kaiming scale, stop changing entirely
-(tests/test_adapter_dtype.py shows it). kohya sd-scripts and ai-toolkit keep LoRA weights in fp32 for
+(tests/engine/training/test_adapter_dtype.py shows it). kohya sd-scripts and ai-toolkit keep LoRA weights in fp32 for
 this reason; so does lorad unless `lora.dtype: bfloat16` asks for the old behaviour.
 
 Compute stays in the model dtype: when the adapter dtype is wider than the base's, the loss runs under

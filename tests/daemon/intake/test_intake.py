@@ -1,0 +1,282 @@
+"""Job intake: which inbox files are complete, and how every kind of bad job file is rejected with a reason."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon.config.daemon import DaemonConfig
+from daemon.intake import accept as intake_mod
+from daemon.intake.accept import Intake
+from daemon.intake.inbox import InboxWatcher
+from daemon.store.db import Store
+from daemon.system.log import setup
+from engine.config.job import load_job
+from tests.helpers.daemon import wait_until
+from tests.helpers.fakes import RecLog
+from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.processes import REPO
+
+
+def good_job(name: str = "good", **over) -> dict:
+    d = {"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
+         "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 5}}
+    d.update(over)
+    return d
+
+
+# ---------------------------------------------------------------- the watcher: only complete files
+@pytest.fixture
+def watcher(tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    w = InboxWatcher(inbox, settle_s=0.5, rescan_s=0.2)
+    w.start()
+    yield w
+    w.stop()
+
+
+def collect(w: InboxWatcher, seconds: float) -> list[str]:
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        out += [p.name for p in w.poll()]
+        time.sleep(0.05)
+    return out
+
+
+def test_a_file_being_written_is_not_taken_until_it_is_closed(watcher):
+    f = open(watcher.inbox / "job.yaml", "w")
+    f.write("name: half")
+    f.flush()
+    assert "job.yaml" not in collect(watcher, 1.5)  # open for writing: not the watcher, not the rescan
+    f.write("\n")
+    f.close()
+    assert "job.yaml" in wait_until(lambda: [p.name for p in watcher.poll()], 5, "the closed file")
+
+
+def test_a_file_renamed_in_is_taken(watcher, tmp_path):
+    src = tmp_path / "elsewhere.yaml"
+    src.write_text("name: x\n")
+    os.rename(src, watcher.inbox / "moved.yaml")
+    assert "moved.yaml" in wait_until(lambda: [p.name for p in watcher.poll()], 5, "the renamed file")
+
+
+def test_files_present_before_start_are_picked_up_and_hidden_or_partial_names_are_left_alone(tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    for n in ("early.yaml", ".hidden.yaml", "copying.yaml.part", "editor.yaml~"):
+        (inbox / n).write_text("name: x\n")
+        os.utime(inbox / n, (time.time() - 10, time.time() - 10))
+    w = InboxWatcher(inbox, settle_s=0.5, rescan_s=30)
+    assert [p.name for p in w.poll()] == ["early.yaml"]
+
+
+# ---------------------------------------------------------------- intake: accept or reject with a reason
+@pytest.fixture
+def intake(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(home / "state.db")
+    cfg = DaemonConfig(allowed_roots=["{home}", str(tmp_path / "allowed"), str(REPO)], max_job_file_bytes=8192)
+    (tmp_path / "allowed").mkdir()
+    it = Intake(home, cfg, store, setup())
+    yield it
+    store.close()
+
+
+def drop(intake: Intake, name: str, content: bytes | str) -> Path:
+    p = intake.inbox / name
+    p.write_bytes(content.encode() if isinstance(content, str) else content)
+    return p
+
+
+def bomb() -> str:
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]")
+    return "\n".join(lines) + "\nname: bomb\n"
+
+
+BAD = {
+    # file name: (content, words the reason must contain)
+    "garbage.yaml": (os.urandom(512) + b"\x00", "binary"),
+    "bomb.yaml": (bomb(), "YAML bomb"),
+    "huge.yaml": ("# padding\n" * 2000, "larger than"),
+    "types.yaml": (yaml.safe_dump(good_job(train={"steps": "many"})), "train.steps"),
+    "unknown.yaml": (yaml.safe_dump({**good_job(), "trian": {"steps": 3}}), "trian: unknown key"),
+    "traversal.yaml": (yaml.safe_dump(good_job(name="../../etc/cron.d/evil")), "name"),
+    "missing.yaml": (yaml.safe_dump(good_job(data={"path": "/nonexistent/data.jsonl"})), "does not exist"),
+    "remote.yaml": (yaml.safe_dump(good_job(model={"path": "builtin:tiny-llama", "trust_remote_code": True})),
+                    "trust_remote_code"),
+    "notamap.yaml": ("- just\n- a list\n", "mapping"),
+    "broken.yaml": ("name: [unclosed\n", "not valid YAML at line"),
+    "bad name;rm -rf.yaml": (yaml.safe_dump(good_job()), "file name"),
+    "notes.txt": ("hello", "must end in .yaml"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_job_files_land_in_rejected_with_a_readable_reason(intake, name):
+    content, words = BAD[name]
+    out = intake.take(drop(intake, name, content))
+    assert out is not None and out.job_id is None, out
+    assert words in out.error, out.error
+    err = out.rejected_path.with_name(out.rejected_path.name + ".error.txt").read_text()
+    assert words in err and err.startswith("lorad rejected")
+    assert out.rejected_path.exists() and not (intake.inbox / name).exists()
+    assert "/" not in out.rejected_path.name and ";" not in out.rejected_path.name
+    assert intake.store.jobs() == []
+
+
+def test_a_symlink_out_of_the_allowed_roots_is_not_even_read(intake):
+    (intake.inbox / "passwd.yaml").symlink_to("/etc/passwd")
+    out = intake.take(intake.inbox / "passwd.yaml")
+    assert "outside the allowed roots" in out.error and "root:" not in out.error
+    assert "root:" not in out.rejected_path.with_name(out.rejected_path.name + ".error.txt").read_text()
+
+
+def test_a_data_path_that_escapes_through_a_symlink_is_rejected(intake, tmp_path):
+    link = tmp_path / "allowed" / "data.jsonl"
+    link.symlink_to("/etc/hostname")
+    out = intake.take(drop(intake, "escape.yaml", yaml.safe_dump(good_job(data={"path": str(link)}))))
+    assert "data.path" in out.error and "outside the allowed roots" in out.error
+
+
+def test_a_fifo_is_rejected_without_blocking(intake):
+    os.mkfifo(intake.inbox / "fifo.yaml")
+    out = intake.take(intake.inbox / "fifo.yaml")
+    assert "not a regular file" in out.error
+
+
+def test_a_good_file_becomes_a_queued_job_with_a_normalised_job_yaml(intake):
+    out = intake.take(drop(intake, "good.yaml", yaml.safe_dump(good_job(data={"path": "data.jsonl", "seq_len": 32}))
+                           .replace("data.jsonl", os.path.relpath(QUICKSTART_DATA, intake.inbox))))
+    assert out.error is None, out.error
+    job = intake.store.get(out.job_id)
+    assert out.job_id.startswith("good-") and job["state"] == "queued"
+    cfg = load_job(Path(job["workdir"]) / "job.yaml")  # loads back as the trainer will load it
+    assert cfg.data.path == str(QUICKSTART_DATA)  # relative paths resolved against the inbox
+    assert (Path(job["workdir"]) / "submitted.yaml").exists() and not (intake.inbox / "good.yaml").exists()
+
+
+def test_same_name_rejections_do_not_overwrite_each_other(intake):
+    a = intake.take(drop(intake, "x.yaml", "- a"))
+    b = intake.take(drop(intake, "x.yaml", "- b"))
+    assert a.rejected_path != b.rejected_path and a.rejected_path.read_text() == "- a"
+
+
+def test_a_claimed_file_left_by_a_crash_is_finished_once(intake):
+    # Crash after the claim, before validation: the file waits in incoming/ and is accepted at start-up.
+    (intake.incoming / "1-late.yaml").write_text(yaml.safe_dump(good_job("late")))
+    # Crash after the job row was written, before the claimed copy was removed: not accepted twice.
+    first = intake.take(drop(intake, "dup.yaml", yaml.safe_dump(good_job("dup"))))
+    source = intake.store.get(first.job_id)["source"]
+    (intake.incoming / source).write_text(yaml.safe_dump(good_job("dup")))
+    outs = intake.recover()
+    assert [o.name for o in outs] == ["late.yaml"] and outs[0].job_id
+    assert sorted(j["name"] for j in intake.store.jobs()) == ["dup", "late"]
+    assert list(intake.incoming.iterdir()) == []
+
+
+def test_submit_over_the_socket_is_validated_by_the_daemon_too(intake):
+    from engine.errors import JobInvalid
+
+    with pytest.raises(JobInvalid, match="file name"):
+        intake.submit_text("../../x.yaml", yaml.safe_dump(good_job()))
+    with pytest.raises(JobInvalid, match="trust_remote_code"):
+        intake.submit_text("x.yaml", yaml.safe_dump(good_job(model={"path": "builtin:tiny-llama",
+                                                                    "trust_remote_code": True})))
+    assert intake.submit_text("x.yaml", yaml.safe_dump(good_job())).job_id.startswith("good-")
+
+
+# ---------------------------------------------------------------- a full disk is not a verdict on the file
+def disk_full_for(monkeypatch, *names: str) -> None:
+    """write_file_durable fails with ENOSPC for files of these names (all files if none is given)."""
+    real = intake_mod.write_file_durable
+
+    def write(fs, path, data):
+        if not names or Path(path).name in names:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fs, path, data)
+
+    monkeypatch.setattr(intake_mod, "write_file_durable", write)
+
+
+@pytest.fixture
+def quiet_intake(intake):
+    intake.log = RecLog()
+    return intake
+
+
+def test_disk_full_while_accepting_keeps_the_file_in_incoming_says_so_once_and_takes_it_later(quiet_intake,
+                                                                                             monkeypatch):
+    it = quiet_intake
+    disk_full_for(monkeypatch, "job.yaml")  # submitted.yaml fits, job.yaml does not: a half-made jobs/ID/
+    out = it.take(drop(it, "full.yaml", yaml.safe_dump(good_job("full"))))
+    assert out.stuck and out.job_id is None and "No space left on device" in out.error
+    (claimed,) = it.incoming.iterdir()  # safe, unchanged, not rejected
+    assert yaml.safe_load(claimed.read_text())["name"] == "full" and list(it.rejected.iterdir()) == []
+    assert list((it.home / "jobs").iterdir()) == [] and it.store.jobs() == []  # the partial jobs/ID/ is gone
+    (stuck,) = it.stuck
+    assert stuck["file"] == "full.yaml" and stuck["error"] == "OSError: [Errno 28] No space left on device"
+    it.recover()
+    it.recover()  # still full: tried again, said once
+    assert len(it.log.named("intake_stuck")) == 1 and it.stuck[0]["tries"] == 3
+    monkeypatch.undo()
+    (done,) = it.recover()
+    assert done.job_id and not done.stuck and it.stuck == [] and list(it.incoming.iterdir()) == []
+    assert it.store.get(done.job_id)["state"] == "queued" and len(it.log.named("intake_unstuck")) == 1
+
+
+def test_disk_full_while_rejecting_keeps_the_file_and_leaves_nothing_in_rejected(quiet_intake, monkeypatch):
+    it = quiet_intake
+    disk_full_for(monkeypatch)
+    out = it.take(drop(it, "broken.yaml", "name: [unclosed\n"))
+    assert out.stuck and len(list(it.incoming.iterdir())) == 1 and list(it.rejected.iterdir()) == []
+    monkeypatch.undo()
+    (done,) = it.recover()
+    assert "not valid YAML" in done.error and not done.stuck and list(it.incoming.iterdir()) == []
+    assert (it.rejected / "broken.yaml.error.txt").exists()
+
+
+class ListInbox:
+    def __init__(self, paths):
+        self.paths = list(paths)
+
+    def poll(self):
+        out, self.paths = self.paths, []
+        return out
+
+
+def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says_why(intake, monkeypatch, capsys):
+    from daemon import protocol as p
+    from daemon.client.render import print_stuck
+    from daemon.service.handlers import Context, dispatch
+    from daemon.supervisor.loop import Supervisor
+
+    cfg = intake.cfg.model_copy(update={"inbox_rescan_s": 0.2})
+    intake.cfg = cfg
+    sup = Supervisor(intake.home, cfg, intake.store, [None], setup(), intake=intake,
+                     inbox=ListInbox([drop(intake, "full.yaml", yaml.safe_dump(good_job("full")))]))
+    sup.may_start = False
+    sup._spawn = lambda: None  # this test is about the inbox only
+    disk_full_for(monkeypatch)
+    sup.tick()
+    assert sup.healthy and sup.intake.stuck and "inbox stuck (1 file(s)" in sup.status_line()
+    ctx = Context(home=intake.home, store=intake.store, intake=intake, supervisor=sup, started_at=0,
+                  socket_path=intake.home / "s")
+    data = json.loads(dispatch(ctx, p.Status()))["data"]
+    assert [s["file"] for s in data["inbox_stuck"]] == ["full.yaml"] and data["inbox_retry_s"] == 0.2
+    print_stuck(data, 100)
+    shown = capsys.readouterr().out
+    assert "inbox stuck: 1 file(s) not taken yet" in shown and "No space left on device" in shown
+    assert str(intake.incoming) in shown
+    monkeypatch.undo()
+    wait_until(lambda: (sup.tick(), intake.store.jobs())[1], 5, "the file to be taken on a later tick")
+    assert sup.healthy and intake.stuck == [] and "inbox stuck" not in sup.status_line()

@@ -1,0 +1,217 @@
+"""systemd integration: the unit file verifies, and the notify protocol speaks to a real datagram socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from daemon.system.lock import AlreadyRunning, HomeLock
+from daemon.system.notify import Notifier
+from tests.helpers.processes import REPO
+
+UNIT = REPO / "systemd" / "lorad.service"
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(tmp_path / "notify"))
+    s.settimeout(2)
+    yield s, str(tmp_path / "notify")
+    s.close()
+
+
+def test_ready_status_watchdog_and_extend_arrive_as_datagrams(notify_socket):
+    s, path = notify_socket
+    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "3000000"})
+    assert n.enabled and n.watchdog_s == 3.0
+    n.ready("idle; 0 queued")
+    assert s.recv(4096).decode().split("\n") == ["READY=1", "STATUS=idle; 0 queued", f"MAINPID={os.getpid()}"]
+    n.status("job-1 step 3/10")
+    assert s.recv(4096) == b"STATUS=job-1 step 3/10"
+    n.watchdog()
+    assert s.recv(4096) == b"WATCHDOG=1"
+    n.extend_timeout(120)
+    assert s.recv(4096) == b"EXTEND_TIMEOUT_USEC=120000000"
+    n.stopping("stopping")
+    assert s.recv(4096).startswith(b"STOPPING=1")
+
+
+def test_abstract_socket_names_are_supported():
+    name = f"lorad-test-{os.getpid()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(2)
+    try:
+        assert Notifier({"NOTIFY_SOCKET": "@" + name}).watchdog()
+        assert s.recv(100) == b"WATCHDOG=1"
+    finally:
+        s.close()
+
+
+def test_outside_systemd_notify_is_a_no_op_and_a_watchdog_for_another_pid_is_ignored():
+    assert not Notifier({}).enabled and not Notifier({}).ready("x")
+    assert Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_s is None
+    assert Notifier({"NOTIFY_SOCKET": "/nonexistent/sock"}).watchdog() is False  # never raises
+
+
+def test_unit_has_the_promised_settings():
+    text = UNIT.read_text()
+    for line in ["Type=notify", "Restart=always", "StartLimitIntervalSec=0", "KillMode=control-group",
+                 "WatchdogSignal=SIGTERM", "StateDirectory=lorad",
+                 "RuntimeDirectory=lorad", "WatchdogSec=", "TimeoutStopSec=", "DeviceAllow=/dev/nvidiactl rw",
+                 "DeviceAllow=char-nvidia-frontend rw", "NoNewPrivileges=yes", "ProtectSystem=strict"]:
+        assert line in text, line
+    stop = int(text.split("TimeoutStopSec=")[1].split()[0])
+    from daemon.config.daemon import DaemonConfig
+
+    assert stop > DaemonConfig().stop_grace_s  # systemd must not SIGKILL a trainer that is still checkpointing
+
+
+def unit_settings() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for ln in UNIT.read_text().splitlines():
+        if "=" in ln and not ln.lstrip().startswith("#"):
+            k, v = ln.split("=", 1)
+            out.setdefault(k.strip(), []).append(v.strip())
+    return out
+
+
+def test_trainers_get_sigterm_and_their_grace_whether_the_daemon_is_stopped_or_dies():
+    """systemd.kill(5): with KillMode=mixed, what is left when the main process exits gets SIGKILL at once, so a
+    daemon crash would kill every trainer without its final checkpoint. With control-group the whole unit gets
+    KillSignal, and SIGKILL only after TimeoutStopSec; a watchdog timeout sends WatchdogSignal to the same."""
+    u = unit_settings()
+    assert u["KillMode"] == ["control-group"] and u["KillSignal"] == ["SIGTERM"] and u["WatchdogSignal"] == ["SIGTERM"]
+    readme = (REPO / "README.md").read_text()
+    assert "`KillMode=control-group`" in readme and "KillMode=mixed`" not in readme
+    assert "`WatchdogSignal=SIGTERM`" in readme
+
+
+def test_exit_78_is_the_status_systemd_does_not_restart_on():
+    from daemon.service.serve import EXIT_CONFIG
+
+    assert unit_settings()["RestartPreventExitStatus"] == [str(EXIT_CONFIG)] and EXIT_CONFIG == 78
+
+
+def serve_once(home) -> subprocess.CompletedProcess:
+    from tests.helpers.processes import child_env
+
+    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home)], capture_output=True,
+                          text=True, cwd=REPO, env=child_env(), timeout=120)
+
+
+def test_a_corrupt_state_db_is_one_line_and_exit_78_not_a_traceback(tmp_path):
+    home = tmp_path / "home"
+    (home / "jobs" / "kept-1234").mkdir(parents=True)
+    (home / "state.db").write_bytes(b"garbage, not SQLite " * 500)
+    r = serve_once(home)
+    assert r.returncode == 78, r.stderr
+    assert r.stderr == (f"lorad: {home}/state.db is not a lorad database (corrupt?): move it aside to start fresh "
+                        "— job directories under jobs/ are not touched\n")
+    assert (home / "jobs" / "kept-1234").is_dir()
+
+
+def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, monkeypatch, capsys,
+                                                                        keep_signal_handlers):
+    import functools
+
+    from daemon.service import serve as service
+    from daemon.store.db import Store
+
+    home = tmp_path / "home"
+    home.mkdir()
+    locker = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys, time; c = sqlite3.connect(sys.argv[1], "
+                               "isolation_level=None); c.execute('BEGIN EXCLUSIVE'); print('locked', flush=True); "
+                               "time.sleep(60)", str(home / "state.db")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert locker.stdout.readline().strip() == "locked"
+        monkeypatch.setattr(service, "Store", functools.partial(Store, timeout_s=0.3))  # not the 30 s of production
+        assert service.serve(home, None) == 78
+    finally:
+        locker.kill()
+        locker.wait()
+    err = capsys.readouterr().err
+    assert err == f"lorad: {home}/state.db is locked by another process (pid {locker.pid}): stop it, then start lorad again\n"
+    HomeLock(home).acquire()  # the home lock was given back
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
+    # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
+    out = subprocess.run([sys.executable, "-m", "daemon.client.cli", "install-service", "--dry-run"], capture_output=True,
+                         text=True, cwd=REPO, check=True).stdout
+    unit = out.split("# --- /etc/lorad/daemon.yaml")[0]  # the starter daemon.yaml follows the unit
+    exe = unit.split("ExecStart=")[1].split()[0]
+    if not os.access(exe, os.X_OK):
+        unit = unit.replace(exe, sys.executable)
+    path = tmp_path / "lorad.service"
+    path.write_text(unit)
+    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
+    problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "lorad.service" in ln]
+    assert r.returncode == 0 and not problems, r.stdout + r.stderr
+
+
+def test_install_service_dry_run_points_only_the_exec_lines_at_this_lorad_and_prints_the_starter_config(
+        capsys, monkeypatch):
+    import argparse
+
+    import yaml
+
+    from daemon.config.daemon import DaemonConfig
+    from daemon.system import install_service
+
+    monkeypatch.setattr(install_service.shutil, "which", lambda name: "/opt/venv/bin/lorad")
+    args = argparse.Namespace(dest="/etc/systemd/system/lorad.service", dry_run=True, no_enable=False)
+    assert install_service.cmd_install_service(args) == 0
+    unit, config = capsys.readouterr().out.split("# --- /etc/lorad/daemon.yaml (written only if it does not exist)\n")
+    assert [ln for ln in unit.splitlines() if "/opt/venv/bin/lorad" in ln] == [
+        "ExecStart=/opt/venv/bin/lorad serve --home /var/lib/lorad --config /etc/lorad/daemon.yaml"]
+    assert "/usr/local/bin/lorad" in unit  # the comment that explains the substitution, as shipped
+    starter = DaemonConfig.model_validate(yaml.safe_load(config))
+    assert (starter.socket_group, starter.trainer_user) == ("lorad", "lorad")
+
+
+def test_a_second_lock_on_the_same_home_is_refused_with_the_holder(tmp_path):
+    a = HomeLock(tmp_path)
+    a.acquire()
+    with pytest.raises(AlreadyRunning, match=f"already running on {tmp_path} \\(pid {os.getpid()}\\)"):
+        HomeLock(tmp_path).acquire()
+    a.release()
+    HomeLock(tmp_path).acquire()  # released with the process (or here, explicitly)
+
+
+def test_lorad_serve_speaks_notify_ready_after_reconciliation_watchdog_and_stopping(tmp_path, notify_socket):
+    from tests.helpers.daemon import Daemon, fast_config
+
+    s, path = notify_socket
+    d = Daemon(tmp_path / "home", fast_config(tmp_path), NOTIFY_SOCKET=path, WATCHDOG_USEC="600000")
+    try:
+        d.start()
+        got: list[str] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not ("READY=1" in got and got.count("WATCHDOG=1") >= 2):
+            try:
+                got += s.recv(4096).decode().split("\n")
+            except TimeoutError:
+                pass
+        assert got[0] == "STATUS=reconciling"  # before READY: reconciliation runs first
+        assert "READY=1" in got and f"MAINPID={d.proc.pid}" in got
+        assert got.index("READY=1") < got.index("WATCHDOG=1")
+        assert any(x.startswith("STATUS=idle; 0 queued") for x in got)
+        assert d.terminate(30) == 0
+        rest = []
+        while True:
+            try:
+                rest += s.recv(4096).decode().split("\n")
+            except TimeoutError:
+                break
+        assert "STOPPING=1" in rest
+    finally:
+        d.cleanup()

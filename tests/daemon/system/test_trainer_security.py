@@ -1,0 +1,194 @@
+"""No code a job names runs as root, and a member of the socket group cannot widen the daemon's policy.
+
+Tests cannot become root: the privilege drop itself is subprocess's (user=, group=, extra_groups=); what is
+tested is that a root daemon asks for it, that the files which decide what a trainer does are not writable
+by the group, and that the trainer refuses a job.yaml edited after intake to escape the policy.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import stat
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from daemon.config.daemon import ConfigInvalid, DaemonConfig
+from daemon.intake.accept import Intake
+from daemon.store.db import Store
+from daemon.store.state_files import protect_state_db
+from daemon.supervisor import trainer
+from daemon.supervisor.loop import Supervisor
+from daemon.system import trainer_user as trainer_user_mod
+from engine.config.job import load_job
+from engine.config.policy import JobPolicy
+from engine.errors import JobInvalid
+from tests.helpers.fakes import RecLog
+from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.processes import REPO, child_env
+
+
+def job_text(name: str = "victim") -> str:
+    return yaml.safe_dump({"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
+                           "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 2}})
+
+
+@pytest.fixture
+def accepted(tmp_path):
+    """A job accepted by a daemon whose policy forbids remote code and allows only its home and the data."""
+    home = tmp_path / "home"
+    home.mkdir()
+    cfg = DaemonConfig(allowed_roots=["{home}", str(QUICKSTART_DATA.parent)])
+    old = os.umask(0o007)  # the unit's UMask: group-writable unless the daemon sets modes itself
+    try:
+        protect_state_db(home / "state.db")
+        store = Store(home / "state.db")
+        out = Intake(home, cfg, store, RecLog()).submit_text("victim.yaml", job_text())
+    finally:
+        os.umask(old)
+    yield SimpleNamespace(home=home, cfg=cfg, store=store, workdir=home / "jobs" / out.job_id)
+    store.close()
+
+
+def the_attack(job_yaml: Path, evil: Path, trust: bool = True) -> None:
+    """What a socket-group member did: their own model directory (with its remote code), trust_remote_code on."""
+    evil.mkdir(exist_ok=True)
+    (evil / "config.json").write_text('{"auto_map": {"AutoModelForCausalLM": "evil.Model"}}')
+    (evil / "evil.py").write_text("import os; os.system('id > /tmp/owned')\n")
+    job = yaml.safe_load(job_yaml.read_text())
+    job["model"]["path"] = str(evil)
+    job["model"]["trust_remote_code"] = trust
+    job_yaml.write_text(yaml.safe_dump(job))
+
+
+def test_the_trainer_refuses_a_job_yaml_edited_to_trust_remote_code_in_the_attackers_model(accepted, tmp_path):
+    the_attack(accepted.workdir / "job.yaml", tmp_path / "evil")
+    # Exactly the argv the daemon gives its trainer (the group cannot change it).
+    cmd = Supervisor.trainer_command(SimpleNamespace(cfg=accepted.cfg, home=accepted.home), accepted.workdir)
+    assert "--enforce-policy" in cmd
+    r = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 65, r.stderr
+    assert "model.trust_remote_code" in r.stderr
+    assert not (accepted.workdir / "checkpoints").exists()
+
+
+def test_the_trainer_refuses_a_model_dir_moved_outside_the_allowed_roots(accepted, tmp_path):
+    the_attack(accepted.workdir / "job.yaml", tmp_path / "evil", trust=False)
+    policy = accepted.cfg.job_policy(accepted.home)
+    with pytest.raises(JobInvalid, match=r"^model\.path: .* outside the allowed roots"):
+        load_job(accepted.workdir / "job.yaml", policy=policy)
+    load_job(accepted.workdir / "job.yaml")  # `lorad run` of one's own file: no daemon policy to enforce
+
+
+def test_job_files_and_state_db_are_not_writable_by_the_group_whatever_the_umask(accepted):
+    def mode(p: Path) -> int:
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    assert mode(accepted.home / "jobs") == 0o750
+    assert mode(accepted.workdir) == 0o750
+    assert mode(accepted.workdir / "job.yaml") == 0o644
+    assert mode(accepted.workdir / "submitted.yaml") == 0o644
+    for p in (accepted.home / "state.db", accepted.home / "state.db-wal"):
+        assert mode(p) == 0o640, p
+
+
+class FakePopen:
+    calls: list[dict] = []
+
+    def __init__(self, cmd, **kw):
+        FakePopen.calls.append(kw)
+        self.pid = 1
+
+
+@pytest.fixture
+def fake_popen(monkeypatch):
+    FakePopen.calls = []
+    monkeypatch.setattr(trainer.subprocess, "Popen", FakePopen)
+    return FakePopen.calls
+
+
+def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_but_not_job_yaml(
+        accepted, fake_popen, monkeypatch):
+    try:
+        me = pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user `nobody` here")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # the drop itself is subprocess's; here we see it asked for
+    chowned = []
+    monkeypatch.setattr(os, "lchown", lambda p, uid, gid: chowned.append((Path(p).name, uid, gid)))
+    (accepted.workdir / "events.jsonl").write_text("{}\n")  # written by the daemon (root) before the start
+    trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY),
+                  cfg=DaemonConfig(trainer_user=me.pw_name))
+    kw = fake_popen[0]
+    assert (kw["user"], kw["group"]) == (me.pw_uid, me.pw_gid)
+    assert kw["extra_groups"] == os.getgrouplist(me.pw_name, me.pw_gid)  # its own groups, not root's
+    assert kw["umask"] == 0o027
+    names = {n for n, _, _ in chowned}
+    assert {accepted.workdir.name, "events.jsonl"} <= names
+    assert not names & {"job.yaml", "submitted.yaml"}
+    # the home's shared latent/text cache (engine/storage/home.py) is the trainer user's to write too
+    assert (accepted.home / "cache").is_dir() and ("cache", me.pw_uid, me.pw_gid) in chowned
+
+
+def test_a_daemon_that_is_not_root_starts_trainers_as_itself_with_their_own_umask(accepted, fake_popen, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY),
+                  cfg=DaemonConfig(trainer_user="lorad"))
+    assert "user" not in fake_popen[0] and fake_popen[0]["umask"] == 0o027
+
+
+def test_a_root_daemon_needs_an_unprivileged_trainer_user():
+    for user, why in ((None, "required"), ("root", "is root"), ("no-such-user-here", "no user")):
+        with pytest.raises(ConfigInvalid, match=rf"^trainer_user: .*{why}"):
+            trainer_user_mod.check_at_start(user, 0, allow_root=False)
+    assert trainer_user_mod.check_at_start(None, 1000, allow_root=False) is None  # not root: trainers run as it
+    assert trainer_user_mod.check_at_start(None, 0, allow_root=True) is None  # the explicit opt-out
+    with pytest.raises(ConfigInvalid, match="is root"):
+        trainer_user_mod.check_at_start("root", 0, allow_root=True)  # never a way to name root itself
+
+
+def test_a_root_daemon_without_trainer_user_exits_78_naming_the_key(tmp_path, monkeypatch, capsys):
+    from daemon.service.serve import serve
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert serve(tmp_path / "home", None) == 78
+    assert "trainer_user: required" in capsys.readouterr().err
+
+
+def test_before_each_start_job_files_left_group_writable_by_an_older_lorad_are_protected(accepted, fake_popen):
+    os.chmod(accepted.workdir, 0o770)  # what the unit's UMask=0007 gave jobs accepted before this check
+    for name in ("job.yaml", "submitted.yaml"):
+        os.chmod(accepted.workdir / name, 0o660)
+    trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY), cfg=DaemonConfig())
+    assert stat.S_IMODE(os.stat(accepted.workdir).st_mode) == 0o750
+    for name in ("job.yaml", "submitted.yaml"):
+        assert stat.S_IMODE(os.stat(accepted.workdir / name).st_mode) == 0o644
+
+
+TRAINER_READS = [("model", "path"), ("data", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
+                 ("data", "regularisation", "path")]
+
+
+@pytest.mark.parametrize("keys", TRAINER_READS, ids=lambda k: ".".join(k))
+def test_every_path_the_trainer_reads_must_lie_under_an_allowed_root(keys, tmp_path):
+    inside, outside = tmp_path / "root" / "x", tmp_path / "elsewhere" / "x"
+    for d in (inside, outside):
+        d.mkdir(parents=True)
+
+    def job(path: Path) -> dict:
+        raw: dict = {}
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = str(path)
+        return raw
+
+    policy = JobPolicy(False, (inside.parent,))
+    policy.check(job(inside), tmp_path)
+    with pytest.raises(JobInvalid, match=rf"^{re.escape('.'.join(keys))}: .*outside the allowed roots"):
+        policy.check(job(outside), tmp_path)

@@ -1,0 +1,141 @@
+"""In a real browser: Debian's headless Chromium (selenium + chromedriver) drives the dashboard of a real
+`lorad serve` training the quickstart job: jobs page → job page → pause → resume, with screenshots.
+
+`make test` installs chromium and chromium-driver when they are missing and it runs as root with apt-get
+(the Makefile's `browser` target); elsewhere this test is skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from daemon import protocol as p
+from engine.report.events import read_events
+from tests.helpers.daemon import Daemon, fast_config, wait_until
+from tests.helpers.processes import REPO
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+SHOTS = Path(os.environ.get("LORAD_SCREENSHOTS", tempfile.gettempdir())) / "lorad-web-screens"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1280,1500"]
+# About 30 s on a quiet 2-core machine (two trainer start-ups dominate); a machine shared with other work may
+# take minutes to import torch, so the waits are generous.
+PATIENCE = 240
+
+
+def _browser(profile: Path):
+    missing = [x for x in (CHROMIUM, CHROMEDRIVER) if not os.access(x, os.X_OK)]
+    if missing:
+        pytest.skip(f"no browser: {', '.join(missing)} missing (`make test` installs Debian's chromium and "
+                    "chromium-driver with apt-get when run as root)")
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install -e '.[dev]')")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for f in [*FLAGS, f"--user-data-dir={profile}"]:
+        opts.add_argument(f)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+
+
+def quickstart(tmp: Path, steps: int) -> str:
+    """configs/examples/quickstart.yaml (builtin tiny Llama, built offline) with its data path made absolute."""
+    job = yaml.safe_load((REPO / "configs/examples/quickstart.yaml").read_text())
+    job["data"]["path"] = str(REPO / "configs/examples" / job["data"]["path"])
+    job["train"]["steps"] = steps
+    return yaml.safe_dump(job, sort_keys=False)
+
+
+def steps_reported(workdir: Path) -> int:
+    return len({e["step"] for e in read_events(workdir) if e.get("event") == "step"})
+
+
+def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    d = Daemon(tmp_path / "home", fast_config(tmp_path, web={"listen": "127.0.0.1:0", "poll_s": 0.5}))
+    browser = None
+    try:
+        d.start()
+        browser = _browser(tmp_path / "chromium-profile")
+        browser.set_page_load_timeout(20)
+        job_id = d.call(p.Submit(name="quickstart.yaml", text=quickstart(tmp_path, steps=150)))["job"]
+        workdir = d.home / "jobs" / job_id
+        d.wait_job(lambda js: js[0]["state"] == "running" and js[0]["step"] >= 2, PATIENCE, "the job to train")
+
+        def shown(css: str) -> str:
+            try:
+                return browser.find_element(By.CSS_SELECTOR, css).text
+            except (NoSuchElementException, StaleElementReferenceException):
+                return ""  # not there yet, or replaced by a refresh while we looked
+
+        def state_shown() -> str:
+            return shown("table.summary .st")
+
+        def click(by: str, what: str) -> None:
+            """Click, looking the element up again if a refresh of the live part replaced it meanwhile."""
+            def once():
+                try:
+                    browser.find_element(by, what).click()
+                    return True
+                except StaleElementReferenceException:
+                    return False
+            wait_until(once, 10, f"a click on {what}")
+
+        def loss_line() -> tuple[int, int]:
+            """(data-points, pairs in points) of the loss curve, read in one go (a refresh may replace it)."""
+            got = browser.execute_script("var l = document.querySelector('#chart-loss polyline');"
+                                         "return l ? [l.dataset.points, l.getAttribute('points')] : null")
+            assert got is not None, "no loss curve on the page"
+            return int(got[0]), len(got[1].split())
+
+        browser.get(d.cli("web-url").stdout.strip())  # the token once; a cookie from then on
+        assert browser.current_url.endswith("/jobs") and "token" not in browser.current_url
+        assert "running" in shown(f"tr[data-job='{job_id}']")
+        browser.save_screenshot(str(SHOTS / "1-jobs.png"))
+
+        click(By.LINK_TEXT, job_id)
+        wait_until(lambda: browser.current_url.endswith(f"/jobs/{job_id}"), 10, "the job page")
+        browser.save_screenshot(str(SHOTS / "2-job.png"))
+
+        click(By.ID, "pause")
+        wait_until(lambda: "pausing" in shown(".said"), 20, "the handler's answer on the page")
+        wait_until(lambda: state_shown() == "paused", PATIENCE, "the page to show the job paused", poll=0.2)
+        n = steps_reported(workdir)  # stable while paused
+        assert loss_line() == (n, n) and n > 0
+        browser.save_screenshot(str(SHOTS / "3-paused.png"))
+
+        click(By.ID, "resume")
+        wait_until(lambda: "queued" in shown(".said"), 20, "the handler's answer on the page")
+        wait_until(lambda: state_shown() == "running", PATIENCE, "the page to show the job running again", poll=0.2)
+        wait_until(lambda: steps_reported(workdir) >= n + 5, PATIENCE, "steps after the resume")
+        time.sleep(1.2)  # one more refresh of the live part
+        points, pairs = loss_line()
+        assert n + 5 <= points == pairs <= steps_reported(workdir)
+        assert re.search(r"\d+/150", shown("table.summary"))
+        browser.save_screenshot(str(SHOTS / "4-resumed.png"))
+        too_wide = browser.execute_script(
+            "var w = document.documentElement.clientWidth, out = [];"
+            "document.querySelectorAll('main *').forEach(function (e) {"
+            "  if (e.getBoundingClientRect().right > w + 1) out.push(e.tagName + '#' + e.id + '.' + e.className); });"
+            "return out.slice(0, 8)")
+        assert too_wide == [], f"wider than the window: {too_wide}"
+        assert d.terminate() == 0
+    finally:
+        if browser is not None:
+            browser.quit()
+        d.cleanup()

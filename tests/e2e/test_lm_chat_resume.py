@@ -1,0 +1,70 @@
+"""A chat-format, chunked-loss causal-LM job killed mid-run and resumed ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, tiny_job_dict
+from tests.helpers.processes import Trainer, run_engine
+
+TOPICS = ["boats", "trains", "clouds", "bread", "maps", "owls", "glass", "rivers"]
+
+
+def write_chat_data(path: Path) -> Path:
+    lines = []
+    for i, topic in enumerate(TOPICS * 2):
+        lines.append(json.dumps({"messages": [
+            {"role": "system", "content": "Answer in one sentence."},
+            {"role": "user", "content": f"Tell me about {topic} ({i})."},
+            {"role": "assistant", "content": f"{topic.capitalize()} are worth a closer look, fact {i}."},
+        ]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def chat_job(root: Path, micro_model: Path) -> Path:
+    d = deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA), {
+        "name": "tiny-chat",
+        "data": {"path": str(write_chat_data(root / "chat.jsonl")), "seq_len": 48, "train_on": "completions"},
+        "train": {"steps": 12, "warmup_steps": 2, "chunked_loss": True},
+        "checkpoint": {"every_steps": 3},
+    })
+    job = root / "chat.yaml"
+    job.write_text(yaml.safe_dump(d, sort_keys=False))
+    return job
+
+
+def _uninterrupted(job: Path, wd: Path) -> Path:
+    t = run_engine(job, wd)
+    assert t.proc.returncode == 0, t.stderr
+    assert t.named("chunked_loss") and t.named("chat_template_fallback")
+    assert t.named("dataset")[0]["format"] == "chat"
+    return wd
+
+
+def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
+    t = Trainer.engine(job, wd)
+    t.wait_for(lambda: bool(t.named("checkpoint_committed")))
+    t.wait_step(random.randint(4, 9))
+    t.kill()
+    t = run_engine(job, wd)
+    assert t.proc.returncode == 0, t.stderr
+    resumed = t.named("resumed")
+    assert resumed and 0 < resumed[0]["from_step"] < 12
+    return wd, resumed[0]["from_step"]
+
+
+def test_a_killed_chat_job_with_chunked_loss_resumes_bit_identical(tmp_path, micro_model):
+    job = chat_job(tmp_path, micro_model)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ref = pool.submit(_uninterrupted, job, tmp_path / "uninterrupted")
+        got = pool.submit(_killed_then_resumed, job, tmp_path / "interrupted")
+        ref_wd, (got_wd, from_step) = ref.result(timeout=600), got.result(timeout=600)
+    want, have = adapter_bytes(ref_wd), adapter_bytes(got_wd)
+    assert sorted(want) == sorted(have)
+    assert [k for k in want if want[k] != have[k]] == [], f"resumed from step {from_step}"

@@ -1,0 +1,1 @@
+"""What tests share besides fixtures: child processes, tiny jobs, a daemon, images, the dashboard, fakes."""

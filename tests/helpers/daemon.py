@@ -1,0 +1,187 @@
+"""Helpers for the daemon tests: a real `lorad serve` subprocess in a temp home, its socket, its trainers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daemon import protocol as p
+from daemon.client.connection import Client, DaemonDown
+from daemon.system import proc
+from engine.report.events import read_events as job_events
+from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.processes import REPO, child_env
+
+PY = sys.executable
+
+
+def fast_config(tmp_root: Path, **over: Any) -> dict[str, Any]:
+    """A daemon config for tests: short loop period, short backoffs, paths under the temp dir and the repo."""
+    cfg = {
+        "allowed_roots": ["{home}", str(tmp_root), str(REPO)],
+        "tick_s": 0.1,
+        "inbox_settle_s": 0.2,
+        "inbox_rescan_s": 1.0,
+        "backoff_base_s": 0.5,
+        "backoff_max_s": 2.0,
+        "stop_grace_s": 60.0,
+        "power": {"telemetry": {"backend": "off"}},
+        "web": {"listen": "127.0.0.1:0"},  # tests run side by side: never the fixed default port
+        # A test machine running as root has no other user who could reach the temp dirs (no-op otherwise).
+        "allow_root_trainers": True,
+    }
+    cfg.update(over)
+    return cfg
+
+
+def daemon_job(model: Path, steps: int = 40, every: int = 4, name: str = "svc", seq_len: int = 32,
+               **train: Any) -> dict[str, Any]:
+    """A tiny job for the service tests (micro model, short sequences): a few seconds of compute."""
+    return {
+        "name": name,
+        "model": {"family": "causal_lm", "path": str(model), "dtype": "float32"},
+        "lora": {"rank": 8, "alpha": 16, "dropout": 0.1, "targets": ["q_proj", "v_proj"]},
+        "data": {"path": str(QUICKSTART_DATA), "text_field": "text", "seq_len": seq_len},
+        "train": {"steps": steps, "batch_size": 2, "lr": 0.002, "warmup_steps": 2, "optimizer": "adamw",
+                  "seed": 5, **train},
+        "checkpoint": {"every_steps": every, "every_seconds": None, "keep": 2},
+    }
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, poll: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+class Daemon:
+    """`python -m daemon.client.cli serve --home HOME --config CFG` as a child of the test."""
+
+    def __init__(self, home: Path, config: dict[str, Any], **env: str):
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.config_path = write_yaml(self.home.parent / f"{self.home.name}-daemon.yaml", config)
+        self.env = child_env(**env)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.home.parent / f"{self.home.name}-daemon.system.log"
+        self.client = Client(self.home / "lorad.sock", timeout_s=30)
+        self.started_at = 0.0
+
+    def start(self, wait: bool = True) -> Daemon:
+        self.started_at = time.monotonic()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([PY, "-m", "daemon.client.cli", "serve", "--home", str(self.home),
+                                      "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(REPO))
+        log.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        def up():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"lorad serve exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                return self.client.call(p.Ping())
+            except (DaemonDown, OSError):
+                return None
+
+        wait_until(up, timeout, "the daemon to answer ping")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def call(self, req: p.BaseModel) -> dict[str, Any]:
+        return self.client.call(req)
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.call(p.Status(job=job_id))["job"]
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self.call(p.Status())["jobs"]
+
+    def wait_job(self, pred: Callable[[list[dict[str, Any]]], Any], timeout: float, what: str) -> Any:
+        return wait_until(lambda: pred(self.jobs()), timeout, what, poll=0.1)
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> dict[str, Any]:
+        def check():
+            self._alive()
+            j = self.job(job_id)
+            return j if j["state"] in states else None
+
+        return wait_until(check, timeout, f"job {job_id} to reach {states}", poll=0.1)
+
+    def _alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"lorad serve exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """The real `lorad` CLI against this daemon."""
+        r = subprocess.run([PY, "-m", "daemon.client.cli", *args, "--home", str(self.home)], capture_output=True, text=True,
+                           env=self.env, cwd=str(REPO), timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"lorad {' '.join(args)} exited {r.returncode}: {r.stderr}")
+        return r
+
+    def trainers(self) -> list[proc.Trainer]:
+        return proc.find_trainers(self.home / "jobs")
+
+    def sigkill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def terminate(self, timeout: float = 120) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        self.sigkill()
+        for t in self.trainers():
+            proc.signal_group(t.pid, signal.SIGKILL)
+
+
+def last_step(workdir: Path) -> int:
+    steps = [e["step"] for e in job_events(workdir) if e.get("event") == "step"]
+    return steps[-1] if steps else 0
+
+
+def adapter_file(workdir: Path) -> bytes:
+    return (Path(workdir) / "output" / "adapter_model.safetensors").read_bytes()
+
+
+def lorad_run(job: Path, home: Path, timeout: float = 300) -> Path:
+    """`lorad run JOB --home HOME` to the end (the uninterrupted reference); returns its workdir."""
+    r = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
+                       capture_output=True, text=True, env=child_env(), cwd=str(REPO), timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    name = yaml.safe_load(job.read_text())["name"]
+    return Path(home) / "jobs" / name
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if proc.alive(pid)]
+
+
+def env_without(*keys: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in keys}
