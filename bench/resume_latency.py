@@ -98,7 +98,7 @@ def main() -> int:
     config.write_text(yaml.safe_dump({"allowed_roots": ["{home}", str(REPO), str(tmp), str(job_path.parent)],
                                       "tick_s": 0.1, "power": {"telemetry": {"backend": "off"}},
                                       "allow_root_trainers": os.geteuid() == 0}))  # as root: no trainer user here
-    log = open(tmp / "daemon.system.log", "ab")
+    log = open(tmp / "daemon.log", "ab")
     print(f"job {job_path.name}: {total} steps, checkpoint {interval}; seed {seed}; home {home}")
 
     d = start_daemon(home, config, log)

@@ -19,8 +19,8 @@ YAML
 # or container where the demo runs as root has no such user, so the demo says explicitly that root may train.
 if [ "$(id -u)" = 0 ]; then echo "allow_root_trainers: true   # the demo runs as root" >> "$DEMO/daemon.yaml"; fi
 
-echo "== lorad serve --home $HOME_DIR   (daemon log: $DEMO/daemon.system.log)"
-$LORAD serve --home "$HOME_DIR" --config "$DEMO/daemon.yaml" > "$DEMO/daemon.system.log" 2>&1 &
+echo "== lorad serve --home $HOME_DIR   (daemon log: $DEMO/daemon.log)"
+$LORAD serve --home "$HOME_DIR" --config "$DEMO/daemon.yaml" > "$DEMO/daemon.log" 2>&1 &
 DAEMON=$!
 trap 'kill -TERM $DAEMON 2>/dev/null || true' EXIT
 for _ in $(seq 100); do $LORAD ping --home "$HOME_DIR" >/dev/null 2>&1 && break; sleep 0.2; done

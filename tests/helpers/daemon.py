@@ -81,7 +81,7 @@ class Daemon:
         self.config_path = write_yaml(self.home.parent / f"{self.home.name}-daemon.yaml", config)
         self.env = child_env(**env)
         self.proc: subprocess.Popen | None = None
-        self.log_path = self.home.parent / f"{self.home.name}-daemon.system.log"
+        self.log_path = self.home.parent / f"{self.home.name}-daemon.log"
         self.client = Client(self.home / "lorad.sock", timeout_s=30)
         self.started_at = 0.0
 

@@ -123,7 +123,7 @@ def test_submit_and_the_inbox_refuse_the_same_bad_file_for_the_same_reason_with_
     bad.write_bytes(content)
     code, out, err = run(capsys, "submit", str(bad), "--home", str(daemon.home))
     (daemon.home / "inbox" / "bad.yaml").write_bytes(content)
-    reason = daemon.intake.accept.take(daemon.home / "inbox" / "bad.yaml").error
+    reason = daemon.intake.take(daemon.home / "inbox" / "bad.yaml").error
     assert code == 65 and out == ""
     assert err == f"lorad: invalid job: {reason}\n"
 
@@ -209,7 +209,7 @@ LONG_ERROR = ("trainer exited 1: OSError: [Errno 28] No space left on device whi
 def test_the_note_is_cut_at_a_word_with_an_ellipsis_on_one_line_without_trailing_spaces(capsys, daemon,
                                                                                          monkeypatch):
     jid = daemon.submit("big")
-    daemon.store.db.update(jid, last_error=LONG_ERROR)
+    daemon.store.update(jid, last_error=LONG_ERROR)
     ok = daemon.submit("ok")
     monkeypatch.setenv("COLUMNS", "100")
     code, out, _ = run(capsys, "status", "--home", str(daemon.home))
@@ -236,7 +236,7 @@ def test_shorten_keeps_short_text_and_cuts_long_text_at_a_word():
 
 def test_the_detail_view_shows_a_dash_where_there_is_no_value(capsys, daemon):
     jid = daemon.submit()
-    daemon.store.db.begin_attempt(jid, 0)  # queued → running, attempt 1 (no pid yet)
+    daemon.store.begin_attempt(jid, 0)  # queued → running, attempt 1 (no pid yet)
     code, out, _ = run(capsys, "status", jid, "--home", str(daemon.home))
     rows = dict(ln.split(": ", 1) for ln in out.splitlines() if ": " in ln and not ln.startswith("  #"))
     assert code == 0 and rows["             loss"] == "-" and rows["           s/step"] == "-"
@@ -268,7 +268,7 @@ def test_a_second_submit_of_a_name_in_use_says_so_and_the_name_then_needs_an_id(
         assert code == 1 and out == "", argv
         assert err == (f"lorad: 'short' matches 3 jobs: {third} (queued), {second} (queued), {first} (queued); "
                        "use the id\n"), err
-    assert {j["state"] for j in daemon.store.db.jobs()} == {"queued"}  # nothing was touched
+    assert {j["state"] for j in daemon.store.jobs()} == {"queued"}  # nothing was touched
 
     assert run(capsys, "cancel", first, *home)[:2] == (0, f"{first}: cancelled\n")  # an id is always exact
     assert run(capsys, "cancel", third, *home)[0] == 0
@@ -335,9 +335,9 @@ def test_a_reader_that_stops_early_ends_the_command_quietly(daemon, argv):
 
     jid = daemon.submit()
     for i in range(1500):  # a status table far longer than a pipe's buffer (64 KiB)
-        daemon.store.db.add_job(f"filler-{i:04d}", "filler", daemon.home / "jobs" / f"filler-{i:04d}", 0, 5, "test")
-    daemon.store.db.set_meta("drain", "1")  # a line after the table: a second write after the reader is gone
-    _many_events(Path(daemon.store.db.get(jid)["workdir"]), 10000)
+        daemon.store.add_job(f"filler-{i:04d}", "filler", daemon.home / "jobs" / f"filler-{i:04d}", 0, 5, "test")
+    daemon.store.set_meta("drain", "1")  # a line after the table: a second write after the reader is gone
+    _many_events(Path(daemon.store.get(jid)["workdir"]), 10000)
     argv = [jid if a == "JOB" else a for a in argv]
     # `lorad ... | head -1`: head reads one line and closes the pipe.
     proc = subprocess.Popen([sys.executable, "-m", "daemon.client.cli", *argv, "--home", str(daemon.home)],
