@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-UNIT_SOURCE = Path(__file__).resolve().parents[1] / "systemd" / "lorad.service"
+UNIT_SOURCE = Path(__file__).resolve().parents[2] / "systemd" / "lorad.service"
 UNIT_EXE = "/usr/local/bin/lorad"  # the lorad path in the shipped unit's Exec lines
 CONFIG_PATH = Path("/etc/lorad/daemon.yaml")
 STARTER_CONFIG = """\

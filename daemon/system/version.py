@@ -6,7 +6,7 @@ import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 
 def lorad_version() -> str:
