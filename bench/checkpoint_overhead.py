@@ -78,7 +78,7 @@ def overhead(steps: int, rounds: int, warmup: int, root: Path) -> dict:
     import resource
 
     from engine.config.job import parse_job
-    from engine.run import train
+    from engine.recipe import train
 
     modes = {"none": (None, "19"), "every": (1, "19"), "every-nice0": (1, "0")}
     times: dict[str, list[float]] = {m: [] for m in modes}

@@ -43,7 +43,7 @@ def finished_tiny_job(tmp_path_factory, micro_model):
     Shared read-only: copy it before changing anything.
     """
     from engine.config.job import load_job
-    from engine.run import train
+    from engine.recipe import train
 
     root = tmp_path_factory.mktemp("finished")
     job = root / "tiny.yaml"

@@ -38,7 +38,7 @@ from daemon.client.verbs import (
     fail,
 )
 from daemon.system.paths import default_home
-from daemon.system.version import lorad_version
+from engine.version import lorad_version
 
 EXIT_USAGE = 2  # argparse's own: a mistake in the arguments
 EXIT_INVALID_JOB = 65  # EX_DATAERR, as the trainer's and `lorad submit`'s own validation

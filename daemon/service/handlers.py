@@ -20,8 +20,8 @@ from daemon.intake.accept import recent_rejections
 from daemon.store import states
 from daemon.store.db import AmbiguousJob, Store, UnknownJob
 from daemon.supervisor.scheduling import status_order
-from daemon.system.version import lorad_version
 from engine.errors import JobInvalid
+from engine.version import lorad_version
 
 LOG_CHUNK_BYTES = 256 * 1024
 REJECTIONS_SHOWN = 5  # `lorad status`: the newest inbox rejections ...

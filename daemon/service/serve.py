@@ -40,8 +40,8 @@ from daemon.system import trainer_user
 from daemon.system.lock import AlreadyRunning, HomeLock
 from daemon.system.log import setup as setup_log
 from daemon.system.notify import Notifier
-from daemon.system.version import lorad_version
 from engine.storage.fsio import RealFs, ensure_dir_durable
+from engine.version import lorad_version
 
 EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
 

@@ -76,3 +76,8 @@ def compute_autocast(model_dtype_name: str, adapter_dtype_name: str, device: tor
     if model_dtype == adapter_dtype or model_dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=model_dtype)
+
+
+def trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The adapter's parameters by name: what the optimizer steps and a checkpoint saves."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}

@@ -15,3 +15,8 @@ def torch_dtype(name: str) -> torch.dtype:
 def pick_device() -> torch.device:
     """The GPU when there is one (training and the cache's encoders), else the CPU."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most memory training has held on `device` so far (CUDA), for TensorBoard; None elsewhere."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None

@@ -249,7 +249,7 @@ def test_rendering_samples_does_not_change_training(tiny_flux, flux_job, flux_un
     """Same job without samples, in process: the adapter is bit-identical to the run that rendered them."""
     import yaml
 
-    from engine.run import train
+    from engine.recipe import train
 
     d = yaml.safe_load(flux_job.read_text())
     d["sample"] = {}
@@ -265,13 +265,13 @@ def test_rendering_samples_does_not_change_training(tiny_flux, flux_job, flux_un
 
 @pytest.mark.slow
 def test_the_shipped_tiny_flux_job_runs_to_its_outputs(tmp_path):
-    from engine.run import train
+    from engine.recipe import train
 
     repo = REPO
     cfg = load_job(repo / "configs/examples/flux-lora-tiny.yaml")
     cfg.train.steps = cfg.sample.every_steps = 4  # the shipped keys, fewer steps (CPU time is shared)
     assert train(cfg, tmp_path / "work", progress="none") == 0
-    from engine.run import OUTPUT_STAMP
+    from engine.checkpoint.output import OUTPUT_STAMP
 
     assert sorted(p.name for p in (tmp_path / "work" / "output").iterdir()) == sorted([*OUTPUTS, OUTPUT_STAMP])
     assert (tmp_path / "work" / "samples" / "step-00000004" / "00.png").is_file()
@@ -279,7 +279,7 @@ def test_the_shipped_tiny_flux_job_runs_to_its_outputs(tmp_path):
 
 def test_an_fp8_base_with_activation_checkpointing_trains_and_exports_on_the_cpu(tiny_flux, tmp_path):
     """base_precision: fp8 swaps the frozen linears for FP8 layers (dequantising matmul on a CPU) under the LoRA."""
-    from engine.run import train
+    from engine.recipe import train
     from tests.helpers.images import make_images, write_flux_job
 
     job = write_flux_job(tmp_path / "job.yaml", tiny_flux, make_images(tmp_path / "data"),
@@ -308,7 +308,7 @@ def test_an_fp8_base_with_activation_checkpointing_trains_and_exports_on_the_cpu
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal; on a GPU nf4 loads")
 def test_nf4_on_a_machine_without_a_gpu_is_an_invalid_job_naming_the_key(tiny_flux, tmp_path):
-    from engine.run import train
+    from engine.recipe import train
     from tests.helpers.images import make_images, write_flux_job
 
     job = write_flux_job(tmp_path / "job.yaml", tiny_flux, make_images(tmp_path / "data"),

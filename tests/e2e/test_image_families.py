@@ -1,7 +1,7 @@
 """FLUX.2 and Qwen-Image LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
 
 Each family's killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint half-written, then resumed) runs
-as real processes (engine.run's main) in the background of a module fixture while the same job trains
+as real processes (the trainer's command line, engine/run.py) in the background of a module fixture while the same job trains
 uninterrupted in the test process; the other tests read the uninterrupted run's files. The processes are forked
 from a server that imported the training stack once: a fresh `python -m engine.run` spends most of its life on
 two shared cores importing torch, transformers and diffusers, and this file needs six of them.
@@ -65,7 +65,7 @@ def _tmp_dirs(wd: Path) -> list[Path]:
 
 
 # What every trainer imports before its first step; the fork server imports it once for all six.
-PRELOAD = ["engine.run", "engine.families.image.base", "engine.families.image.flux2", "engine.families.image.qwen_image",
+PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2", "engine.families.image.qwen_image",
            "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
 
@@ -74,7 +74,7 @@ def _engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
     os.environ.update(env)
-    from engine.run import main
+    from tests.helpers.processes import trainer_main as main
 
     sys.exit(main(["--job", job, "--workdir", wd, "--progress", "none"]))
 
@@ -156,7 +156,7 @@ class _Done:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per family: (model dir, job file, uninterrupted workdir, killed-twice future); the chains run meanwhile."""
-    from engine.run import train
+    from engine.recipe import train
 
     root = tmp_path_factory.mktemp("image-families")
     data = make_images(root / "data", IMAGES)
@@ -327,7 +327,7 @@ def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp_path):
     from engine.frozen_base.fp8 import FP8Linear
-    from engine.run import train
+    from engine.recipe import train
     from tests.helpers.jobs import read_events
 
     model_dir, job, reference, _ = runs[family]
@@ -356,7 +356,7 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
 # ------------------------------------------------------------------ samples
 @pytest.mark.parametrize("family", FAMILIES)
 def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(family, runs, tmp_path):
-    from engine.run import train
+    from engine.recipe import train
 
     _model, job, reference, _ = runs[family]
     ref = reference.result(timeout=900)

@@ -19,7 +19,7 @@ import yaml
 
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import load_job, parse_job
-from engine.run import train
+from engine.recipe import train
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, read_events, tiny_job_dict
 from tests.helpers.processes import Trainer, run_engine
 
@@ -217,7 +217,7 @@ def test_a_job_continued_past_its_end_never_calls_the_old_adapter_done(finished_
     must export the new end, not report the older adapter in output/ as done."""
     import errno
 
-    import engine.run as run
+    import engine.recipe as run
 
     job, cfg, workdir, _ = finished_tiny_job
     wd = tmp_path / "continued"

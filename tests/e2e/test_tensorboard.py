@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from engine.config.job import JobInvalid, load_job
-from engine.run import train
+from engine.recipe import train
 from tests.helpers.jobs import (
     QUICKSTART_DATA,
     adapter_bytes,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import runpy
 import signal
 import subprocess
 import sys
@@ -134,3 +135,20 @@ def run_engine(job: Path, workdir: Path, timeout: float = 180.0, **env: str) -> 
     t = Trainer.engine(job, workdir, **env)
     t.wait(timeout)
     return t
+
+
+def trainer_main(argv: list[str]) -> int:
+    """`python -m engine.run ARGV` in this process, returning its exit code.
+
+    engine/run.py is the trainer's command line, not a library (nothing imports it): it runs here as `-m` runs
+    it, as __main__, without the cost of a new interpreter."""
+    saved = sys.argv
+    sys.argv = ["engine.run", *argv]
+    try:
+        runpy.run_module("engine.run", run_name="__main__", alter_sys=False)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+

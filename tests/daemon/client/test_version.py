@@ -8,7 +8,7 @@ import pytest
 import tomllib
 
 from daemon.client.cli import main as lorad
-from daemon.system import version as version_mod
+from engine import version as version_mod
 from tests.helpers.processes import REPO
 
 DECLARED = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
@@ -29,3 +29,10 @@ def test_a_source_tree_that_was_never_installed_reports_its_declared_version_mar
     assert version_mod.lorad_version() == f"{DECLARED}+source"
     monkeypatch.setattr(version_mod, "PYPROJECT", REPO / "no-such-pyproject.toml")
     assert version_mod.lorad_version() == "0+unknown"
+
+
+def test_the_trainer_and_the_client_report_one_version():
+    """The trainer's start event and exported files carry the version the client and daemon show: one rule."""
+    from engine import recipe
+
+    assert recipe.VERSION == version_mod.lorad_version() == version("lorad")

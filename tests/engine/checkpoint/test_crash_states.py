@@ -35,9 +35,9 @@ from typing import Any, Union
 import pytest
 import torch
 
+from engine.checkpoint.state import snapshot
 from engine.checkpoint.store import CheckpointStore, Snapshot
 from engine.config.job import TrainConfig
-from engine.run import snapshot
 from engine.storage.fsio import RealFs
 from engine.training.optim import build_optimizer
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import load_job
-from engine.run import train
+from engine.recipe import train
 from engine.storage.fsio import RealFs
 from tests.helpers.jobs import read_events
 

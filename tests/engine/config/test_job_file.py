@@ -75,7 +75,7 @@ def _one_line(err: str) -> str:
 @pytest.mark.parametrize("case", BAD_KEYS, ids=[c[0] for c in BAD_KEYS])
 def test_each_bad_key_is_exit_65_with_one_line_naming_it(case, tmp_path, micro_model, capsys, keep_signal_handlers):
     from daemon.client.cli import main as lorad
-    from engine.run import main as engine_run
+    from tests.helpers.processes import trainer_main as engine_run
 
     _, key, value, words = case
     job = _bad_job(tmp_path, micro_model, key, value)
@@ -116,7 +116,7 @@ FILE_PROBLEMS = [
 
 @pytest.mark.parametrize("case", FILE_PROBLEMS, ids=[c[0] for c in FILE_PROBLEMS])
 def test_malformed_job_files_are_exit_65(case, tmp_path, capsys, keep_signal_handlers):
-    from engine.run import main as engine_run
+    from tests.helpers.processes import trainer_main as engine_run
 
     _, text, words = case
     job = tmp_path / "job.yaml"
@@ -154,7 +154,7 @@ def test_an_empty_dataset_is_refused_at_load(tmp_path, micro_model, content):
     ids=["too few tokens", "missing text field"],
 )
 def test_data_that_cannot_make_one_sample_is_exit_65_at_start(tmp_path, micro_model, capsys, keep_signal_handlers, lines, words):
-    from engine.run import main as engine_run
+    from tests.helpers.processes import trainer_main as engine_run
 
     data = tmp_path / "small.jsonl"
     data.write_text("\n".join(lines) + "\n")
@@ -250,7 +250,7 @@ def test_a_hub_answer_no_retry_can_change_is_an_invalid_job(tmp_path, micro_mode
     import huggingface_hub.errors as hub_errors
     import transformers
 
-    from engine.run import train
+    from engine.recipe import train
 
     def refuse(*a, **k):
         # how transformers reports it: an OSError raised from the hub's own error
@@ -268,7 +268,7 @@ def test_a_hub_answer_no_retry_can_change_is_an_invalid_job(tmp_path, micro_mode
 def test_a_network_failure_stays_a_crash_the_daemon_retries(tmp_path, micro_model, monkeypatch):
     import transformers
 
-    from engine.run import train
+    from engine.recipe import train
 
     def offline(*a, **k):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files") from ConnectionError()
@@ -305,7 +305,7 @@ def test_model_quantize_contradicting_base_precision_is_refused_naming_both_keys
 
 
 def test_a_contradictory_quantize_is_exit_65_in_one_line(tmp_path, micro_model, capsys, keep_signal_handlers):
-    from engine.run import main as engine_run
+    from tests.helpers.processes import trainer_main as engine_run
 
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(deep_update(tiny_job_dict(micro_model, QUICKSTART_DATA),
@@ -316,7 +316,7 @@ def test_a_contradictory_quantize_is_exit_65_in_one_line(tmp_path, micro_model, 
 
 
 def test_a_run_with_model_quantize_warns_that_the_key_is_deprecated(tmp_path, micro_model, capsys, monkeypatch):
-    import engine.run as run
+    import engine.recipe as run
     from tests.helpers.jobs import read_events
 
     class StopsAtPrepare:

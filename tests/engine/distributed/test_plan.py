@@ -77,7 +77,7 @@ def test_resources_gpus_is_validated_by_name(micro_model, tmp_path):
 
 def test_a_world_size_that_cannot_keep_the_global_batch_exits_65_before_any_rank_waits(
         micro_model, tmp_path, monkeypatch, capsys):
-    from engine.run import train
+    from engine.recipe import train
 
     cfg = tiny_job(micro_model, tmp_path, resources={"gpus": 2})  # global batch 4
     monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun would give rank 0 of 3 processes

@@ -379,7 +379,7 @@ def test_on_gpu_evicted_blocks_give_their_memory_back_during_the_forward():
 
 def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(micro_model, tmp_path):
     from engine.config.job import parse_job
-    from engine.run import train
+    from engine.recipe import train
     from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, read_events, tiny_job_dict
 
     out = {}

@@ -31,7 +31,7 @@ CHILD = textwrap.dedent(f"""
     if sys.argv[1] == "foreground":
         from daemon.client.cli import main
         sys.exit(main(["run", sys.argv[2], "--home", sys.argv[3], "--quiet"]))
-    from engine.run import main
+    from tests.helpers.processes import trainer_main as main
     sys.exit(main(["--job", sys.argv[2], "--workdir", sys.argv[3], "--progress", "json"]))
 """)
 

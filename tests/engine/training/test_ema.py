@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import JobInvalid
+from engine.recipe import train
 from engine.report.events import read_events
-from engine.run import train
 from engine.training.ema import AdapterEMA
 from engine.training.stop import StopFlag
 from tests.helpers.jobs import adapter_bytes, tiny_job

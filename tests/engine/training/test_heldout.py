@@ -8,7 +8,7 @@ import yaml
 
 from engine.config.job import JobInvalid, parse_job
 from engine.families.causal_lm import CausalLM
-from engine.run import main, train
+from engine.recipe import train
 from engine.training.heldout import holdout, sample_generator
 from tests.helpers.fakes import RecLog
 from tests.helpers.images import flux_job_dict, make_images, tiny_flux  # noqa: F401
@@ -20,6 +20,7 @@ from tests.helpers.jobs import (
     tiny_job,
     tiny_job_dict,
 )
+from tests.helpers.processes import trainer_main as main
 
 EVERY_2 = {"path": str(QUICKSTART_DATA), "every_steps": 2, "batches": 2}
 

@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 import yaml
 
+from engine.checkpoint.state import restore_checkpoint, snapshot
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import TrainConfig, load_job, parse_job
 from engine.errors import JobInvalid
+from engine.recipe import train
 from engine.report.events import read_events
-from engine.run import restore_checkpoint, snapshot, train
 from engine.training.optim import (
     build_optimizer,
     eval_weights,

@@ -6,10 +6,11 @@ import json
 
 import torch
 
+from engine.checkpoint.state import restore_checkpoint
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import load_job
 from engine.families.causal_lm import CausalLM
-from engine.run import restore_checkpoint, trainable
+from engine.training.adapters import trainable
 
 
 class _Quiet:

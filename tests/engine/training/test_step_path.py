@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.run import train
+from engine.recipe import train
 from tests.helpers.jobs import read_events, tiny_job
 
 

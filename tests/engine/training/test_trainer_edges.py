@@ -9,8 +9,8 @@ import threading
 
 import torch
 
+from engine.recipe import train
 from engine.report.events import EventLog, read_events
-from engine.run import train
 from engine.training.rng import capture, restore
 from engine.training.stop import StopFlag
 from tests.helpers.jobs import tiny_job

@@ -1,4 +1,8 @@
-"""The lorad version, from the installed package's metadata (pyproject.toml is the one place it is written)."""
+"""The lorad version, from the installed package's metadata (pyproject.toml is the one place it is written).
+
+One rule for the trainer (its `start` event, checkpoints' metadata, the exported files) and the daemon and
+client (`lorad --version`, the ping reply). Imports nothing but the standard library: the client imports it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import re
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
 def lorad_version() -> str:
