@@ -18,7 +18,8 @@ from typing import Any
 from daemon import protocol as p
 from daemon.intake.accept import recent_rejections
 from daemon.store import states
-from daemon.store.db import AmbiguousJob, Store, UnknownJob
+from daemon.store.db import Store
+from daemon.store.errors import AmbiguousJob, UnknownJob
 from daemon.supervisor.scheduling import status_order
 from engine.errors import JobInvalid
 from engine.version import lorad_version

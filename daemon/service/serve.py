@@ -31,8 +31,10 @@ from daemon.service.dashboard import start_dashboard
 from daemon.service.handlers import Context, dispatch
 from daemon.service.recovery import reconcile
 from daemon.service.server import SocketInUse, SocketServer
-from daemon.store.db import Store, StoreUnusable, unusable_reason
+from daemon.store.db import Store
+from daemon.store.errors import StoreUnusable
 from daemon.store.state_files import protect_state_db
+from daemon.store.unusable import unusable_reason
 from daemon.supervisor import devices as devices_mod
 from daemon.supervisor.loop import Supervisor
 from daemon.supervisor.notifications import Notifications

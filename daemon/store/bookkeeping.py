@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from daemon.store import states
-from daemon.store.db import UnknownJob
+from daemon.store.errors import UnknownJob
 
 
 @dataclass

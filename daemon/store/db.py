@@ -9,7 +9,6 @@ socket threads and the supervisor share one connection behind a lock.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import sqlite3
 import threading
@@ -18,126 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.store import states
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    state TEXT NOT NULL,
-    priority INTEGER NOT NULL DEFAULT 0,
-    seq INTEGER NOT NULL,
-    submitted_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    source TEXT,
-    workdir TEXT NOT NULL,
-    retries INTEGER NOT NULL DEFAULT 0,
-    not_before REAL NOT NULL DEFAULT 0,
-    requested TEXT,
-    last_error TEXT,
-    pid INTEGER,
-    pid_start INTEGER,
-    gpu INTEGER,
-    step INTEGER NOT NULL DEFAULT 0,
-    total INTEGER NOT NULL DEFAULT 0,
-    loss REAL,
-    s_per_step REAL,
-    eta_s REAL,
-    last_checkpoint TEXT,
-    checkpoint_step INTEGER,
-    output TEXT,
-    wait_bytes INTEGER,
-    val_loss REAL,
-    val_step INTEGER
-);
-CREATE TABLE IF NOT EXISTS attempts (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL REFERENCES jobs(id),
-    n INTEGER NOT NULL,
-    started_at REAL NOT NULL,
-    ended_at REAL,
-    pid INTEGER,
-    exit_code INTEGER,
-    start_step INTEGER NOT NULL DEFAULT 0,
-    end_step INTEGER,
-    error TEXT
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT,
-    ts REAL NOT NULL,
-    kind TEXT NOT NULL,
-    data TEXT NOT NULL DEFAULT '{}'
-);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, priority, seq);
-CREATE INDEX IF NOT EXISTS attempts_by_job ON attempts(job_id, n);
--- The dashboard's events tail of one job (added later: IF NOT EXISTS builds it once on an older state.db).
-CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
-"""
-
-# Columns added after the first release: (name, declaration), added to an older state.db when it is opened.
-ADDED_COLUMNS = (("wait_bytes", "INTEGER"),  # a job waiting for disk space: how much it needs
-                 ("val_loss", "REAL"), ("val_step", "INTEGER"))  # the last validation loss (data.validation)
-
-# Progress columns a heartbeat may update without a state change.
-PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
-                    "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
-                    "priority", "wait_bytes", "val_loss", "val_step"}
-
-
-class UnknownJob(KeyError):
-    pass
-
-
-class AmbiguousJob(LookupError):
-    """A job reference (a name or an id prefix) that could mean more than one job; `matches` newest first."""
-
-    def __init__(self, ref: str, matches: list[dict[str, Any]]):
-        super().__init__(ref)
-        self.ref = ref
-        self.matches = matches
-
-
-class StoreUnusable(Exception):
-    """state.db cannot be used as it is (corrupt, or locked by another process): restarting will not help."""
-
-
-def unusable_reason(path: Path, e: BaseException) -> str | None:
-    """One line for an SQLite error that a restart cannot cure (a corrupt or locked file); None for any other."""
-    code = getattr(e, "sqlite_errorcode", None)
-    if not isinstance(e, sqlite3.DatabaseError) or code is None:
-        return None
-    primary = code & 0xFF  # extended codes (SQLITE_BUSY_RECOVERY, ...) carry the primary code in the low byte
-    if primary in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
-        return (f"{path} is not a lorad database (corrupt?): move it aside to start fresh "
-                f"— job directories under jobs/ are not touched")
-    if primary in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-        pids = holders(path)
-        who = f"pid {', '.join(map(str, pids))}" if pids else "pid unknown"
-        return f"{path} is locked by another process ({who}): stop it, then start lorad again"
-    return None
-
-
-def holders(path: Path) -> list[int]:
-    """Other processes (that we may look at) with the database, its WAL or its shared memory file open."""
-    names = {str(Path(path).resolve()) + suffix for suffix in ("", "-wal", "-shm", "-journal")}
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{d}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{d}/fd/{fd}") in names:
-                    out.append(int(d))
-                    break
-            except OSError:
-                continue
-    return sorted(out)
+from daemon.store import sql, states
+from daemon.store.errors import AmbiguousJob, StoreUnusable, UnknownJob
+from daemon.store.schema import PROGRESS_COLUMNS, create_or_upgrade
+from daemon.store.unusable import unusable_reason
 
 
 class Store:
@@ -152,11 +35,7 @@ class Store:
             # FULL: a committed transition survives a power cut, not only a process crash.
             self.db.execute("PRAGMA synchronous=FULL")
             self.db.execute("PRAGMA foreign_keys=ON")
-            self.db.executescript(SCHEMA)
-            have = {r["name"] for r in self.db.execute("PRAGMA table_info(jobs)")}
-            for name, decl in ADDED_COLUMNS:
-                if name not in have:
-                    self.db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+            create_or_upgrade(self.db)
             # Take the write lock once: a file another process keeps locked is found now, not at the first job.
             self.db.execute("BEGIN IMMEDIATE")
             self.db.execute("COMMIT")
@@ -173,7 +52,7 @@ class Store:
 
     # ------------------------------------------------------------ helpers
     def _tx(self):
-        return _Tx(self)
+        return sql.Tx(self._lock, self.db)
 
     def new_id(self, name: str) -> str:
         """NAME-xxxx: readable, unique among all jobs ever accepted here."""
@@ -193,7 +72,7 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (job_id, name, states.QUEUED, priority, seq, now, now, source, str(workdir), total),
             )
-            _event(db, job_id, "accepted", {"source": source})
+            sql.add_event(db, job_id, "accepted", {"source": source})
 
     def get(self, job_id: str) -> dict[str, Any]:
         with self._lock:
@@ -257,14 +136,14 @@ class Store:
     def transition(self, job_id: str, src: str | tuple[str, ...], dst: str, reason: str = "", **fields: Any) -> None:
         """Move a job from `src` (or one of several) to `dst`, checked against the table, in one transaction."""
         with self._tx() as db:
-            _transition(db, job_id, src, dst, reason, fields)
+            sql.transition(db, job_id, src, dst, reason, fields)
 
     def begin_attempt(self, job_id: str, start_step: int, **fields: Any) -> int:
         """QUEUED → RUNNING and a new attempt row, in one transaction (both or neither). The attempt's number."""
         with self._tx() as db:
             # A new attempt starts with no stop asked of it: a request is only ever made of a running attempt.
-            _transition(db, job_id, states.QUEUED, states.RUNNING, "trainer starting", {"requested": None, **fields})
-            return _start_attempt(db, job_id, start_step)
+            sql.transition(db, job_id, states.QUEUED, states.RUNNING, "trainer starting", {"requested": None, **fields})
+            return sql.start_attempt(db, job_id, start_step)
 
     def end_run(self, job_id: str, exit_code: int | None, end_step: int, error: str | None,
                 plan: Callable[[dict[str, Any]], tuple[list[tuple[str, str, dict[str, Any]]], Any]]) -> Any:
@@ -279,10 +158,10 @@ class Store:
             if row is None:
                 raise UnknownJob(job_id)
             moves, result = plan(dict(row))
-            _end_attempt(db, job_id, exit_code, end_step, error)
+            sql.end_attempt(db, job_id, exit_code, end_step, error)
             src = states.RUNNING
             for dst, reason, fields in moves:
-                _transition(db, job_id, src, dst, reason, fields)
+                sql.transition(db, job_id, src, dst, reason, fields)
                 src = dst
             return result
 
@@ -297,7 +176,7 @@ class Store:
             n = db.execute("UPDATE jobs SET requested=?, updated_at=? WHERE id=? AND state=?",
                            (what, time.time(), job_id, seen_state)).rowcount
             if n:
-                _event(db, job_id, "requested", {"what": what, "state": seen_state})
+                sql.add_event(db, job_id, "requested", {"what": what, "state": seen_state})
             return n == 1
 
     def update(self, job_id: str, **fields: Any) -> None:
@@ -337,7 +216,7 @@ class Store:
     # ------------------------------------------------------------ events and meta
     def event(self, job_id: str | None, kind: str, **data: Any) -> None:
         with self._tx() as db:
-            _event(db, job_id, kind, data)
+            sql.add_event(db, job_id, kind, data)
 
     def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         with self._lock:
@@ -354,80 +233,3 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?,?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                        (key, value))
-
-
-def _transition(db: sqlite3.Connection, job_id: str, src: str | tuple[str, ...], dst: str, reason: str,
-                fields: dict[str, Any]) -> None:
-    allowed_src = (src,) if isinstance(src, str) else src
-    row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
-    if row is None:
-        raise UnknownJob(job_id)
-    cur = row["state"]
-    if cur not in allowed_src:
-        raise states.IllegalTransition(f"job {job_id} is {cur}, not {' or '.join(allowed_src)}")
-    states.check(cur, dst)
-    sets, vals = ["state=?", "updated_at=?"], [dst, time.time()]
-    for k, v in fields.items():
-        if k not in PROGRESS_COLUMNS:
-            raise ValueError(f"not a job column: {k}")
-        sets.append(f"{k}=?")
-        vals.append(v)
-    db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE id=?", (*vals, job_id))
-    _event(db, job_id, "transition", {"from": cur, "to": dst, "reason": reason})
-
-
-def _start_attempt(db: sqlite3.Connection, job_id: str, start_step: int) -> int:
-    n = db.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM attempts WHERE job_id=?", (job_id,)).fetchone()[0]
-    db.execute("INSERT INTO attempts (job_id, n, started_at, start_step) VALUES (?,?,?,?)",
-               (job_id, n, time.time(), start_step))
-    return n
-
-
-def _end_attempt(db: sqlite3.Connection, job_id: str, exit_code: int | None, end_step: int, error: str | None) -> None:
-    db.execute("UPDATE attempts SET ended_at=?, exit_code=?, end_step=?, error=? WHERE job_id=? AND ended_at IS NULL",
-               (time.time(), exit_code, end_step, error, job_id))
-
-
-def _event(db: sqlite3.Connection, job_id: str | None, kind: str, data: dict[str, Any]) -> None:
-    db.execute("INSERT INTO events (job_id, ts, kind, data) VALUES (?,?,?,?)",
-               (job_id, time.time(), kind, json.dumps(data, default=str)))
-
-
-class _Tx:
-    """BEGIN IMMEDIATE ... COMMIT under the store's lock; ROLLBACK on any exception (a failed COMMIT included).
-
-    A write that fails (disk full, a lock held too long) leaves no transaction open and the lock released, so
-    the next write can succeed once the cause is gone.
-    """
-
-    def __init__(self, store: Store):
-        self.store = store
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.store._lock.acquire()
-        try:
-            self.store.db.execute("BEGIN IMMEDIATE")
-        except BaseException:
-            self.store._lock.release()
-            raise
-        return self.store.db
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                try:
-                    self.store.db.execute("COMMIT")
-                    return
-                except sqlite3.Error:
-                    self._rollback()
-                    raise
-            self._rollback()
-        finally:
-            self.store._lock.release()
-
-    def _rollback(self) -> None:
-        if self.store.db.in_transaction:
-            try:
-                self.store.db.execute("ROLLBACK")
-            except sqlite3.Error:
-                pass  # SQLite rolled it back itself

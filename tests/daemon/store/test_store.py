@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from daemon.store import states
-from daemon.store.db import AmbiguousJob, Store, StoreUnusable, UnknownJob
+from daemon.store.db import Store
+from daemon.store.errors import AmbiguousJob, StoreUnusable, UnknownJob
 
 
 def add(store: Store, name: str = "j", priority: int = 0) -> str:
