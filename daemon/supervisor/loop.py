@@ -10,16 +10,15 @@
     policy      power, schedules, UPS (daemon/power/run_policy.py) → may_start, stop, checkpoint now
     spawn       a free device and the first queued job (priority, then arrival) → a new trainer
 
-One trainer's life (spawn, stdout, heartbeats, hang, reap) is daemon/supervisor/trainer.py; a job whose trainer.lock
+The reap step is daemon/supervisor/reap_path.py, the spawn step daemon/supervisor/start_path.py (both mixed
+into Supervisor). One trainer's life (spawn, stdout, heartbeats, hang, reap) is daemon/supervisor/trainer.py; a job whose trainer.lock
 someone else holds, daemon/supervisor/lock_contention.py; writes retried until they land, daemon/store/bookkeeping.py; what
 systemd is told, daemon/supervisor/systemd_status.py; the clean stop, daemon/supervisor/shutdown.py.
 """
 
 from __future__ import annotations
 
-import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -32,23 +31,20 @@ from daemon.power.run_policy import NullPolicy, Policy
 from daemon.store import states
 from daemon.store.bookkeeping import PendingWrites
 from daemon.store.db import Store
-from daemon.supervisor import cluster, disk_wait, gang, scheduling, trainer
-from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor import disk_wait
 from daemon.supervisor.lock_contention import TrainerLockContention
-from daemon.supervisor.notifications import event_of_exit
+from daemon.supervisor.reap_path import ReapPath
 from daemon.supervisor.shutdown import shut_down
-from daemon.supervisor.stuck import StuckTrainer, StuckTrainers
+from daemon.supervisor.start_path import StartPath
+from daemon.supervisor.stuck import StuckTrainers
 from daemon.supervisor.systemd_status import SystemdReporter, status_line
 from daemon.supervisor.trainer import Child
-from daemon.system import proc
-from daemon.system.lock import write_pid
 from daemon.system.log import job_event
-from engine.training.stop import EXIT_STOPPED
 
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
 
 
-class Supervisor:
+class Supervisor(ReapPath, StartPath):
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
                  intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None):
         self.home = Path(home)
@@ -111,60 +107,7 @@ class Supervisor:
             self.log.info("tick_step_recovered", step=name, failed_ticks=failed[1], last_error=failed[0])
         return True
 
-    # ---------------------------------------------------------------- reap
-    def reap(self) -> None:
-        self.stuck.sweep()
-        for job_id, c in list(self.children.items()):
-            code = c.reap()
-            if code is None:
-                continue
-            self._drain_beats(time.monotonic())
-            # Gone: never signal it again (its pid may belong to someone else soon). Its job stays `running`
-            # in the store until the exit is written, which the pending writes retry until it succeeds.
-            del self.children[job_id]
-            self.pending.add(job_id, c.devices, "trainer exit", lambda c=c, code=code: self._finish(c, code))
-        self.pending.settle_all()
-
-    def _finish(self, c: Child, code: int | None) -> None:
-        error = c.exit_error(code)
-
-        def plan(job: dict[str, Any]):
-            # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
-            # the exit is being written is either seen here or refused afterwards, never lost in between.
-            stop_reason = None if c.stop_reason == "hung" else c.stop_reason
-            if job["requested"] in ("pause", "cancel"):
-                # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
-                # and over an exit the trainer came to on its own just before the stop.
-                stop_reason = job["requested"]
-            elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
-                stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
-            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint)
-            fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
-                                          requested=None, last_error=error if error else job["last_error"])
-            if d.state == states.WAITING:
-                fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
-            if d.state == states.SUCCEEDED:
-                fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
-            if d.retry_in is not None:
-                fields["not_before"] = time.time() + d.retry_in
-            moves = [(d.state, d.reason, fields)]
-            if d.state == states.INTERRUPTED and not self.shutting_down:
-                # Interrupted is a waypoint: back in the queue at once (same transaction), resumed from its
-                # last checkpoint.
-                moves.append((states.QUEUED, "requeued to resume", {}))
-            return moves, d
-
-        d = self.store.end_run(c.job_id, code, c.step, error, plan)
-        level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
-        getattr(self.log, level)("trainer_exited", job=c.job_id, exit=describe_exit(code),
-                     state=d.state, reason=d.reason)
-        job_event(c.workdir, c.job_id, "trainer_exited", level=level, exit_code=code, state=d.state, reason=d.reason,
-                  retry_in_s=d.retry_in)
-        if (what := event_of_exit(d.state, d.reason)) is not None:
-            self._tell(what, c.job_id, c.name, state=d.state, reason=d.reason, step=c.step, total=c.total,
-                       exit_code=code, workdir=str(c.workdir))
-        self._tell_policy("on_job_end", c.job_id, code)
-
+    # ---------------------------------------------------------------- telling others
     def _tell(self, event: str, job_id: str, name: str, **detail: Any) -> None:
         """A notification (webhook / command); only queued here, delivered on the notifier's own thread."""
         if self.notifications is not None:
@@ -197,19 +140,6 @@ class Supervisor:
                 c.pid_recorded = True
             if c.dirty and (now - c.flushed_at >= PROGRESS_FLUSH_S):
                 self._flush(c)
-
-    def _give_up_on(self, c: Child) -> None:
-        """A trainer SIGKILLed kill_wait_s ago that has not exited: listed as stuck, its job settled as a crash.
-
-        Nothing waits for it (daemon/supervisor/stuck.py): its GPUs stay out of scheduling until it is gone, and its job
-        waits on the trainer.lock it still holds.
-        """
-        del self.children[c.job_id]
-        c.last_error = self.stuck.add(StuckTrainer(pid=c.pid, start=c.pid_start, devices=list(c.devices),
-                                                   job_id=c.job_id, workdir=c.workdir,
-                                                   kill_wait_s=self.cfg.kill_wait_s))
-        c.stop_reason = "hung"
-        self.pending.add(c.job_id, c.devices, "trainer exit", lambda c=c: self._finish(c, None))
 
     def _drain_beats(self, now: float) -> None:
         while True:
@@ -317,127 +247,6 @@ class Supervisor:
                 self.log.info("checkpoint_now", job=c.job_id, notes=d.notes)
                 c.signal(signal.SIGUSR1)
         self._checkpoint_now_prev = d.checkpoint_now
-
-    # ---------------------------------------------------------------- spawn
-    def _spawn(self) -> None:
-        if self.shutting_down or not self.may_start or self.store.get_meta("drain") == "1":
-            return
-        busy = {d for c in self.children.values() for d in c.devices} | self.pending.gpus() | self.stuck.devices()
-        tried: set[str] = set()
-        while True:
-            job = self.store.next_queued(time.time())
-            if job is None or job["id"] in tried:
-                return
-            tried.add(job["id"])
-            gpus = gang.job_gpus(Path(job["workdir"]))
-            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
-            if plan.impossible:
-                self._fail_unstartable(job, f"resources.gpus: the job needs {gpus} devices at once and this machine "
-                                            f"has {len(self.devices)} (daemon devices: {self.devices})")
-                continue
-            if (why := cluster.unrunnable(Path(job["workdir"]), self.cfg.cluster)) is not None:
-                self._fail_unstartable(job, why)
-                continue
-            if not plan.starts:
-                # The first in line waits for a whole gang, holding no device; the jobs behind it wait too. If
-                # lower-priority work holds the devices it needs, that work yields (daemon/supervisor/scheduling.py).
-                if len(tried) == 1:
-                    self._preempt_for(job, gpus, busy)
-                return
-            devs = plan.starts[0][1]
-            if self.start(job, devs, gpus):
-                busy |= set(devs)
-            # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
-            # may use these devices; start() left that job out of next_queued's answer.
-
-    def _preempt_for(self, job: dict[str, Any], gpus: int, busy: set) -> None:
-        if not self.cfg.preempt:
-            return
-        prio = {j["id"]: j["priority"] for j in self.store.jobs((states.RUNNING,))}
-        running = [scheduling.Runner(c.job_id, prio.get(c.job_id, 0), len(c.devices), c.started_at,
-                                     stopping=c.stop_reason is not None) for c in self.children.values()]
-        need = 1 if self.devices == [None] else gpus
-        free = len([d for d in self.devices if d not in busy])
-        for jid in scheduling.to_preempt(scheduling.Waiter(job["id"], job["priority"], need), running, free):
-            self.log.info("preempt", job=jid, priority=prio.get(jid, 0), for_job=job["id"], for_priority=job["priority"])
-            self.stop(self.children[jid], f"preempt: yields to {job['id']} (priority {job['priority']})")
-
-    def _fail_unstartable(self, job: dict[str, Any], msg: str) -> None:
-        self.store.transition(job["id"], states.QUEUED, states.FAILED, msg, last_error=msg)
-        self.log.error("job_unstartable", job=job["id"], error=msg)
-        self._tell("failed", job["id"], job["name"], state=states.FAILED, reason=msg, workdir=str(job["workdir"]))
-
-    def start(self, job: dict[str, Any], devs: list[int | None], processes: int = 1) -> bool:
-        """Start a trainer for a queued job on `devs` (its gang) with `processes` ranks. True if one runs now (and
-        is tracked in self.children)."""
-        job_id, workdir = job["id"], Path(job["workdir"])
-        try:
-            lock_fd = self.locks.take(job_id, workdir)
-        except OSError as e:
-            msg = f"cannot use the job directory {workdir}: {e.strerror or e}"
-            self.store.transition(job_id, states.QUEUED, states.FAILED, msg, last_error=msg)
-            self.log.error("job_dir_unusable", job=job_id, error=msg)
-            self._tell("failed", job_id, job["name"], state=states.FAILED, reason=msg, workdir=str(workdir))
-            return False
-        if lock_fd is None:
-            return False  # an earlier trainer holds it: the job waits (lock_contention)
-        try:
-            return self._start_locked(job, devs, processes, lock_fd)
-        finally:
-            os.close(lock_fd)  # a started child has its own copy: it keeps the lock for as long as it lives
-
-    def trainer_command(self, workdir: Path) -> list[str]:
-        return trainer.trainer_command(workdir, self.cfg.job_policy(self.home))
-
-    def _start_locked(self, job: dict[str, Any], devs: list[int | None], processes: int, lock_fd: int) -> bool:
-        job_id, workdir = job["id"], Path(job["workdir"])
-        dev = devs[0]
-        try:
-            # QUEUED → RUNNING and the attempt row: one transaction, so a failed write leaves the job queued.
-            n = self.store.begin_attempt(job_id, job["step"], gpu=dev, not_before=0)
-        except states.IllegalTransition:
-            return False  # paused or cancelled over the socket in the meantime
-        self.locks.started(job_id)
-        env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
-        shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
-        power = trainer.power_section(workdir)
-        try:
-            # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
-            # forwarded to every rank, no rank outliving it).
-            cmd = cluster.launch_command(self.trainer_command(workdir), workdir, processes, self.cfg.cluster)
-            popen = trainer.spawn(cmd, workdir, env, lock_fd, self.cfg)
-        except OSError as e:
-            msg = f"could not start the trainer: {e}"
-            self.log.error("spawn_failed", job=job_id, error=msg)
-            p = self.pending.add(job_id, devs, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
-            self.pending.settle(p)  # if this write fails too, the next tick's reap tries again
-            return False
-        # The trainer runs: track it (and read its stdout) before anything else can fail.
-        c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid,
-                  pid_start=proc.start_time(popen.pid), gpu=dev, attempt=n, start_step=job["step"],
-                  total=job["total"], power=power, step=job["step"], checkpoint_step=job["checkpoint_step"],
-                  devices=devs)
-        self.children[job_id] = c
-        c.start_reader(self.beats, self.wake)
-        try:
-            write_pid(lock_fd, popen.pid)  # so that a refused `lorad run` can name the holder
-        except OSError:
-            pass
-        try:
-            self.store.record_trainer(job_id, n, popen.pid, c.pid_start)
-            c.pid_recorded = True
-        except Exception as e:  # noqa: BLE001 — heartbeats retry it every tick
-            self.log.error("pid_not_recorded", job=job_id, pid=popen.pid, error=f"{type(e).__name__}: {e}")
-        self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev, devices=devs,
-                      processes=processes)
-        job_event(workdir, job_id, "attempt_started", attempt=n, pid=popen.pid, gpu=dev)
-        self._tell_policy("on_job_start", c.running_job())
-        return True
-
-    def _requeue_unstarted(self, job_id: str, step: int, msg: str) -> None:
-        fields = dict(last_error=msg, gpu=None, pid=None, pid_start=None,
-                      not_before=time.time() + self.cfg.backoff_base_s)
-        self.store.end_run(job_id, None, step, msg, lambda job: ([(states.QUEUED, msg, fields)], None))
 
     # ---------------------------------------------------------------- systemd status, shutdown
     def status_line(self) -> str:

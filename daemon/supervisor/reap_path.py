@@ -1,0 +1,90 @@
+"""The supervisor's reap path: a trainer that exited (or outlived SIGKILL) → its job's next state.
+
+Part of the Supervisor (daemon/supervisor/loop.py). The exit is written in one store transaction with the
+job's latest request (daemon/supervisor/exit_policy.py decides the state); until it lands, the pending writes
+(daemon/store/bookkeeping.py) retry it on every tick and the job's devices stay taken.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from daemon.store import states
+from daemon.supervisor import disk_wait
+from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor.notifications import event_of_exit
+from daemon.supervisor.stuck import StuckTrainer
+from daemon.supervisor.trainer import Child
+from daemon.system.log import job_event
+from engine.training.stop import EXIT_STOPPED
+
+
+class ReapPath:
+    """The reap step, and settling the job of a trainer that is gone; mixed into Supervisor."""
+
+    def reap(self) -> None:
+        self.stuck.sweep()
+        for job_id, c in list(self.children.items()):
+            code = c.reap()
+            if code is None:
+                continue
+            self._drain_beats(time.monotonic())
+            # Gone: never signal it again (its pid may belong to someone else soon). Its job stays `running`
+            # in the store until the exit is written, which the pending writes retry until it succeeds.
+            del self.children[job_id]
+            self.pending.add(job_id, c.devices, "trainer exit", lambda c=c, code=code: self._finish(c, code))
+        self.pending.settle_all()
+
+    def _finish(self, c: Child, code: int | None) -> None:
+        error = c.exit_error(code)
+
+        def plan(job: dict[str, Any]):
+            # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
+            # the exit is being written is either seen here or refused afterwards, never lost in between.
+            stop_reason = None if c.stop_reason == "hung" else c.stop_reason
+            if job["requested"] in ("pause", "cancel"):
+                # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
+                # and over an exit the trainer came to on its own just before the stop.
+                stop_reason = job["requested"]
+            elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
+                stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
+            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint)
+            fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
+                                          requested=None, last_error=error if error else job["last_error"])
+            if d.state == states.WAITING:
+                fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
+            if d.state == states.SUCCEEDED:
+                fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
+            if d.retry_in is not None:
+                fields["not_before"] = time.time() + d.retry_in
+            moves = [(d.state, d.reason, fields)]
+            if d.state == states.INTERRUPTED and not self.shutting_down:
+                # Interrupted is a waypoint: back in the queue at once (same transaction), resumed from its
+                # last checkpoint.
+                moves.append((states.QUEUED, "requeued to resume", {}))
+            return moves, d
+
+        d = self.store.end_run(c.job_id, code, c.step, error, plan)
+        level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
+        getattr(self.log, level)("trainer_exited", job=c.job_id, exit=describe_exit(code),
+                     state=d.state, reason=d.reason)
+        job_event(c.workdir, c.job_id, "trainer_exited", level=level, exit_code=code, state=d.state, reason=d.reason,
+                  retry_in_s=d.retry_in)
+        if (what := event_of_exit(d.state, d.reason)) is not None:
+            self._tell(what, c.job_id, c.name, state=d.state, reason=d.reason, step=c.step, total=c.total,
+                       exit_code=code, workdir=str(c.workdir))
+        self._tell_policy("on_job_end", c.job_id, code)
+
+    def _give_up_on(self, c: Child) -> None:
+        """A trainer SIGKILLed kill_wait_s ago that has not exited: listed as stuck, its job settled as a crash.
+
+        Nothing waits for it (daemon/supervisor/stuck.py): its GPUs stay out of scheduling until it is gone, and its job
+        waits on the trainer.lock it still holds.
+        """
+        del self.children[c.job_id]
+        c.last_error = self.stuck.add(StuckTrainer(pid=c.pid, start=c.pid_start, devices=list(c.devices),
+                                                   job_id=c.job_id, workdir=c.workdir,
+                                                   kill_wait_s=self.cfg.kill_wait_s))
+        c.stop_reason = "hung"
+        self.pending.add(c.job_id, c.devices, "trainer exit", lambda c=c: self._finish(c, None))
