@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,46 +26,16 @@ import yaml
 from daemon.config.power import PowerSettings
 from daemon.power.caps import CapManager
 from daemon.power.gpu import Device
+from daemon.power.job_energy import JobEnergy, MeteredJob, event_time
 from daemon.power.run_policy import Decision, RunningJob
 from daemon.power.schedule import Schedule
 from daemon.power.telemetry import TelemetrySampler, open_device
 from daemon.power.telemetry_store import TelemetryStore
-from daemon.power.tuner import Point, Tuner, candidate_limits, choose, job_shape_key, profiling_steps
+from daemon.power.tuner import job_shape_key
 from daemon.power.ups import UpsMonitor
 
-_FLUSH_S = 5.0  # per-job energy is added up in memory and written at most this often (and at job end)
-_HISTORY = 64  # (time, energy) readings kept per GPU to find the energy at a step's own timestamp
 
-
-def _event_time(event: dict[str, Any], now: float) -> float:
-    """The trainer's own timestamp of a heartbeat (it was written before the supervisor's tick read it)."""
-    ts = event.get("ts")
-    if isinstance(ts, str):
-        try:
-            t = datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            return now
-        if now - 30.0 <= t <= now:  # a clock that disagrees with ours: fall back to the arrival time
-            return t
-    return now
-
-
-@dataclass
-class _Job:
-    job: RunningJob
-    gpu: int
-    shape_key: str
-    limit_w: float | None = None  # a fixed per-job cap
-    auto: bool = False
-    max_slowdown: float = 0.10
-    tuner: Tuner | None = None
-    last: tuple[int, float, float] | None = None  # (step, wall time, energy mJ) at the previous heartbeat
-    pending: tuple[float, float, int] = (0.0, 0.0, 0)  # energy J, seconds, steps not yet written
-    flushed_at: float = 0.0
-    metered: bool = True  # False: the job's GPU is not one the telemetry device knows
-
-
-class PowerPolicy:
+class PowerPolicy(JobEnergy):
     def __init__(self, settings: PowerSettings, home: Path, db_path: Path, log: Any,
                  clock: Callable[[], float] = time.time, device: Device | None = None,
                  start_threads: bool = True):
@@ -85,7 +53,7 @@ class PowerPolicy:
         sch = settings.schedule
         self.schedule = Schedule(sch, log) if (sch.run_windows or sch.caps or sch.outages_file) else None
         self.ups = UpsMonitor(settings.ups, log) if settings.ups.enabled else None
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, MeteredJob] = {}
         self.manual: dict[int, float] = {}  # gpu -> W from `lorad power --limit`
         self._said: set[str] = set()
         self.last_notes: list[str] = []
@@ -124,50 +92,13 @@ class PowerPolicy:
             pass
         return "name:" + job.name  # no job file to read: at least jobs of one name share a profile
 
-    def _make_tuner(self, j: _Job, total: int) -> None:
-        assert self.device is not None
-        info = self.device.info(j.gpu)
-        prof = self.store.load_profile(info.name, j.shape_key)
-        if prof is not None and prof["complete"]:
-            j.tuner = Tuner.from_profile(prof["points"], j.max_slowdown)
-            self.log.info("power profile reused", job=j.job.job_id, gpu_model=info.name, shape=j.shape_key,
-                          limit_w=j.tuner.limit_w, simulated=info.simulated)
-            return
-        t = self.s.tuner
-        cands = candidate_limits(info.min_w, info.max_w, total, t.warmup_steps, t.measure_steps,
-                                 t.max_candidates, t.budget_fraction, t.round_w)
-        measured = [Point(**p) for p in prof["points"]] if prof is not None else []
-        j.tuner = Tuner(cands, t.warmup_steps, t.measure_steps, j.max_slowdown, measured)
-        if j.tuner.done and measured:  # every candidate was measured before the interruption
-            j.tuner.chosen = choose(j.tuner.points, j.max_slowdown)
-            self._tuned(j)
-            return
-        if cands:
-            self.log.info("power profiling", job=j.job.job_id, candidates_w=j.tuner.candidates, total_steps=total,
-                          already_measured_w=[p.limit_w for p in measured],
-                          max_profile_steps=profiling_steps(len(j.tuner.candidates), t.warmup_steps, t.measure_steps),
-                          simulated=info.simulated)
-        else:
-            self.log.info("power profiling skipped: job too short for the profiling budget", job=j.job.job_id,
-                          total_steps=total)
-
-    def _flush(self, j: _Job, now: float, force: bool = False) -> None:
-        e, secs, steps = j.pending
-        if steps == 0 or (not force and now - j.flushed_at < _FLUSH_S):
-            return
-        assert self.device is not None
-        info = self.device.info(j.gpu)
-        limit = self.caps.applied.get(j.gpu) if self.caps else None
-        self.store.add_job_energy(j.job.job_id, info.name, info.simulated, e, secs, steps, limit)
-        j.pending, j.flushed_at = (0.0, 0.0, 0), now
-
     # --- the Policy protocol -------------------------------------------------------------------------------
 
     def on_job_start(self, job: RunningJob) -> None:
         with self._lock:
             power = job.power or {}
             lim = power.get("limit_w")
-            j = _Job(job=job, gpu=self._gpu_of(job), shape_key=self._shape_key(job),
+            j = MeteredJob(job=job, gpu=self._gpu_of(job), shape_key=self._shape_key(job),
                      limit_w=float(lim) if isinstance(lim, (int, float)) else None, auto=lim == "auto",
                      max_slowdown=float(power.get("max_slowdown", 0.10)), flushed_at=self.clock())
             self.jobs[job.job_id] = j
@@ -198,7 +129,7 @@ class PowerPolicy:
             # The supervisor reads heartbeats once per tick, up to a tick after the step ended. The step's
             # own timestamp and the energy counter interpolated to it keep the tuner's windows exact.
             self._read_energy(j.gpu)
-            now = _event_time(event, self.clock())
+            now = event_time(event, self.clock())
             energy = self._energy_at(j.gpu, now)
             if j.last is not None and step > j.last[0]:
                 e, secs, n = j.pending
@@ -215,40 +146,6 @@ class PowerPolicy:
                     self._save_partial(j)  # a restart mid-profile measures only the remaining limits
                 if j.tuner.limit_w != before:
                     self._apply_caps(j.gpu)
-
-    def _read_energy(self, gpu: int) -> None:
-        assert self.device is not None
-        self._energy.setdefault(gpu, deque(maxlen=_HISTORY)).append((self.clock(), self.device.energy_mj(gpu)))
-
-    def _energy_at(self, gpu: int, t: float) -> float:
-        """The energy counter at time t, linear between the two readings around it (power is near constant
-        over a tick while training)."""
-        h = list(self._energy[gpu])
-        i = bisect_left([x[0] for x in h], t)
-        if i >= len(h):
-            return h[-1][1]
-        if i == 0 or h[i][0] == t:
-            return h[i][1]
-        (t0, e0), (t1, e1) = h[i - 1], h[i]
-        return e0 + (e1 - e0) * (t - t0) / (t1 - t0)
-
-    def _save_partial(self, j: _Job) -> None:
-        assert self.device is not None and j.tuner is not None
-        info = self.device.info(j.gpu)
-        self.store.save_profile(info.name, j.shape_key, info.default_w, [p.to_dict() for p in j.tuner.points],
-                                info.simulated, complete=False)
-
-    def _tuned(self, j: _Job) -> None:
-        assert self.device is not None and j.tuner is not None
-        info = self.device.info(j.gpu)
-        pts = [p.to_dict() for p in j.tuner.points]
-        self.store.save_profile(info.name, j.shape_key, info.default_w, pts, info.simulated)
-        base, best = j.tuner.points[0], j.tuner.chosen
-        assert best is not None
-        self.log.info("power tuned", job=j.job.job_id, gpu_model=info.name, limit_w=best.limit_w,
-                      j_per_step_saved=round(1 - best.j_per_step / base.j_per_step, 4),
-                      slowdown=round(best.s_per_step / base.s_per_step - 1, 4), points=len(pts),
-                      simulated=info.simulated)
 
     def on_job_end(self, job_id: str, exit_code: int | None) -> None:
         with self._lock:
