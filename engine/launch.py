@@ -82,7 +82,7 @@ def describe_failure(e: BaseException, endpoint: str) -> str:
         first += f" ({type(cause).__name__}: {cause})".splitlines()[0]
     if isinstance(e, RendezvousConnectionError):
         return (f"cannot reach the rendezvous at {endpoint}: is the machine that hosts it up and its daemon running, "
-                f"and is the port open between the machines? (README \"Several machines\") — {first}")
+                f"and is the port open between the machines? (docs/distributed.md, \"Several machines\") — {first}")
     if isinstance(e, RendezvousTimeoutError):
         return (f"the other machines did not join the rendezvous at {endpoint} in time: is the same job file "
                 f"submitted to the daemon of every machine? — {first}")

@@ -1,6 +1,6 @@
 """Jobs that span machines: each machine's daemon runs its part through torchrun's c10d rendezvous.
 
-The same job file is submitted to the daemon of every machine (README "Several machines"). Each daemon
+The same job file is submitted to the daemon of every machine (docs/distributed.md, "Several machines"). Each daemon
 queues it, takes `resources.gpus` of its own devices as a gang, and starts engine.launch with
 
     --nnodes MIN:N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id lorad-NAME-HASH
@@ -67,7 +67,7 @@ def check_submit(job: JobConfig, cluster: ClusterSettings | None, mountinfo: str
         return
     if cluster is None:
         raise JobInvalid(f"resources.nodes: {job.resources.nodes} machines, but this daemon has no `cluster` "
-                         "section (rendezvous, shared_dir) in its config; see README \"Several machines\"")
+                         "section (rendezvous, shared_dir) in its config; see docs/distributed.md, \"Several machines\"")
     shared = Path(cluster.shared_dir)
     if not shared.is_dir():
         raise JobInvalid(f"resources.nodes: cluster.shared_dir {shared} is not a directory on this machine "

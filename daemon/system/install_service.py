@@ -35,7 +35,7 @@ def unit_for(exe: str) -> str:
 def cmd_install_service(args: argparse.Namespace) -> int:
     """Install systemd/lorad.service with ExecStart pointing at this lorad, create group and user, enable it."""
     if not UNIT_SOURCE.is_file():
-        print(f"lorad: {UNIT_SOURCE} not found (install-service needs the source checkout; see README 'The service')",
+        print(f"lorad: {UNIT_SOURCE} not found (install-service needs the source checkout; see docs/service-and-cli.md)",
               file=sys.stderr)
         return 1
     exe = shutil.which("lorad") or str(Path(sys.executable).with_name("lorad"))

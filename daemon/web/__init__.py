@@ -1,1 +1,1 @@
-"""The dashboard and Prometheus endpoint served by `lorad serve` (see README "Dashboard and metrics")."""
+"""The dashboard and Prometheus endpoint served by `lorad serve` (see docs/dashboard-and-metrics.md)."""

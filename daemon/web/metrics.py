@@ -3,7 +3,7 @@
 Nothing here is updated by the supervisor or the trainer: each scrape reads
 state.db (read-only connection) and the running jobs' events.jsonl
 incrementally, so an idle Prometheus costs training nothing and a daemon
-restart loses no metric. Every name is listed in the README ("Metrics").
+restart loses no metric. Every name is listed in docs/dashboard-and-metrics.md ("Metrics").
 """
 
 from __future__ import annotations

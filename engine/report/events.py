@@ -3,7 +3,7 @@
 Every line is one structlog event with a timestamp, a level and an `event`
 name. The supervisor treats every line as a heartbeat (and `phase` lines as the
 phase that sets its hang limit); long phases send `heartbeat` lines so that they
-are not taken for a hang. The schema is documented in README.md ("Events").
+are not taken for a hang. The schema is documented in docs/service-and-cli.md ("Events and logs").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Optimizers, the learning-rate schedule, and a pickle-free form of optimizer state.
 
-`train.optimizer` and what each one wants (README, "Optimizers"):
+`train.optimizer` and what each one wants (docs/precision-and-speed.md, "Optimizers"):
 
     adamw8bit, paged_adamw8bit  bitsandbytes 8-bit AdamW (the default): 2 bytes of state per parameter
     adamw                       torch AdamW, 8 bytes per parameter

@@ -272,7 +272,7 @@ def test_a_second_submit_of_a_name_in_use_says_so_and_the_name_then_needs_an_id(
 
     assert run(capsys, "cancel", first, *home)[:2] == (0, f"{first}: cancelled\n")  # an id is always exact
     assert run(capsys, "cancel", third, *home)[0] == 0
-    # One of them is not finished: the name means that one (README: "Job names and ids").
+    # One of them is not finished: the name means that one (docs/service-and-cli.md: "Job names and ids").
     assert run(capsys, "pause", "short", *home)[:2] == (0, f"{second}: paused\n")
 
 

@@ -89,9 +89,9 @@ def test_trainers_get_sigterm_and_their_grace_whether_the_daemon_is_stopped_or_d
     KillSignal, and SIGKILL only after TimeoutStopSec; a watchdog timeout sends WatchdogSignal to the same."""
     u = unit_settings()
     assert u["KillMode"] == ["control-group"] and u["KillSignal"] == ["SIGTERM"] and u["WatchdogSignal"] == ["SIGTERM"]
-    readme = (REPO / "README.md").read_text()
-    assert "`KillMode=control-group`" in readme and "KillMode=mixed`" not in readme
-    assert "`WatchdogSignal=SIGTERM`" in readme
+    doc = (REPO / "docs" / "service-and-cli.md").read_text()  # the systemd part of the service's page
+    assert "`KillMode=control-group`" in doc and "KillMode=mixed`" not in doc
+    assert "`WatchdogSignal=SIGTERM`" in doc
 
 
 def test_exit_78_is_the_status_systemd_does_not_restart_on():
