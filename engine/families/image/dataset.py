@@ -1,0 +1,165 @@
+"""The image families' data half: the scanned images (and held-out, regularisation images), their single-bucket
+batch order, the cache-backed dataset (text embeddings padded with a mask), and the encoders that fill the cache
+from an ImageModel's own pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.config.job import JobConfig
+from engine.training.dtypes import pick_device, torch_dtype
+
+if TYPE_CHECKING:
+    from engine.families.image.base import ImageModel
+
+
+def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
+    """(records, items, n_train): the image records of data.path trained on and their (image, bucket) items, one
+    per resolution, with their loss masks (data.masks); then the regularisation images' items
+    (data.regularisation; engine/data/image_sets.py); then, after the first n_train, data.validation's items (a
+    fraction of whole images held out by seed, or the images of its own path)."""
+    from engine.data.image_sets import regularisation_items, training_masks
+    from engine.data.images import make_items, scan
+    from engine.training.heldout import holdout
+
+    records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
+    masks = training_masks(cfg, records, log)
+    held = []
+    val = cfg.data.validation
+    if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
+        train, held_i = holdout(len(records), val.fraction, cfg.train.seed)
+        records, held = [records[i] for i in train], [records[i] for i in held_i]
+    elif val is not None:
+        held, masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
+    items = make_items(records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
+    n_train = len(items)
+    return records, items + make_items(held, cfg.data.resolution, masks), n_train
+
+
+def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):
+    """The single-bucket batch order of the first n_train items (all when None; the rest are validation items),
+    logged as the dataset."""
+    from engine.data.images import BucketOrder
+
+    n = len(items) if n_train is None else n_train
+    order = BucketOrder(items[:n], cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
+    buckets = sorted({f"{it.bucket[0]}x{it.bucket[1]}" for it in items})
+    log.info("dataset", images=len(records), samples_per_epoch=len(order), buckets=buckets,
+             captions_missing=sum(r.caption_missing for r in records), masks=sum(it.mask is not None for it in items),
+             regularisation=sum(it.repeats is not None for it in items), validation=len(items) - n)
+    return order
+
+
+class CachedImages:
+    """An image family's dataset: items backed by the cache, in single-bucket batches (the BucketOrder)."""
+
+    def __init__(self, items, order, cache, plan):
+        self.items, self.order, self.cache, self.plan = items, order, cache, plan
+        self.empty = cache.load(plan.empty_text)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def indices_at(self, seed: int, start: int, count: int) -> list[int]:
+        return self.order.indices_at(seed, start, count)
+
+    def latents(self, indices: list[int]) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The cache entries of these items' latents, and the batch's `latents` (and `latents_flip`)."""
+        lat = [self.cache.load(self.plan.item_latent[i]) for i in indices]
+        batch = {"latents": torch.stack([x["latent"] for x in lat])}
+        if "latent_flip" in lat[0]:
+            batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+        return lat, batch
+
+
+class ImageDataset(CachedImages):
+    """FLUX.2 and Qwen-Image batches: text embeddings padded to the batch's longest, with a mask."""
+
+    def collate(self, indices: list[int]) -> dict[str, Any]:
+        _lat, batch = self.latents(indices)
+        texts = [self.cache.load(self.plan.item_text[i])["prompt_embeds"] for i in indices]
+        length = max(max(t.shape[0] for t in texts), self.empty["prompt_embeds"].shape[0])
+        embeds, mask = pad_texts(texts, length)
+        empty, empty_mask = pad_texts([self.empty["prompt_embeds"]], length)
+        return {**batch, "prompt_embeds": embeds, "prompt_mask": mask, "empty_prompt_embeds": empty,
+                "empty_prompt_mask": empty_mask}
+
+
+def pad_texts(texts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L_i, D] embeddings → [B, length, D] zero-padded, and the [B, length] mask of real tokens."""
+    out = texts[0].new_zeros(len(texts), length, texts[0].shape[1])
+    mask = torch.zeros(len(texts), length, dtype=torch.long)
+    for i, t in enumerate(texts):
+        out[i, : t.shape[0]] = t
+        mask[i, : t.shape[0]] = 1
+    return out, mask
+
+
+class ImageData:
+    """The data half every image family shares (FLUX.1's Flux too): the scanned images, their cache and plan, the
+    bucketed dataset built on them (of the family's `dataset_class`), and the dataset hash an export records."""
+
+    dataset_class: type
+    cache = plan = items = records = report = dataset = None
+    n_train: int | None = None  # items[:n_train] are trained on, the rest are data.validation's (FLUX.1); None: all
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log):
+        if self.cache is None:
+            self.prepare(cfg, workdir, log)
+        order = bucket_order(cfg, self.records, self.items, log, self.n_train)
+        self.dataset = self.dataset_class(self.items, order, self.cache, self.plan)
+        return self.dataset
+
+    def dataset_hash(self) -> str:
+        from engine.data.images import dataset_hash
+
+        return dataset_hash(self.records) if self.records else ""
+
+    def export_meta(self, cfg: JobConfig, meta: dict[str, Any]) -> dict[str, Any]:
+        """The export metadata with what the data adds: the trigger and the dataset hash."""
+        return {**meta, "trigger": cfg.data.trigger or "", "dataset_hash": self.dataset_hash()}
+
+
+class PipelineEncoder:
+    """The cache's encoders (engine/families/image/cache.py) for an ImageModel: its own pipeline, no transformer.
+
+    The VAE-only pipeline (for images) and the text-only one (for captions) are opened one after the other
+    and dropped by the cache before the transformer loads.
+    """
+
+    def __init__(self, model: ImageModel, model_path: str, cfg: JobConfig):
+        self.model, self.model_path, self.cfg = model, model_path, cfg
+
+    def _pipeline(self, keep: tuple[str, ...]):
+        from diffusers import DiffusionPipeline
+
+        rev = self.cfg.model.revision
+        components = DiffusionPipeline.load_config(self.model_path, revision=rev)
+        drop = {k: None for k in components if not k.startswith(("_", "scheduler", *keep))}
+        return DiffusionPipeline.from_pretrained(self.model_path, revision=rev, dtype=torch_dtype(self.cfg.model.dtype),
+                                                 **drop)
+
+    def image_encoder(self):
+        device = pick_device()
+        pipe = self._pipeline(("vae",))
+        pipe.vae.to(device).eval()
+        return lambda x: self.model.encode_latents(pipe, x.to(device, pipe.vae.dtype))
+
+    def text_encoder(self):
+        device = pick_device()
+        max_len = self.model.text_max_len(self.model_path, self.cfg.model.revision)
+        pipe = self._pipeline(("text_encoder", "tokenizer", "processor"))
+        encoders = [getattr(pipe, n) for n in pipe.components
+                    if n.startswith("text_encoder") and getattr(pipe, n, None) is not None]
+        need = sum(p.numel() * p.element_size() for e in encoders for p in e.parameters())
+        if device.type == "cuda" and need > 0.9 * torch.cuda.mem_get_info(device)[0]:
+            # An encoder larger than the card (FLUX.2-dev's 24 B Mistral: 48 GB in bf16) streams its layers from
+            # host RAM through diffusers' sequential offload: slow, but once per caption, and then cached.
+            pipe.enable_sequential_cpu_offload(device=device)
+        else:
+            for e in encoders:
+                e.to(device)
+        return lambda text: {"prompt_embeds": self.model.encode_text(pipe, text, max_len, device)}
