@@ -5,15 +5,13 @@ from an ImageModel's own pipeline."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from engine.config.job import JobConfig
+from engine.families.image.model import ImageModel
 from engine.training.dtypes import pick_device, torch_dtype
-
-if TYPE_CHECKING:
-    from engine.families.image.base import ImageModel
 
 
 def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:

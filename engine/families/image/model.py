@@ -1,0 +1,43 @@
+"""ImageModel: what one image model (FLUX.2, Qwen-Image) contributes to an ImageFamily (engine/families/image/base.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.config.job import JobConfig
+
+
+class ImageModel(Protocol):
+    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py)."""
+
+    name: str             # the model.family value
+    default_targets: str  # LoRA targets: a regex over the transformer's module paths
+    fp8_skip: str         # modules kept in the model dtype under base_precision: fp8
+
+    def transformer_class(self) -> type: ...
+
+    def text_max_len(self, model_path: str, revision: str | None) -> int: ...
+
+    def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
+        """[1, 3, H, W] in [-1, 1] → the normalised latent the transformer trains on, [C, h, w]."""
+
+    def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
+        """One caption → its prompt embedding [L, D] through the pipeline's own encode_prompt."""
+
+    def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float: ...
+
+    def predict(self, model, inner, x_t: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor,
+                mask: torch.Tensor, cfg: JobConfig) -> torch.Tensor:
+        """The packed velocity prediction of `model` (the transformer, or its DDP wrapper around `inner`) for noisy
+        latents x_t [B, C, h, w]."""
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] latents → the transformer's token layout (to compare targets with predictions)."""
+
+    def sample_kwargs(self, emb: dict[str, torch.Tensor], empty: dict[str, torch.Tensor], device, dtype,
+                      cfg: JobConfig) -> dict[str, Any]: ...
+
+    def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]: ...
