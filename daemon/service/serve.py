@@ -21,7 +21,9 @@ import sqlite3
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
 from daemon.intake.accept import Intake
@@ -61,6 +63,28 @@ def make_policy(cfg: DaemonConfig, home: Path, store: Store, log):
         return NullPolicy()
 
 
+class CannotStart(Exception):
+    """The daemon cannot start as it is set up: one line for stderr, and the exit code."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Parts:
+    """What serve() puts together, in the order it stops them."""
+
+    store: Store
+    intake: Intake
+    notifier: Notifier
+    policy: Any
+    inbox: InboxWatcher
+    notifications: Notifications
+    sup: Supervisor
+    ctx: Context
+
+
 def serve(home: Path, config_path: str | None) -> int:
     home = Path(home).resolve()
     try:
@@ -76,8 +100,33 @@ def serve(home: Path, config_path: str | None) -> int:
     except AlreadyRunning as e:
         print(f"lorad: {e}", file=sys.stderr)
         return 1
-
     t0 = time.time()
+    try:
+        store = open_store(home, cfg, config_path, log)
+        stop, sups = threading.Event(), []
+        on_signals(stop, sups)
+        parts = build_parts(home, cfg, config_path, store, log, stop, t0)
+        sups.append(parts.sup)
+        server = start_socket(cfg, parts.ctx, log)
+    except CannotStart as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        lock.release()
+        return e.code
+    web = start_dashboard(home, cfg, parts.ctx, log)
+    parts.inbox.start()
+    log.info("ready", socket=str(parts.ctx.socket_path), devices=list(parts.sup.devices),
+             seconds=round(time.time() - t0, 3))
+    parts.notifier.ready(parts.sup.status_line())
+    try:
+        run_loop(parts.sup, stop, cfg.tick_s)
+    finally:
+        stop_parts(parts, server, web, cfg, log, t0)
+        lock.release()
+    return 0
+
+
+def open_store(home: Path, cfg: DaemonConfig, config_path: str | None, log) -> Store:
+    """state.db opened (mode 0640), and the trainer user checked once the store is known to be usable."""
     db_path = home / "state.db"
     try:
         protect_state_db(db_path)
@@ -86,10 +135,7 @@ def serve(home: Path, config_path: str | None) -> int:
     try:
         store = Store(db_path)
     except StoreUnusable as e:
-        print(f"lorad: {e}", file=sys.stderr)
-        lock.release()
-        return EXIT_CONFIG
-
+        raise CannotStart(str(e), EXIT_CONFIG) from None
     try:
         # As root, no job's code runs as root. Checked once the state.db is known to be usable, so that its
         # verdict (exit 78 too) is the one a broken home gets.
@@ -97,13 +143,14 @@ def serve(home: Path, config_path: str | None) -> int:
                 and os.geteuid() == 0:
             log.warning("root_trainers", message="allow_root_trainers: job code runs as root; set trainer_user")
     except ConfigInvalid as e:
-        print(f"lorad: {config_path or 'daemon config'}: {e}", file=sys.stderr)
         store.close()
-        lock.release()
-        return EXIT_CONFIG
+        raise CannotStart(f"{config_path or 'daemon config'}: {e}", EXIT_CONFIG) from None
+    return store
 
-    stop = threading.Event()
-    sups: list[Supervisor] = []
+
+def on_signals(stop: threading.Event, sups: list[Supervisor]) -> None:
+    """SIGTERM and SIGINT stop the loop (and mark the supervisors as shutting down at once); SIGHUP and SIGPIPE
+    are ignored."""
 
     def on_stop(signum, frame) -> None:
         stop.set()
@@ -118,6 +165,10 @@ def serve(home: Path, config_path: str | None) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a closed terminal must not stop training
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
+
+def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: Store, log, stop: threading.Event,
+                t0: float) -> Parts:
+    """Intake, reconcile what the last run left, then the policy, devices, inbox, notifications and supervisor."""
     notifier = Notifier()
     intake = Intake(home, cfg, store, log)
     log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
@@ -125,13 +176,11 @@ def serve(home: Path, config_path: str | None) -> int:
     try:
         reconciled = reconcile(home, cfg, store, log, intake)
     except sqlite3.DatabaseError as e:
-        why = unusable_reason(db_path, e)  # corruption that opening did not see, or a lock taken since
+        why = unusable_reason(home / "state.db", e)  # corruption that opening did not see, or a lock taken since
         if why is None:
             raise
-        print(f"lorad: {why}", file=sys.stderr)
         store.close()
-        lock.release()
-        return EXIT_CONFIG
+        raise CannotStart(why, EXIT_CONFIG) from None
     policy = make_policy(cfg, home, store, log)
     devs = devices_mod.detect(cfg.devices)
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
@@ -139,51 +188,53 @@ def serve(home: Path, config_path: str | None) -> int:
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
                      notifications=notifications)
     sup.shutting_down = stop.is_set()
-    sups.append(sup)
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
         sup.stuck.add(st)
-    sock_path = cfg.socket_path(home)
-    ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0, socket_path=sock_path)
+    ctx = Context(home=home, store=store, intake=intake, supervisor=sup, started_at=t0,
+                  socket_path=cfg.socket_path(home))
+    return Parts(store=store, intake=intake, notifier=notifier, policy=policy, inbox=inbox,
+                 notifications=notifications, sup=sup, ctx=ctx)
+
+
+def start_socket(cfg: DaemonConfig, ctx: Context, log) -> SocketServer:
+    """The control socket, serving requests from now on."""
+    sock_path = ctx.socket_path
     server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,
                           max_request_bytes=cfg.max_request_bytes, timeout_s=cfg.client_timeout_s,
                           max_connections=cfg.max_connections)
     try:
         server.start()
     except SocketInUse as e:
-        print(f"lorad: {e}", file=sys.stderr)
-        lock.release()
-        return 1
+        raise CannotStart(str(e), 1) from None
     except OSError as e:  # a path longer than AF_UNIX allows (107 bytes), a read-only directory, ...
-        print(f"lorad: cannot create the socket at {sock_path}: {e}; set `socket:` in the daemon config",
-              file=sys.stderr)
-        lock.release()
-        return 1
-    web = start_dashboard(home, cfg, ctx, log)
-    inbox.start()
-    log.info("ready", socket=str(sock_path), devices=[d for d in devs], seconds=round(time.time() - t0, 3))
-    notifier.ready(sup.status_line())
+        raise CannotStart(f"cannot create the socket at {sock_path}: {e}; set `socket:` in the daemon config",
+                          1) from None
+    return server
 
+
+def run_loop(sup: Supervisor, stop: threading.Event, tick_s: float) -> None:
+    """A tick, then wait for the next one (or for a trainer's heartbeat to wake it), until stopped."""
+    while not stop.is_set():
+        sup.tick()
+        sup.wake.wait(tick_s)
+        sup.wake.clear()
+
+
+def stop_parts(parts: Parts, server: SocketServer, web, cfg: DaemonConfig, log, t0: float) -> None:
+    """Checkpoint and stop the trainers, then close the socket, dashboard, policy, store and notifiers."""
+    n = len(parts.sup.children)
+    log.info("stopping", trainers=n)
+    parts.notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
+    parts.inbox.stop()
+    parts.sup.shutdown(cfg.stop_grace_s)
+    server.close()
+    if web is not None:
+        web.close()
     try:
-        while not stop.is_set():
-            sup.tick()
-            sup.wake.wait(cfg.tick_s)
-            sup.wake.clear()
-    finally:
-        n = len(sup.children)
-        log.info("stopping", trainers=n)
-        notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
-        inbox.stop()
-        sup.shutdown(cfg.stop_grace_s)
-        server.close()
-        if web is not None:
-            web.close()
-        try:
-            policy.close()
-        except Exception as e:  # noqa: BLE001
-            log.error("policy_close_failed", error=str(e))
-        store.close()
-        notifications.close()  # what is queued gets its chance (a few seconds at most)
-        notifier.close()
-        log.info("stopped", seconds=round(time.time() - t0, 1))
-        lock.release()
-    return 0
+        parts.policy.close()
+    except Exception as e:  # noqa: BLE001
+        log.error("policy_close_failed", error=str(e))
+    parts.store.close()
+    parts.notifications.close()  # what is queued gets its chance (a few seconds at most)
+    parts.notifier.close()
+    log.info("stopped", seconds=round(time.time() - t0, 1))
