@@ -347,7 +347,7 @@ def cleanup(device: torch.device) -> None:
 
 
 def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype: torch.dtype, args) -> Row:
-    from engine.config.job import TrainConfig
+    from engine.config.train import TrainConfig
     from engine.training.optim import build_optimizer
 
     row = Row(shape.name, cfg, rank)

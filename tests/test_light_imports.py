@@ -41,7 +41,7 @@ def test_config_errors_events_and_stop_import_and_validate_jobs_without_the_trai
 
 
 def test_the_dtype_table_covers_exactly_the_dtypes_a_job_may_name():
-    from engine.config.job import ModelConfig
+    from engine.config.model import ModelConfig
     from engine.training.dtypes import DTYPES
 
     assert set(DTYPES) == set(get_args(ModelConfig.model_fields["dtype"].annotation))

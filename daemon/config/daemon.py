@@ -6,15 +6,15 @@ import os
 from pathlib import Path
 from typing import Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from daemon.config.cluster import ClusterSettings
 from daemon.config.notify import NotifySettings
 from daemon.config.power import PowerSettings
 from daemon.config.web import WebSettings
-from engine.config.job import MAX_JOB_FILE_BYTES, describe_errors
+from engine.config.describe import describe_errors
 from engine.config.policy import JobPolicy
+from engine.config.reading import MAX_JOB_FILE_BYTES, YamlProblem, read_yaml
 
 
 class ConfigInvalid(Exception):
@@ -89,8 +89,8 @@ def load_config(path: str | Path | None) -> DaemonConfig:
     if path is None:
         return DaemonConfig()
     try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raw = read_yaml(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, YamlProblem) as e:
         raise ConfigInvalid(f"{path}: cannot read the daemon config: {e}") from None
     try:
         return DaemonConfig.model_validate(raw or {})

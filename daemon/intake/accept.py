@@ -26,14 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from daemon.config.daemon import DaemonConfig
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
-from engine.config.job import JobConfig, decode_job_bytes, dump_job, parse_job
+from engine.config.job import JobConfig, dump_job, parse_job
+from engine.config.reading import decode_job_bytes, load_yaml_text
 from engine.errors import JobInvalid
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
 
@@ -64,43 +63,11 @@ def safe_name(name: str) -> str:
     return s or "job"
 
 
-class _CountingLoader(yaml.SafeLoader):
-    """SafeLoader that refuses documents with more than `max_aliases` aliases (billion-laughs bombs)."""
-
-    max_aliases = 16
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.alias_count = getattr(self, "alias_count", 0) + 1
-            if self.alias_count > self.max_aliases:
-                raise JobInvalid(f"uses more than {self.max_aliases} YAML aliases (*name); "
-                                 "refused as a possible YAML bomb")
-        return super().compose_node(parent, index)
-
-
-def parse_yaml(text: str, source: str, max_aliases: int) -> Any:
-    loader_cls = type("Loader", (_CountingLoader,), {"max_aliases": max_aliases})
-    loader = loader_cls(text)
-    try:
-        return loader.get_single_data()
-    except JobInvalid as e:
-        raise JobInvalid(f"{source}: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise JobInvalid(f"{source}: not valid YAML{where}: {problem}") from None
-    except RecursionError:
-        raise JobInvalid(f"{source}: YAML nested too deeply") from None
-    finally:
-        loader.dispose()
-
-
 def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
     """Everything a job must pass, in order of cost: size, YAML safety, daemon policy, roots, the engine's validator."""
     if len(text.encode("utf-8", errors="replace")) > cfg.max_job_file_bytes:
         raise JobInvalid(f"{source}: job file is larger than the {cfg.max_job_file_bytes}-byte limit")
-    raw = parse_yaml(text, source, cfg.max_yaml_aliases)
+    raw = load_yaml_text(text, source, cfg.max_yaml_aliases)
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
                          f"got {type(raw).__name__}")

@@ -33,27 +33,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.sources import list_images
 from engine.errors import JobInvalid
 
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 MAX_ASPECT = 2.0
-
-
-def list_images(folder: Path) -> list[Path]:
-    folder = Path(folder)
-    return sorted(
-        p for p in folder.rglob("*")
-        if p.is_file() and p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    )
-
-
-def check_image_folder(path: Path, key: str = "data.path") -> None:
-    """Cheap validation at job-load time: a directory that holds at least one image."""
-    path = Path(path)
-    if not path.is_dir():
-        raise JobInvalid(f"{key}: {path} must be a folder of images with same-name .txt captions (model.family flux)")
-    if not list_images(path):
-        raise JobInvalid(f"{key}: {path} contains no images ({', '.join(IMAGE_EXTS)})")
 
 
 def bucket_step(resolution: int) -> int:

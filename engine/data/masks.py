@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.data.images import IMAGE_EXTS, ImageRecord, MaskSource
+from engine.config.sources import IMAGE_EXTS
+from engine.data.images import ImageRecord, MaskSource
 
 ALPHA = "alpha"
 

@@ -17,58 +17,13 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from engine.config.sources import CHAT_FIELD, jsonl_is_chat, txt_files
 from engine.errors import JobInvalid
 
 if TYPE_CHECKING:
     import torch
 
 IGNORE = -100
-CHAT_FIELD = "messages"
-
-
-def _txt_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*.txt") if p.is_file())
-
-
-def _first_text(path: Path, chunk: int = 1 << 16) -> bytes:
-    # Validation runs in the daemon's service loop too: read only until the first non-blank line.
-    head = b""
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            head += block
-            stripped = head.lstrip()
-            if stripped and (b"\n" in stripped or len(head) > (1 << 20)):
-                break
-    return head.lstrip()
-
-
-def jsonl_is_chat(path: Path) -> bool:
-    """Whether a .jsonl file holds conversations (its first line has a `messages` field)."""
-    line = _first_text(path).split(b"\n", 1)[0]
-    try:
-        obj = json.loads(line)
-    except ValueError:
-        return False  # read_documents names the line when it reads the whole file
-    return isinstance(obj, dict) and CHAT_FIELD in obj
-
-
-def check_text_source(path: Path, text_field: str, train_on: str | None = None,
-                      key: str = "data.path") -> None:
-    """Cheap validation at job-load time: the source exists and holds some text (and chat data where needed)."""
-    if path.is_dir():
-        files = _txt_files(path)
-        if not files:
-            raise JobInvalid(f"{key}: {path} contains no .txt files")
-        if all(f.stat().st_size == 0 for f in files):
-            raise JobInvalid(f"{key}: every .txt file in {path} is empty")
-    elif path.suffix not in (".jsonl", ".txt"):
-        raise JobInvalid(f"{key}: {path} must be a .jsonl file, a .txt file or a directory of .txt files")
-    elif not _first_text(path):
-        raise JobInvalid(f"{key}: {path} is empty")
-    if train_on == "completions" and not (path.suffix == ".jsonl" and jsonl_is_chat(path)):
-        where = "data.train_on" if key == "data.path" else f"{key}, data.train_on"
-        raise JobInvalid(f"{where}: completions needs chat data (a .jsonl whose lines have '{CHAT_FIELD}'); "
-                         f"{path.name} is plain text, use data.train_on: all")
 
 
 def read_documents(path: Path, text_field: str) -> list[str] | list[list[dict[str, str]]]:
@@ -77,7 +32,7 @@ def read_documents(path: Path, text_field: str) -> list[str] | list[list[dict[st
 
     path = Path(path)
     if path.is_dir():
-        docs: list[Any] = [f.read_text(encoding="utf-8") for f in _txt_files(path)]
+        docs: list[Any] = [f.read_text(encoding="utf-8") for f in txt_files(path)]
     elif path.suffix == ".txt":
         # Blank lines separate documents in a single .txt file.
         docs = [d for d in path.read_text(encoding="utf-8").split("\n\n")]

@@ -47,7 +47,7 @@ def peft_config(lora, targets, task_type: str | None = None):
 def check_base_precision(lora, precision: str) -> None:
     """DoRA needs the base weight as a float tensor (peft takes its norm); an FP8 base has none to give."""
     if lora.type == "dora" and precision == "fp8":
-        from engine.config.job import JobInvalid
+        from engine.errors import JobInvalid
 
         raise JobInvalid("lora.type, model.base_precision: dora computes the norm of the base weights, which an "
                          "fp8 base does not hold as floats (auto picks fp8 on GPUs with FP8 tensor cores); "

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config.job import TrainConfig
+from engine.config.train import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@
     scao                        the `scao` package: AdamW fed with Kronecker-preconditioned gradients after
                                 its own curvature warm-up, curvature kept as int8 (use_int8_ema)
 
-`train.optimizer_args` passes the constructor arguments listed in OPTIMIZER_ARGS (engine/config/job.py);
+`train.optimizer_args` passes the constructor arguments listed in OPTIMIZER_ARGS (engine/config/train.py);
 the ones left out keep the library's defaults.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.config.job import TrainConfig
+from engine.config.train import TrainConfig
 
 # Prodigy's own advice: lr 1.0 (0.5 for a gentler run); an lr meant for AdamW (1e-4) leaves it barely moving.
 PRODIGY_MIN_SENSIBLE_LR = 0.1

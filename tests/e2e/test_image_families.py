@@ -381,7 +381,8 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("flux2", {"data": {"validation": {"fraction": 0.5}}}, ["data.validation", "only for model.family flux"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
-    from engine.config.job import JobInvalid, parse_job
+    from engine.config.job import parse_job
+    from engine.errors import JobInvalid
 
     data = make_images(tmp_path / "data", IMAGES[:1])
     d = job_dict(family, f"builtin:tiny-{family.replace('_', '-')}", data, **over)

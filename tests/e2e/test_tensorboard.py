@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.config.job import JobInvalid, load_job
+from engine.config.job import load_job
+from engine.errors import JobInvalid
 from engine.recipe import train
 from tests.helpers.jobs import (
     QUICKSTART_DATA,

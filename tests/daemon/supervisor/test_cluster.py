@@ -21,7 +21,8 @@ from daemon.supervisor.cluster import (
     unrunnable,
 )
 from daemon.supervisor.trainer import trainer_command
-from engine.config.job import JobInvalid, dump_job
+from engine.config.job import dump_job
+from engine.errors import JobInvalid
 from tests.helpers.jobs import QUICKSTART_DATA, deep_update, tiny_job, tiny_job_dict
 
 MOUNTINFO = """\

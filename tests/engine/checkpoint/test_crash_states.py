@@ -37,7 +37,7 @@ import torch
 
 from engine.checkpoint.state import snapshot
 from engine.checkpoint.store import CheckpointStore, Snapshot
-from engine.config.job import TrainConfig
+from engine.config.train import TrainConfig
 from engine.storage.fsio import RealFs
 from engine.training.optim import build_optimizer
 

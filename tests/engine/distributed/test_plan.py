@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config.job import JobInvalid
 from engine.distributed.ddp import World, micro_positions, plan_grad_accum, seed_micro_batch
+from engine.errors import JobInvalid
 from engine.launch import job_exit_code
 from tests.helpers.jobs import tiny_job
 

@@ -204,7 +204,7 @@ def test_fp8_job_runs_end_to_end_and_resumes_bit_exactly_after_sigterm(fp8_job, 
 def test_optimizer_state_round_trips_a_checkpoint_bit_exactly(opt, tmp_path):
     from engine.checkpoint.state import restore_checkpoint, snapshot
     from engine.checkpoint.store import CheckpointStore
-    from engine.config.job import TrainConfig
+    from engine.config.train import TrainConfig
     from engine.training.optim import build_optimizer
 
     train = TrainConfig(optimizer=opt, lr=1e-2, weight_decay=0.01)

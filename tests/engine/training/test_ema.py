@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.checkpoint.store import CheckpointStore
-from engine.config.job import JobInvalid
+from engine.errors import JobInvalid
 from engine.recipe import train
 from engine.report.events import read_events
 from engine.training.ema import AdapterEMA

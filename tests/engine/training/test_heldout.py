@@ -6,7 +6,8 @@ import pytest
 import torch
 import yaml
 
-from engine.config.job import JobInvalid, parse_job
+from engine.config.job import parse_job
+from engine.errors import JobInvalid
 from engine.families.causal_lm import CausalLM
 from engine.recipe import train
 from engine.training.heldout import holdout, sample_generator

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from engine.config.job import TrainConfig
+from engine.config.train import TrainConfig
 from engine.training.lr_schedule import LrPlan, resume_plan
 
 

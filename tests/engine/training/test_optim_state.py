@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from engine.config.job import TrainConfig
+from engine.config.train import TrainConfig
 from engine.training.optim import build_optimizer, join_tree, split_tree
 
 

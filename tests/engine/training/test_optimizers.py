@@ -14,7 +14,8 @@ import yaml
 
 from engine.checkpoint.state import restore_checkpoint, snapshot
 from engine.checkpoint.store import CheckpointStore
-from engine.config.job import TrainConfig, load_job, parse_job
+from engine.config.job import load_job, parse_job
+from engine.config.train import TrainConfig
 from engine.errors import JobInvalid
 from engine.recipe import train
 from engine.report.events import read_events

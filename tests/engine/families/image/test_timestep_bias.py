@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config.job import TimestepBias, parse_job
+from engine.config.job import parse_job
+from engine.config.train import TimestepBias
 from engine.errors import JobInvalid
 from engine.families.image.flux import SCHEDULER_DEFAULTS, sample_sigmas
 from tests.helpers.images import flux_job_dict

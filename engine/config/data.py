@@ -1,0 +1,73 @@
+"""data: what a job trains on; text keys for causal_lm, image keys for the image families."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, Strict, key
+
+
+class MaskConfig(Strict):
+    """flux only: a per-image loss mask (engine/data/masks.py): a folder of same-name masks, or the alpha channel."""
+
+    path: str | None = None
+    alpha: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (not self.alpha):
+            raise ValueError("give exactly one of path (a folder of masks named like the images) or alpha: true")
+        return self
+
+
+class RegularisationConfig(Strict):
+    """flux only: a second image folder (class images, own captions) mixed into the order with its own loss weight."""
+
+    path: str
+    weight: float = Field(1.0, gt=0.0, le=100.0)
+    repeats: int = Field(1, ge=1, le=10000)
+
+
+class ValidationConfig(Strict):
+    """A fixed validation set, its loss reported every_steps (engine/training/heldout.py).
+
+    Validation only reads the weights; a held-out fraction changes the training set, so only it is identity.
+    """
+
+    path: str | None = key(None, identity=False)  # a separate dataset in data.path's format
+    fraction: float | None = Field(None, gt=0.0, lt=1.0)  # or this share of data.path, held out by train.seed
+    every_steps: int = key(100, ge=1, le=10_000_000, identity=False)
+    # batches of train.batch_size samples per evaluation; null = the whole set
+    batches: int | None = key(None, ge=1, identity=False)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.fraction is None):
+            raise ValueError("give exactly one of path (a separate dataset) or fraction (held out of data.path)")
+        return self
+
+
+class DataConfig(Strict):
+    path: str = Field(description="a .jsonl file, a .txt file, or a directory of .txt files (causal_lm); a folder of images (flux)")
+    # causal_lm only
+    text_field: str = key("text", families=LM)
+    seq_len: int = key(256, ge=8, le=131072, families=LM)
+    packing: bool = key(True, families=LM)
+    # Which tokens carry the loss: completions = the assistant turns of chat data (its default), all = every token
+    # (the only choice, and the default, for plain text). Unset = by the data's format.
+    train_on: Literal["completions", "all"] | None = key(None, families=LM)
+    # image families only (engine/data/images.py): aspect-ratio buckets around each resolution, captions from
+    # IMAGE.<caption_ext>
+    resolution: list[Annotated[int, Field(ge=32, le=4096)]] = key(default_factory=lambda: [512], min_length=1,
+                                                                  families=IMAGE_FAMILIES)
+    trigger: str | None = key(None, max_length=200, families=IMAGE_FAMILIES)
+    caption_ext: str = key("txt", pattern=r"^[A-Za-z0-9_]{1,16}$", families=IMAGE_FAMILIES)
+    caption_dropout: float = key(0.0, ge=0.0, le=1.0, families=IMAGE_FAMILIES)
+    flip: bool = key(False, families=IMAGE_FAMILIES)
+    repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
+    # FLUX.1's so far: the other image families do not read these yet
+    masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES, read_by=("flux",))
+    regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES, read_by=("flux",))
+    validation: ValidationConfig | None = key(None, read_by=("causal_lm", "flux"), identity=PARTS)

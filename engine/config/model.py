@@ -1,0 +1,26 @@
+"""model: the base model a job trains a LoRA on."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from engine.config.declare import Strict
+
+
+class ModelConfig(Strict):
+    family: Literal["causal_lm", "flux", "flux2", "qwen_image"] = "causal_lm"
+    path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    # Deprecated: the older spelling of base_precision: nf4. Kept as written (not rewritten into base_precision)
+    # because the identity hash covers the keys as written: checkpoints of old job files must still resume.
+    quantize: Literal["nf4"] | None = None
+    base_precision: Literal["auto", "bf16", "fp8", "nf4", "int8"] = "auto"
+    trust_remote_code: bool = False
+
+    @property
+    def effective_base_precision(self) -> str:
+        """base_precision, with the deprecated quantize: nf4 mapped onto it: what the families load."""
+        return "nf4" if self.quantize == "nf4" else self.base_precision

@@ -1,0 +1,85 @@
+"""A job's paths: made absolute against the job file's directory, then checked to exist and hold the right data."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
+from engine.config.declare import IMAGE_FAMILIES
+from engine.config.sources import check_image_folder, check_text_source
+from engine.errors import JobInvalid
+
+if TYPE_CHECKING:
+    from engine.config.schema import JobConfig
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def looks_like_hub_id(p: str) -> bool:
+    return bool(HUB_ID.match(p)) and not p.startswith((".", "/", "~"))
+
+
+def _resolve(p: str, base_dir: Path) -> str:
+    path = Path(p).expanduser()
+    if not path.is_absolute():
+        path = (base_dir / path).resolve()
+    return str(path)
+
+
+def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
+    """Relative paths against base_dir, so the normalised job (jobs/ID/job.yaml) is self-contained."""
+    mp = cfg.model.path
+    if not mp.startswith(BUILTIN_PREFIX):
+        local = Path(_resolve(mp, base_dir))
+        if local.exists() or not looks_like_hub_id(mp):
+            cfg.model.path = str(local)
+    cfg.data.path = _resolve(cfg.data.path, base_dir)
+    if cfg.data.masks is not None and cfg.data.masks.path is not None:
+        cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
+    if cfg.data.regularisation is not None:
+        cfg.data.regularisation.path = _resolve(cfg.data.regularisation.path, base_dir)
+    if cfg.data.validation is not None and cfg.data.validation.path is not None:
+        cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
+
+
+def _check_model_path(mp: str) -> None:
+    if mp.startswith(BUILTIN_PREFIX):
+        name = mp[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise JobInvalid(f"model.path: unknown built-in model {name!r} (available: {', '.join(BUILTIN_MODELS)})")
+    elif Path(mp).is_absolute():
+        if not Path(mp).exists():
+            raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
+        if not Path(mp).is_dir():
+            raise JobInvalid(f"model.path: {mp} is not a directory")
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """Every path the trainer reads exists and holds what the family reads; JobInvalid at the first that does not."""
+    mp = cfg.model.path
+    _check_model_path(mp)
+    dp = Path(cfg.data.path)
+    if not dp.exists():
+        raise JobInvalid(f"data.path: {dp} does not exist")
+    val_path = Path(cfg.data.validation.path) if cfg.data.validation and cfg.data.validation.path else None
+    if val_path is not None and not val_path.exists():
+        raise JobInvalid(f"data.validation.path: {val_path} does not exist")
+    if cfg.model.family == "causal_lm":
+        if Path(mp).is_absolute() and not (Path(mp) / "config.json").is_file():
+            raise JobInvalid(f"model.path: {mp} holds no transformers model (no config.json)")
+        check_text_source(dp, cfg.data.text_field, cfg.data.train_on)
+        if val_path is not None:
+            check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
+    elif cfg.model.family in IMAGE_FAMILIES:
+        if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
+            what = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image"}[cfg.model.family]
+            raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
+        check_image_folder(dp)
+        if cfg.data.masks is not None and cfg.data.masks.path is not None and not Path(cfg.data.masks.path).is_dir():
+            raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")
+        if cfg.data.regularisation is not None:
+            check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
+        if val_path is not None:
+            check_image_folder(val_path, key="data.validation.path")
