@@ -103,7 +103,7 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
             assert got is not None, "no loss curve on the page"
             return int(got[0]), len(got[1].split())
 
-        browser.get(d.cli("web-url").stdout.strip())  # the token once; a cookie from then on
+        browser.get(d.cli("web-url", real=True).stdout.strip())  # the token once; a cookie from then on
         assert browser.current_url.endswith("/jobs") and "token" not in browser.current_url
         assert "running" in shown(f"tr[data-job='{job_id}']")
         browser.save_screenshot(str(SHOTS / "1-jobs.png"))

@@ -10,7 +10,6 @@ import urllib.request
 import pytest
 
 from daemon import protocol as p
-from daemon.client.connection import RequestFailed
 from tests.helpers.daemon import Daemon, fast_config
 
 
@@ -26,7 +25,7 @@ def test_serve_starts_the_dashboard_and_web_url_signs_a_browser_in(tmp_path):
         bad.start(wait=False)
         good.wait_ready()
         bad.wait_ready()
-        url = good.cli("web-url").stdout.strip()
+        url = good.cli("web-url", real=True).stdout.strip()
         assert url.startswith("http://127.0.0.1:") and "?token=" in url and ":0/" not in url
         assert good.call(p.WebUrl())["url"] == url
         jar = http.cookiejar.CookieJar()
@@ -46,7 +45,7 @@ def test_serve_starts_the_dashboard_and_web_url_signs_a_browser_in(tmp_path):
         assert (good.home / "web.token").stat().st_mode & 0o077 == 0
 
         # An address in use: the daemon says so and keeps running without the dashboard.
-        with pytest.raises(RequestFailed, match="dashboard is not running"):
+        with pytest.raises(p.ProtocolError, match="dashboard is not running"):
             bad.call(p.WebUrl())
         assert "web_unavailable" in bad.log()
         assert good.terminate() == 0 and bad.terminate() == 0

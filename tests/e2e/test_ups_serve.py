@@ -109,7 +109,7 @@ def test_without_nvml_the_daemon_serves_and_says_telemetry_unavailable_once(tmp_
     cfg = fast_config(tmp_path, power={})  # the default: telemetry.backend nvml
     d = Daemon(tmp_path / "home", cfg).start()
     try:
-        out = d.cli("power")
+        out = d.cli("power", real=True)  # the real CLI process
         assert "telemetry unavailable" in out.stdout
         time.sleep(1.0)  # a few ticks
         assert d.log().count('"telemetry unavailable"') == 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import signal
 import subprocess
@@ -134,10 +137,15 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is not None:
             raise AssertionError(f"lorad serve exited {self.proc.returncode}:\n{self.log()[-3000:]}")
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        """The real `lorad` CLI against this daemon."""
-        r = subprocess.run([PY, "-m", "daemon.client.cli", *args, "--home", str(self.home)], capture_output=True, text=True,
-                           env=self.env, cwd=str(REPO), timeout=60)
+    def cli(self, *args: str, check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
+        """The `lorad` CLI against this daemon: in this process (its imports cost ~1 s a call as a child), or with
+        real=True as `python -m daemon.client.cli`, the process a user runs."""
+        argv = [*args, "--home", str(self.home)]
+        if real:
+            r = subprocess.run([PY, "-m", "daemon.client.cli", *argv], capture_output=True, text=True,
+                               env=self.env, cwd=str(REPO), timeout=60)
+        else:
+            r = cli_in_process(argv, self.env)
         if check and r.returncode != 0:
             raise AssertionError(f"lorad {' '.join(args)} exited {r.returncode}: {r.stderr}")
         return r
@@ -161,6 +169,36 @@ class Daemon:
             proc.signal_group(t.pid, signal.SIGKILL)
 
 
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """os.environ is `env` inside the block (what a child given env= would see), the test's own again after."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def cli_in_process(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """daemon.client.cli.main(argv) with its stdout, stderr and exit code caught, as a child's would be."""
+    from daemon.client.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    # A child's stdout is a pipe, not a terminal: without COLUMNS its tables are 120 wide (shutil's fallback).
+    env = {"COLUMNS": "120", **env}
+    with environment(env), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's usage errors and --help
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+    return subprocess.CompletedProcess(["lorad", *argv], code or 0, out.getvalue(), err.getvalue())
+
+
 def last_step(workdir: Path) -> int:
     steps = [e["step"] for e in job_events(workdir) if e.get("event") == "step"]
     return steps[-1] if steps else 0
@@ -170,13 +208,21 @@ def adapter_file(workdir: Path) -> bytes:
     return (Path(workdir) / "output" / "adapter_model.safetensors").read_bytes()
 
 
+# The uninterrupted reference runs of this pytest session, by job (a run is a cold trainer: ~10 s or more here).
+_REFERENCE_RUNS: dict[str, Path] = {}
+
+
 def lorad_run(job: Path, home: Path, timeout: float = 300) -> Path:
-    """`lorad run JOB --home HOME` to the end (the uninterrupted reference); returns its workdir."""
+    """`lorad run JOB --home HOME` to the end (the uninterrupted reference); returns its workdir. Runs once per
+    session for each job: a later call with the same job (same file content) gets the first run's workdir."""
+    key = json.dumps(yaml.safe_load(job.read_text()), sort_keys=True)
+    if key in _REFERENCE_RUNS:
+        return _REFERENCE_RUNS[key]
     r = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
                        capture_output=True, text=True, env=child_env(), cwd=str(REPO), timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
-    name = yaml.safe_load(job.read_text())["name"]
-    return Path(home) / "jobs" / name
+    _REFERENCE_RUNS[key] = Path(home) / "jobs" / json.loads(key)["name"]
+    return _REFERENCE_RUNS[key]
 
 
 def pids_alive(pids: list[int]) -> list[int]:
