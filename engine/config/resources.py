@@ -15,11 +15,11 @@ class PowerConfig(Strict):
 
 
 class ResourcesConfig(Strict):
-    """The devices one job trains on (engine/distributed/ddp.py, README "Several GPUs")."""
+    """The devices one job trains on (engine/distributed/ddp.py, docs/distributed.md)."""
 
     # Processes per machine, one per GPU (on a machine without a GPU, CPU processes through gloo).
     gpus: int = Field(1, ge=1, le=64)
-    # Machines the job spans (torchrun's rendezvous joins them; README "Several machines").
+    # Machines the job spans (torchrun's rendezvous joins them; docs/distributed.md, "Several machines").
     nodes: int = Field(1, ge=1, le=64)
     # The fewest machines it may go on with when one is lost (torchrun --nnodes MIN:MAX); null = nodes.
     min_nodes: int | None = Field(None, ge=1, le=64)
