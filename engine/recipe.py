@@ -1,11 +1,9 @@
 """The training recipe: set up → resume → loop (step, report, samples, save, stop) → final checkpoint → export.
 
-`python -m engine.run` (engine/run.py) is how the daemon starts a trainer and `lorad run` calls `train()` in
-the foreground with a progress bar; both end here. Running it again after any interruption resumes from the
-newest checkpoint that verifies. The parts it is made of live in their packages (checkpoints in
-engine/checkpoint/, the model families in engine/families/, ranks in engine/distributed/ ...); this module only
-puts them in order.
-"""
+`python -m engine.run` (engine/run.py) is how the daemon starts a trainer, and `lorad run` calls `train()` in the
+foreground with a progress bar. Running it again after any interruption resumes from the newest checkpoint that
+verifies. Its parts live in their packages (engine/checkpoint/, engine/families/, engine/distributed/ ...): this
+module only puts them in order."""
 
 from __future__ import annotations
 
@@ -22,11 +20,12 @@ import torch
 
 from engine.checkpoint.cadence import SaveCadence
 from engine.checkpoint.output import export_output, output_step
+from engine.checkpoint.position import Position
 from engine.checkpoint.saving import commit_now, save_if_due
 from engine.checkpoint.state import restore_checkpoint, snapshot
-from engine.checkpoint.store import AsyncCheckpointer, CheckpointStore, Snapshot
+from engine.checkpoint.store import CheckpointStore, Snapshot
+from engine.checkpoint.writer import AsyncCheckpointer
 from engine.config.job import JobConfig
-from engine.data.order import Cursor
 from engine.distributed.ddp import (
     BatchShare,
     Ranks,
@@ -60,7 +59,7 @@ from engine.training.dtypes import peak_memory_gib, pick_device
 from engine.training.ema import AdapterEMA
 from engine.training.heldout import due as validation_due
 from engine.training.heldout import evaluate
-from engine.training.lr_schedule import LrPlan, resume_plan
+from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
 from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
@@ -220,27 +219,6 @@ def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLo
 
 
 # ----------------------------------------------------------------------------------------------------- resume
-@dataclass
-class Position:
-    """Where training stands: what a checkpoint records besides the weights, the optimizer and the RNGs."""
-
-    step: int = 0
-    consumed: int = 0  # samples drawn, over all epochs: the data order's cursor
-    train_seconds: float = 0.0
-    lr_plan: LrPlan | None = None  # None: the schedule of train.steps (engine/training/lr_schedule.py)
-    shards: Path | None = None  # resumed from a sharded checkpoint: its shards, still to be loaded by every rank
-
-    def lr(self, cfg: JobConfig) -> float:
-        return (self.lr_plan or LrPlan.fresh(cfg.train)).lr_at(self.step, cfg.train)
-
-    def state(self, dataset_size: int, cfg: JobConfig) -> dict[str, Any]:
-        c = Cursor(self.consumed, dataset_size)
-        return {"step": self.step, "samples_consumed": self.consumed, "epoch": c.epoch, "position": c.position,
-                "dataset_size": dataset_size, "train_seconds": self.train_seconds,
-                "config_hash": cfg.identity_hash(),
-                "lr_plan": (self.lr_plan or LrPlan.fresh(cfg.train)).to_state()}
-
-
 def resume(run: Run, cfg: JobConfig, log: EventLog, progress: str, t_start: float) -> Position:
     """Load the newest checkpoint that verifies into the parameters, optimizer and generator; where to go on from."""
     loaded, skipped = run.store.load_latest(run.ranks.is_main)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from engine.checkpoint.cadence import SLOW_SAVE, Save, SaveCadence
-from engine.checkpoint.store import CheckpointStore, SaveResult, Snapshot
+from engine.checkpoint.store import CheckpointStore, Snapshot
+from engine.checkpoint.writer import SaveResult
 from engine.errors import DiskError
 from engine.report.tensorboard import TrainingBoard
 from engine.storage.fsio import is_disk_full

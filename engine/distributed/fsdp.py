@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 import torch
 
 from engine.checkpoint.cadence import Save
-from engine.checkpoint.store import SHARDS, CheckpointStore, SaveResult, Snapshot, step_dir_name
+from engine.checkpoint.store import SHARDS, CheckpointStore, Snapshot, step_dir_name
+from engine.checkpoint.writer import SaveResult
 from engine.training.rng import capture
 
 
@@ -114,7 +115,7 @@ def rng_snapshot(step: int, generator: torch.Generator, state: dict[str, Any]) -
 
 @dataclass
 class ShardedCheckpointer:
-    """AsyncCheckpointer's interface (engine/checkpoint/store.py) for sharded saves, which every rank writes, at once."""
+    """AsyncCheckpointer's interface (engine/checkpoint/writer.py) for sharded saves, which every rank writes, at once."""
 
     store: CheckpointStore
     ranks: Any  # engine.distributed.ddp.Ranks

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine.checkpoint.host_copy import CopyDone, to_host
-from engine.checkpoint.store import AsyncCheckpointer, CheckpointStore, Snapshot
+from engine.checkpoint.store import CheckpointStore, Snapshot
+from engine.checkpoint.writer import AsyncCheckpointer
 
 
 class CopyInFlight(CopyDone):
