@@ -107,7 +107,7 @@ def main() -> int:
         view = StoreView(home / "state.db")
         token = ensure_token(home)
         dash = Dashboard(home, view, cfg.web, lambda req: json.loads(handlers.dispatch(ctx, req)), token,
-                         metrics.registry(view, lambda: handlers.ping(ctx, p.Ping()), home / "rejected"),
+                         metrics.registry(view, lambda: handlers.ping(ctx, p.Ping()).wire(), home / "rejected"),
                          schedule=cfg.power.schedule.model_dump())
         web = WebListener(build_app(dash), "127.0.0.1:0")
         web.start()

@@ -146,6 +146,7 @@ class JobDetail(JobRow):
 
 
 class Reply(_Msg):
+    """The envelope of every answer: `data` is one verb's reply model (below), dumped by `answer`."""
     ok: Literal[True] = True
     data: dict[str, Any] = {}
 
@@ -157,10 +158,123 @@ class ErrorReply(_Msg):
 
 
 class ProtocolError(Exception):
+    """A request answered with an error code and a message: raised when a line does not parse, by a handler that
+    refuses, and by the client when the daemon answered with an ErrorReply."""
+
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# ---------------------------------------------------------------- reply data (one model per verb)
+Number = int | float  # kept as sent: a float field would turn 5 into 5.0 on the wire
+
+
+class _Data(BaseModel):
+    # Fields a newer daemon adds are ignored by an older client rather than refused.
+    model_config = ConfigDict(extra="ignore")
+
+    def wire(self) -> dict[str, Any]:
+        """The reply's `data` as it goes on the wire."""
+        return self.model_dump()
+
+
+class PingReply(_Data):
+    version: str | None = None  # an older daemon does not say
+    pid: int
+    home: str
+    socket: str
+    uptime_s: Number
+    protocol: int
+    draining: bool
+    running: int
+    notes: list[str] = []
+
+
+class SameName(BaseModel):
+    id: str
+    state: str
+
+
+class SubmitReply(_Data):
+    job: str
+    same_name: list[SameName] = []  # other jobs of the same name, to be told apart by id
+
+
+class QueueReply(_Data):
+    """`lorad status` without a job: the queue, the inbox's stuck files and its recent rejections."""
+    jobs: list[JobRow]
+    draining: bool = False
+    notes: list[str] = []
+    rejected: list[dict[str, Any]] = []
+    rejected_within_s: Number = 86400
+    rejected_total: int = 0
+    rejected_dir: str = "rejected"
+    inbox_stuck: list[dict[str, Any]] = []
+    inbox_retry_s: Number | None = None
+
+
+class JobStatusReply(_Data):
+    """`lorad status JOB`: one job in detail and its energy figures (None: nothing measured)."""
+    job: JobDetail
+    power: dict[str, Any] | None = None
+
+
+class LogsReply(_Data):
+    job: str
+    lines: list[dict[str, Any]]
+    offset: int  # where the next `lorad logs -f` read starts
+    state: str
+
+
+class JobActionReply(_Data):
+    """pause, resume, cancel, retry: the job, its state now and what happened, in words."""
+    job: str
+    state: str
+    message: str
+
+
+class PriorityReply(_Data):
+    job: str
+    state: str
+    priority: int
+    message: str
+
+
+class DrainReply(_Data):
+    draining: bool
+    message: str
+
+
+class PowerReply(_Data):
+    """`lorad power`: the power report (its keys vary with what the daemon runs: kept as sent), after `set`, the
+    outcome of setting or clearing a manual limit when one was asked for."""
+    model_config = ConfigDict(extra="allow")
+    set: dict[str, Any] | None = None  # {"ok": bool, "error" or "gpus", ...}
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(exclude_unset=True)  # `set` only when a limit was asked for, as it always was
+
+
+class WebUrlReply(_Data):
+    url: str  # with the token
+    base: str
+
+
+# Each request type's reply type; `status` answers the queue or one job.
+StatusReply = QueueReply | JobStatusReply
+REPLY_TYPES: dict[type[_Msg], Any] = {
+    Ping: PingReply, Submit: SubmitReply, Status: StatusReply, Logs: LogsReply, Pause: JobActionReply,
+    Resume: JobActionReply, Cancel: JobActionReply, Retry: JobActionReply, SetPriority: PriorityReply,
+    Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply,
+}
+_REPLY_ADAPTERS = {req: TypeAdapter(reply) for req, reply in REPLY_TYPES.items()}
+
+
+def parse_reply(req: BaseModel, data: dict[str, Any]) -> Any:
+    """A reply's `data` → the reply model of the request it answers."""
+    return _REPLY_ADAPTERS[type(req)].validate_python(data)
 
 
 def parse_request(line: bytes) -> BaseModel:
@@ -185,6 +299,10 @@ def parse_request(line: bytes) -> BaseModel:
 
 def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json().encode() + b"\n"
+
+
+def answer(reply: _Data) -> bytes:
+    return encode(Reply(data=reply.wire()))
 
 
 def error(code: str, message: str) -> bytes:

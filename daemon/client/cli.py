@@ -252,14 +252,14 @@ def _main(argv: list[str]) -> int:
         print(f"lorad: `lorad {args.verb}` needs the training stack, which this installation lacks "
               f"({', '.join(missing)}): pip install 'lorad[train]'", file=sys.stderr)
         return EXIT_CONFIG
-    from daemon.client.connection import DaemonDown, RequestFailed
+    from daemon.client.connection import DaemonDown
 
     as_json = getattr(args, "json", False)
     try:
         return args.fn(args)
     except DaemonDown as e:
         return fail(as_json, "unavailable", str(e).removeprefix("lorad: "), EXIT_UNAVAILABLE)
-    except RequestFailed as e:
+    except p.ProtocolError as e:  # the daemon answered with an error
         if e.code == "invalid_job":  # refused by the daemon's checks: the same verdict and exit as a local one
             return fail(as_json, e.code, f"invalid job: {e.message}", EXIT_INVALID_JOB)
         return fail(as_json, e.code, e.message, 1)

@@ -18,13 +18,6 @@ class DaemonDown(Exception):
     pass
 
 
-class RequestFailed(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 def find_socket(home: str | None = None, sock: str | None = None) -> Path:
     """--socket, $LORAD_SOCKET, --home/lorad.sock, the systemd RuntimeDirectory, then the default home."""
     if sock:
@@ -44,7 +37,8 @@ class Client:
         self.timeout_s = timeout_s
 
     def call(self, req: p.BaseModel) -> dict[str, Any]:
-        """Send one typed request; return the reply's data or raise RequestFailed / DaemonDown."""
+        """Send one typed request; return the reply's data (as sent: --json prints it as is; p.parse_reply reads it)
+        or raise p.ProtocolError (the daemon's error code and message) / DaemonDown."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(self.timeout_s)
         try:
@@ -72,5 +66,5 @@ class Client:
             raise DaemonDown(f"lorad: the daemon closed the connection on {self.path} without answering")
         reply = json.loads(buf)
         if not reply.get("ok"):
-            raise RequestFailed(reply.get("error", "error"), reply.get("message", ""))
+            raise p.ProtocolError(reply.get("error", "error"), reply.get("message", ""))
         return reply.get("data", {})

@@ -1,5 +1,6 @@
 """How the CLI shows the daemon's replies to a person: the queue table, one job in detail, stuck and rejected
-inbox files, log lines. Plain functions of the reply's data (its JSON form is printed as is with --json).
+inbox files, log lines. Plain functions of the reply's data, read through its reply model (daemon/protocol.py);
+its JSON form is printed as is with --json.
 
 Only rich and the standard library: the client verbs import this on machines without the training stack.
 """
@@ -12,16 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon import protocol as p
 from daemon.supervisor.disk_wait import waiting_note
+from daemon.system.eta import fmt_eta
 
 COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA", "NOTE")
-
-
-def fmt_eta(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def num(v: Any, fmt: str = "{}") -> str:
@@ -55,24 +51,29 @@ def console(**kw: Any):
     return _Console(**kw)
 
 
-def print_table(data: dict[str, Any]) -> None:
+def _queue(data: dict[str, Any] | p.QueueReply) -> p.QueueReply:
+    return data if isinstance(data, p.QueueReply) else p.QueueReply.model_validate(data)
+
+
+def print_table(data: dict[str, Any] | p.QueueReply) -> None:
     """The queue, one line per job in the daemon's order (running, then the queue in the order it will run, ...):
     NOTE (why it failed, what was asked) is cut to the room left, at a word."""
     from rich.table import Table
     from rich.text import Text
 
+    q = _queue(data)
     rows = []
-    for j in data["jobs"]:
-        note = j["requested"] and f"{j['requested']} requested" or (j["last_error"] or "")
-        if j["state"] == "waiting":
-            note = f"waiting: {waiting_note(j.get('wait_bytes'))}"
-        if j["state"] in ("succeeded", "cancelled"):
+    for j in q.jobs:
+        note = j.requested and f"{j.requested} requested" or (j.last_error or "")
+        if j.state == "waiting":
+            note = f"waiting: {waiting_note(j.wait_bytes)}"
+        if j.state in ("succeeded", "cancelled"):
             note = ""
-        rows.append([j["id"], j["name"], j["state"], str(j["priority"]), f"{j['step']}/{j['total']}",
-                     f"{j['loss']:.4f}" if j["loss"] is not None else "-",
-                     f"{j['val_loss']:.4f}" if j.get("val_loss") is not None else "-",
-                     f"{j['s_per_step']:.3f}" if j["s_per_step"] else "-",
-                     fmt_eta(j["eta_s"]) if j["state"] == "running" else "-", note])
+        rows.append([j.id, j.name, j.state, str(j.priority), f"{j.step}/{j.total}",
+                     f"{j.loss:.4f}" if j.loss is not None else "-",
+                     f"{j.val_loss:.4f}" if j.val_loss is not None else "-",
+                     f"{j.s_per_step:.3f}" if j.s_per_step else "-",
+                     fmt_eta(j.eta_s) if j.state == "running" else "-", note])
     columns, val = COLUMNS, COLUMNS.index("VAL")
     if all(r[val] == "-" for r in rows):  # no job validates (data.validation): no VAL column taking the note's room
         columns = tuple(c for c in COLUMNS if c != "VAL")
@@ -87,27 +88,28 @@ def print_table(data: dict[str, Any]) -> None:
     for r in rows:
         t.add_row(*(Text(v) for v in r[:-1]), Text(shorten(r[-1], room)))  # Text: an error's [..] is not markup
     c = console(width=max(width, fixed + room))
-    if not data["jobs"]:
+    if not q.jobs:
         c.print("no jobs (drop a job file into the inbox, or: lorad submit FILE)")
     else:
         with c.capture() as cap:
             c.print(t)
         # rich pads every cell to its column's width; a line ends at its last character (styles kept).
         print(re.sub(r" +((?:\x1b\[[0-9;]*m)*)$", r"\1", cap.get(), flags=re.M), end="")
-    if data.get("draining"):
+    if q.draining:
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
-    for n in data.get("notes", []):
+    for n in q.notes:
         c.print(f"note: {n}", markup=False, highlight=False)
-    print_stuck(data, width)
-    print_rejections(data, width)
+    print_stuck(q, width)
+    print_rejections(q, width)
 
 
-def print_stuck(data: dict[str, Any], width: int) -> None:
+def print_stuck(data: dict[str, Any] | p.QueueReply, width: int) -> None:
     """`lorad status`: inbox files the daemon could neither accept nor reject yet (disk full, ...), and why."""
-    stuck = data.get("inbox_stuck") or []
+    q = _queue(data)
+    stuck = q.inbox_stuck
     if not stuck:
         return
-    every = data.get("inbox_retry_s")
+    every = q.inbox_retry_s
     print(f"inbox stuck: {len(stuck)} file(s) not taken yet, kept safe and retried"
           + (f" every {every:g} s:" if every else ":"))
     name_w = max(len(s["file"]) for s in stuck)
@@ -117,55 +119,57 @@ def print_stuck(data: dict[str, Any], width: int) -> None:
     print(f"  (waiting in {Path(stuck[0]['path']).parent}/; free the space or fix the cause and it goes through)")
 
 
-def print_rejections(data: dict[str, Any], width: int) -> None:
+def print_rejections(data: dict[str, Any] | p.QueueReply, width: int) -> None:
     """`lorad status`: the newest inbox files the daemon rejected, one line each: file, when, why."""
-    rej = data.get("rejected") or []
+    q = _queue(data)
+    rej = q.rejected
     if not rej:
         return
-    hours = round(data.get("rejected_within_s", 86400) / 3600)
+    hours = round(q.rejected_within_s / 3600)
     print(f"rejected inbox files (last {hours} h, newest first):")
     name_w = max(len(r["file"]) for r in rej)
     for r in rej:
         head = f"  {r['file']:<{name_w}}  {when(r['at'])}  "
         print(head + shorten(r["reason"], max(width - len(head), 30)))
-    more = data.get("rejected_total", len(rej)) - len(rej)
+    more = q.rejected_total - len(rej)
     print(f"  ({f'… and {more} more; ' if more > 0 else ''}"
-          f"each reason in full: {data.get('rejected_dir', 'rejected')}/NAME.error.txt)")
+          f"each reason in full: {q.rejected_dir}/NAME.error.txt)")
 
 
-def print_detail(data: dict[str, Any]) -> None:
-    j = data["job"]
-    rows = [("id", j["id"]), ("name", j["name"]), ("state", j["state"]), ("priority", j["priority"]),
-            ("step", f"{j['step']}/{j['total']}"), ("loss", num(j["loss"], "{:.4f}")),
-            ("validation loss", f"{j['val_loss']:.4f} (step {j['val_step']})" if j.get("val_loss") is not None else "-"),
-            ("s/step", num(j["s_per_step"], "{:.3f}")),
-            ("ETA", fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
-            ("last checkpoint", j["last_checkpoint"] or "-"), ("output", j["output"] or "-"),
-            ("workdir", j["workdir"]), ("submitted", when(j["submitted_at"])), ("source", num(j["source"])),
-            ("crashes in a row", j["retries"])]
-    if j["not_before"] and j["not_before"] > time.time() and j["state"] == "queued":
-        rows.append(("next try", when(j["not_before"])))
-    if j["state"] == "waiting":
-        rows.append(("waiting", f"{waiting_note(j.get('wait_bytes'))}; retried when the space is free"))
-    if j["requested"]:
-        rows.append(("requested", j["requested"]))
-    if j["last_error"]:
-        rows.append(("last error", j["last_error"]))
-    if j.get("samples"):
-        rows.append((f"samples (step {j['samples_step']})", j["samples"][0]))
-        rows += [("", path) for path in j["samples"][1:]]
-    if data.get("power"):
+def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
+    d = data if isinstance(data, p.JobStatusReply) else p.JobStatusReply.model_validate(data)
+    j = d.job
+    rows = [("id", j.id), ("name", j.name), ("state", j.state), ("priority", j.priority),
+            ("step", f"{j.step}/{j.total}"), ("loss", num(j.loss, "{:.4f}")),
+            ("validation loss", f"{j.val_loss:.4f} (step {j.val_step})" if j.val_loss is not None else "-"),
+            ("s/step", num(j.s_per_step, "{:.3f}")),
+            ("ETA", fmt_eta(j.eta_s) if j.state == "running" else "-"),
+            ("last checkpoint", j.last_checkpoint or "-"), ("output", j.output or "-"),
+            ("workdir", j.workdir), ("submitted", when(j.submitted_at)), ("source", num(j.source)),
+            ("crashes in a row", j.retries)]
+    if j.not_before and j.not_before > time.time() and j.state == "queued":
+        rows.append(("next try", when(j.not_before)))
+    if j.state == "waiting":
+        rows.append(("waiting", f"{waiting_note(j.wait_bytes)}; retried when the space is free"))
+    if j.requested:
+        rows.append(("requested", j.requested))
+    if j.last_error:
+        rows.append(("last error", j.last_error))
+    if j.samples:
+        rows.append((f"samples (step {j.samples_step})", j.samples[0]))
+        rows += [("", path) for path in j.samples[1:]]
+    if d.power:
         from daemon.power.view import job_lines
 
-        rows += [("energy", line) for line in job_lines(data["power"])]
+        rows += [("energy", line) for line in job_lines(d.power)]
     for k, v in rows:
         print(f"{k:>17}: {v}")
     print("attempts:")
-    for a in j["attempts"]:
-        end = when(a["ended_at"]) if a["ended_at"] else "running"
-        print(f"  #{a['n']:<3} {when(a['started_at'])} → {end}  pid {num(a['pid'])}  exit {num(a['exit_code'])}  "
-              f"steps {a['start_step']}→{a['end_step'] if a['end_step'] is not None else '…'}"
-              + (f"  error: {a['error']}" if a["error"] else ""))
+    for a in j.attempts:
+        end = when(a.ended_at) if a.ended_at else "running"
+        print(f"  #{a.n:<3} {when(a.started_at)} → {end}  pid {num(a.pid)}  exit {num(a.exit_code)}  "
+              f"steps {a.start_step}→{a.end_step if a.end_step is not None else '…'}"
+              + (f"  error: {a.error}" if a.error else ""))
 
 
 def compact(v: Any) -> Any:

@@ -45,10 +45,11 @@ def out(args: argparse.Namespace, data: dict[str, Any], human) -> int:
 def cmd_ping(args: argparse.Namespace) -> int:
     data = call(args, p.Ping())
 
-    def human(d: dict[str, Any]) -> None:
-        who = f"lorad {d['version']}" if d.get("version") else "lorad"  # an older daemon does not say
-        print(f"{who} is up: pid {d['pid']}, home {d['home']}, {d['running']} running, up {d['uptime_s']} s"
-              + (", draining" if d["draining"] else ""))
+    def human(data: dict[str, Any]) -> None:
+        d = p.PingReply.model_validate(data)
+        who = f"lorad {d.version}" if d.version else "lorad"  # an older daemon does not say
+        print(f"{who} is up: pid {d.pid}, home {d.home}, {d.running} running, up {d.uptime_s} s"
+              + (", draining" if d.draining else ""))
 
     return out(args, data, human)
 
@@ -65,11 +66,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except JobInvalid as e:
         return fail(args.json, "invalid_job", f"invalid job: {e}", 65)
     data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
-    if data.get("same_name") and not args.json:
-        others = ", ".join(f"{j['id']} ({j['state']})" for j in data["same_name"])
+    reply = p.SubmitReply.model_validate(data)
+    if reply.same_name and not args.json:
+        others = ", ".join(f"{j.id} ({j.state})" for j in reply.same_name)
         print(f"lorad: note: {cfg.name!r} is also the name of {others}; refer to these jobs by id",
               file=sys.stderr)
-    return out(args, data, lambda d: print(d["job"]))
+    return out(args, data, lambda d: print(reply.job))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -78,22 +80,24 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    data = call(args, p.Logs(job=args.job, tail=args.lines))
+    req = p.Logs(job=args.job, tail=args.lines)
     while True:
-        for ev in data["lines"]:
+        reply = p.LogsReply.model_validate(call(args, req))
+        for ev in reply.lines:
             print(json.dumps(ev) if args.json else render.log_line(ev), flush=True)
         if not args.follow:
             return 0
-        if data["state"] in FINAL and not data["lines"]:
+        if reply.state in FINAL and not reply.lines:
             return 0
         time.sleep(0.5)
-        data = call(args, p.Logs(job=args.job, offset=data["offset"]))
+        req = p.Logs(job=args.job, offset=reply.offset)
 
 
 def _action(req_cls):
     def cmd(args: argparse.Namespace) -> int:
         data = call(args, req_cls(job=args.job))
-        return out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+        reply = p.JobActionReply.model_validate(data)
+        return out(args, data, lambda d: print(f"{reply.job}: {reply.message}"))
 
     return cmd
 
@@ -106,7 +110,8 @@ cmd_retry = _action(p.Retry)
 
 def cmd_priority(args: argparse.Namespace) -> int:
     data = call(args, p.SetPriority(job=args.job, priority=args.priority))
-    return out(args, data, lambda d: print(f"{d['job']}: {d['message']}"))
+    reply = p.PriorityReply.model_validate(data)
+    return out(args, data, lambda d: print(f"{reply.job}: {reply.message}"))
 
 
 def cmd_power(args: argparse.Namespace) -> int:
@@ -115,18 +120,19 @@ def cmd_power(args: argparse.Namespace) -> int:
     data = call(args, p.Power(limit_w=args.limit, gpu=args.gpu, clear=args.clear))
     if args.watch and not args.json:
         return view.watch(lambda: call(args, p.Power()), args.interval)
-    refused = bool(data.get("set")) and not data["set"].get("ok")
+    limit = p.PowerReply.model_validate(data).set
+    refused = bool(limit) and not limit.get("ok")
     if refused:
-        print(f"lorad: power limit not set: {data['set'].get('error')}", file=sys.stderr)
+        print(f"lorad: power limit not set: {limit.get('error')}", file=sys.stderr)
     out(args, data, lambda d: view.show(d, render.console()))
     return 1 if refused else 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
     data = call(args, p.Drain(on=not args.off))
-    return out(args, data, lambda d: print(d["message"]))
+    return out(args, data, lambda d: print(p.DrainReply.model_validate(d).message))
 
 
 def cmd_web_url(args: argparse.Namespace) -> int:
     data = call(args, p.WebUrl())
-    return out(args, data, lambda d: print(d["url"]))
+    return out(args, data, lambda d: print(p.WebUrlReply.model_validate(d).url))

@@ -30,7 +30,7 @@ def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
         return json.loads(handlers.dispatch(ctx, req))  # the socket verb's own handler and error mapping
 
     def health() -> dict[str, Any]:
-        return {**handlers.ping(ctx, p.Ping()), "inbox_stuck": len(ctx.intake.stuck) if ctx.intake else 0}
+        return {**handlers.ping(ctx, p.Ping()).wire(), "inbox_stuck": len(ctx.intake.stuck) if ctx.intake else 0}
 
     dash = Dashboard(home, view, cfg.web, call, token, metrics.registry(view, health, Path(home) / "rejected"),
                      schedule=cfg.power.schedule.model_dump(), max_body_bytes=cfg.max_request_bytes)

@@ -1,4 +1,5 @@
-"""One handler per socket verb. Each takes the daemon context and its typed request and returns the reply data.
+"""One handler per socket verb. Each takes the daemon context and its typed request and returns its typed reply
+(daemon/protocol.py: REPLY_TYPES).
 
 Handlers run on connection threads: they read and write the store (which
 serialises access) and wake the service loop; they never touch processes —
@@ -29,13 +30,6 @@ REJECTIONS_SHOWN = 5  # `lorad status`: the newest inbox rejections ...
 REJECTIONS_WITHIN_S = 24 * 3600  # ... of the last day
 
 
-class HandlerError(Exception):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
 @dataclass
 class Context:
     home: Path
@@ -55,9 +49,9 @@ def _job(ctx: Context, ref: str) -> dict[str, Any]:
     try:
         return ctx.store.find(ref)
     except UnknownJob:
-        raise HandlerError("not_found", f"no job {ref!r}") from None
+        raise p.ProtocolError("not_found", f"no job {ref!r}") from None
     except AmbiguousJob as e:
-        raise HandlerError("ambiguous", f"{ref!r} matches {len(e.matches)} jobs: {id_list(e.matches)}; use the id") \
+        raise p.ProtocolError("ambiguous", f"{ref!r} matches {len(e.matches)} jobs: {id_list(e.matches)}; use the id") \
             from None
 
 
@@ -67,26 +61,22 @@ def id_list(jobs: list[dict[str, Any]], most: int = 6) -> str:
     return shown + (f", … and {len(jobs) - most} more" if len(jobs) > most else "")
 
 
-def _row(job: dict[str, Any]) -> dict[str, Any]:
-    return p.JobRow.model_validate(job).model_dump()
-
-
-def ping(ctx: Context, req: p.Ping) -> dict[str, Any]:
+def ping(ctx: Context, req: p.Ping) -> p.PingReply:
     sup = ctx.supervisor
-    return {"version": lorad_version(), "pid": os.getpid(), "home": str(ctx.home), "socket": str(ctx.socket_path),
-            "uptime_s": round(time.time() - ctx.started_at, 1), "protocol": p.VERSION,
-            "draining": ctx.store.get_meta("drain") == "1",
-            "running": len(sup.children) if sup is not None else 0,
-            "notes": list(sup.notes) if sup is not None else []}
+    return p.PingReply(version=lorad_version(), pid=os.getpid(), home=str(ctx.home), socket=str(ctx.socket_path),
+                       uptime_s=round(time.time() - ctx.started_at, 1), protocol=p.VERSION,
+                       draining=ctx.store.get_meta("drain") == "1",
+                       running=len(sup.children) if sup is not None else 0,
+                       notes=list(sup.notes) if sup is not None else [])
 
 
-def submit(ctx: Context, req: p.Submit) -> dict[str, Any]:
+def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
     try:
         out = ctx.intake.submit_text(req.name, req.text)
     except JobInvalid as e:
-        raise HandlerError("invalid_job", str(e)) from None
+        raise p.ProtocolError("invalid_job", str(e)) from None
     ctx.wake()
-    return {"job": out.job_id, "same_name": [{"id": j["id"], "state": j["state"]} for j in out.same_name]}
+    return p.SubmitReply(job=out.job_id, same_name=[p.SameName(id=j["id"], state=j["state"]) for j in out.same_name])
 
 
 def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:
@@ -99,17 +89,9 @@ def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:
     return None, []
 
 
-def status(ctx: Context, req: p.Status) -> dict[str, Any]:
+def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     if req.job is None:
-        rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
-                                                 REJECTIONS_SHOWN)
-        return {"jobs": [_row(j) for j in status_order(ctx.store.jobs(), time.time())], "draining": ctx.store.get_meta("drain") == "1",
-                "notes": list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
-                "rejected": rejected, "rejected_within_s": REJECTIONS_WITHIN_S, "rejected_total": n_rejected,
-                "rejected_dir": str(ctx.home / "rejected"),
-                # Inbox files neither accepted nor rejected yet (disk full, ...): kept, retried every inbox_retry_s.
-                "inbox_stuck": ctx.intake.stuck if ctx.intake is not None else [],
-                "inbox_retry_s": ctx.intake.cfg.inbox_rescan_s if ctx.intake is not None else None}
+        return queue(ctx)
     job = _job(ctx, req.job)
     src = job["source"] or ""
     if src[:1].isdigit() and "-" in src:
@@ -121,16 +103,31 @@ def status(ctx: Context, req: p.Status) -> dict[str, Any]:
     from daemon.power import api as power_api  # W, J/step, kWh, steps/kWh (None when nothing was measured)
 
     policy = getattr(ctx.supervisor, "policy", None)
-    return {"job": detail.model_dump(), "power": power_api.job_power(policy, ctx.home / "state.db", job["id"])}
+    return p.JobStatusReply(job=detail, power=power_api.job_power(policy, ctx.home / "state.db", job["id"]))
 
 
-def logs(ctx: Context, req: p.Logs) -> dict[str, Any]:
+def queue(ctx: Context) -> p.QueueReply:
+    """`lorad status` without a job."""
+    rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
+                                             REJECTIONS_SHOWN)
+    return p.QueueReply(
+        jobs=[p.JobRow.model_validate(j) for j in status_order(ctx.store.jobs(), time.time())],
+        draining=ctx.store.get_meta("drain") == "1",
+        notes=list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
+        rejected=rejected, rejected_within_s=REJECTIONS_WITHIN_S, rejected_total=n_rejected,
+        rejected_dir=str(ctx.home / "rejected"),
+        # Inbox files neither accepted nor rejected yet (disk full, ...): kept, retried every inbox_retry_s.
+        inbox_stuck=ctx.intake.stuck if ctx.intake is not None else [],
+        inbox_retry_s=ctx.intake.cfg.inbox_rescan_s if ctx.intake is not None else None)
+
+
+def logs(ctx: Context, req: p.Logs) -> p.LogsReply:
     job = _job(ctx, req.job)
     path = Path(job["workdir"]) / "events.jsonl"
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        return {"job": job["id"], "lines": [], "offset": 0, "state": job["state"]}
+        return p.LogsReply(job=job["id"], lines=[], offset=0, state=job["state"])
     with open(path, "rb") as f:
         if req.offset < 0:
             start = max(0, size - LOG_CHUNK_BYTES)
@@ -155,13 +152,13 @@ def logs(ctx: Context, req: p.Logs) -> dict[str, Any]:
             out.append(json.loads(ln))
         except ValueError:
             out.append({"event": "unparsed", "text": ln.decode(errors="replace")})
-    return {"job": job["id"], "lines": out, "offset": end, "state": job["state"]}
+    return p.LogsReply(job=job["id"], lines=out, offset=end, state=job["state"])
 
 
 def _seen(job: dict[str, Any], expect: str | None) -> str:
     """The state the request was meant for: the one the asker saw (`expect`), else the one read just now."""
     if expect is not None and expect != job["state"]:
-        raise HandlerError("conflict", f"job {job['id']} is {job['state']} now, not {expect}; nothing was changed")
+        raise p.ProtocolError("conflict", f"job {job['id']} is {job['state']} now, not {expect}; nothing was changed")
     return job["state"]
 
 
@@ -169,82 +166,82 @@ def _ask_trainer(ctx: Context, job: dict[str, Any], what: str) -> None:
     """Ask a running job's trainer to stop, only while that job is still running (store.request)."""
     if not ctx.store.request(job["id"], what, states.RUNNING):
         now = ctx.store.get(job["id"])["state"]
-        raise HandlerError("conflict", f"job {job['id']} stopped running meanwhile (it is {now} now); nothing was "
+        raise p.ProtocolError("conflict", f"job {job['id']} stopped running meanwhile (it is {now} now); nothing was "
                                        f"changed: look at `lorad status {job['id']}` and ask again if needed")
     ctx.wake()
 
 
-def pause(ctx: Context, req: p.Pause) -> dict[str, Any]:
+def pause(ctx: Context, req: p.Pause) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
     if st in (states.QUEUED, states.WAITING):
         ctx.store.transition(job["id"], st, states.PAUSED, "lorad pause", wait_bytes=None)  # refused if it moved on
-        return {"job": job["id"], "state": states.PAUSED, "message": "paused"}
+        return p.JobActionReply(job=job["id"], state=states.PAUSED, message="paused")
     if st == states.RUNNING:
         _ask_trainer(ctx, job, "pause")
-        return {"job": job["id"], "state": st, "message": "pausing: the trainer checkpoints and stops"}
+        return p.JobActionReply(job=job["id"], state=st, message="pausing: the trainer checkpoints and stops")
     if st == states.PAUSED:
-        return {"job": job["id"], "state": st, "message": "already paused"}
-    raise HandlerError("refused", f"job {job['id']} is {st}; only queued or running jobs can be paused")
+        return p.JobActionReply(job=job["id"], state=st, message="already paused")
+    raise p.ProtocolError("refused", f"job {job['id']} is {st}; only queued or running jobs can be paused")
 
 
-def resume(ctx: Context, req: p.Resume) -> dict[str, Any]:
+def resume(ctx: Context, req: p.Resume) -> p.JobActionReply:
     job = _job(ctx, req.job)
     if job["state"] == states.PAUSED:
         ctx.store.transition(job["id"], states.PAUSED, states.QUEUED, "lorad resume", not_before=0, retries=0)
         ctx.wake()
-        return {"job": job["id"], "state": states.QUEUED, "message": "queued; it resumes from its last checkpoint"}
+        return p.JobActionReply(job=job["id"], state=states.QUEUED, message="queued; it resumes from its last checkpoint")
     if job["state"] == states.RUNNING and job["requested"] == "pause":
-        raise HandlerError("refused", f"job {job['id']} is still pausing; resume it once it is paused")
-    raise HandlerError("refused", f"job {job['id']} is {job['state']}, not paused")
+        raise p.ProtocolError("refused", f"job {job['id']} is still pausing; resume it once it is paused")
+    raise p.ProtocolError("refused", f"job {job['id']} is {job['state']}, not paused")
 
 
-def cancel(ctx: Context, req: p.Cancel) -> dict[str, Any]:
+def cancel(ctx: Context, req: p.Cancel) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
     if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING):
         ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
-        return {"job": job["id"], "state": states.CANCELLED, "message": "cancelled"}
+        return p.JobActionReply(job=job["id"], state=states.CANCELLED, message="cancelled")
     if st == states.RUNNING:
         _ask_trainer(ctx, job, "cancel")
-        return {"job": job["id"], "state": st, "message": "cancelling: the trainer checkpoints and stops"}
-    raise HandlerError("refused", f"job {job['id']} is already {st}")
+        return p.JobActionReply(job=job["id"], state=st, message="cancelling: the trainer checkpoints and stops")
+    raise p.ProtocolError("refused", f"job {job['id']} is already {st}")
 
 
-def retry(ctx: Context, req: p.Retry) -> dict[str, Any]:
+def retry(ctx: Context, req: p.Retry) -> p.JobActionReply:
     """A failed job back in the queue with a fresh retry budget (or a job waiting for disk space, now); its trainer
     resumes from the newest checkpoint in its directory."""
     job = _job(ctx, req.job)
     st = job["state"]
     if st not in (states.FAILED, states.WAITING):
-        raise HandlerError("refused", f"job {job['id']} is {st}; only a failed job (or one waiting for disk space) "
+        raise p.ProtocolError("refused", f"job {job['id']} is {st}; only a failed job (or one waiting for disk space) "
                                       "can be retried")
     ctx.store.transition(job["id"], st, states.QUEUED, "lorad retry", retries=0, not_before=0, wait_bytes=None,
                          requested=None)
     ctx.wake()
     where = f"from its checkpoint at step {job['checkpoint_step']}" if job["checkpoint_step"] else "from step 0"
-    return {"job": job["id"], "state": states.QUEUED, "message": f"queued; it resumes {where}"}
+    return p.JobActionReply(job=job["id"], state=states.QUEUED, message=f"queued; it resumes {where}")
 
 
-def priority(ctx: Context, req: p.SetPriority) -> dict[str, Any]:
+def priority(ctx: Context, req: p.SetPriority) -> p.PriorityReply:
     job = _job(ctx, req.job)
     if job["state"] in states.FINAL:
-        raise HandlerError("refused", f"job {job['id']} is {job['state']}")
+        raise p.ProtocolError("refused", f"job {job['id']} is {job['state']}")
     ctx.store.update(job["id"], priority=req.priority)
     ctx.wake()
-    return {"job": job["id"], "state": job["state"], "priority": req.priority,
-            "message": f"priority {req.priority} (takes effect when the next job is picked)"}
+    return p.PriorityReply(job=job["id"], state=job["state"], priority=req.priority,
+                           message=f"priority {req.priority} (takes effect when the next job is picked)")
 
 
-def drain(ctx: Context, req: p.Drain) -> dict[str, Any]:
+def drain(ctx: Context, req: p.Drain) -> p.DrainReply:
     ctx.store.set_meta("drain", "1" if req.on else "0")
     ctx.wake()
     msg = ("draining: running jobs checkpoint and stop; no job starts until `lorad drain --off`" if req.on
            else "taking jobs again")
-    return {"draining": req.on, "message": msg}
+    return p.DrainReply(draining=req.on, message=msg)
 
 
-def power(ctx: Context, req: p.Power) -> dict[str, Any]:
+def power(ctx: Context, req: p.Power) -> p.PowerReply:
     """`lorad power`: telemetry per GPU, caps, tuner, UPS; with limit_w/clear, set or drop a manual limit first."""
     from daemon.power import api as power_api
 
@@ -252,21 +249,21 @@ def power(ctx: Context, req: p.Power) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if req.limit_w is not None or req.clear:
         out["set"] = power_api.set_limit(policy, req.gpu, None if req.clear else req.limit_w)
-    return {**out, **power_api.power_report(policy)}
+    return p.PowerReply(**out, **power_api.power_report(policy))
 
 
-def web_url(ctx: Context, req: p.WebUrl) -> dict[str, Any]:
+def web_url(ctx: Context, req: p.WebUrl) -> p.WebUrlReply:
     """`lorad web-url`: the dashboard's address with its token (socket users may read it: same people)."""
     from daemon.web.auth import read_token
 
     token = read_token(ctx.home)
     if ctx.web_url is None or token is None:
-        raise HandlerError("refused", "the dashboard is not running (web.enabled: false, or its address was "
+        raise p.ProtocolError("refused", "the dashboard is not running (web.enabled: false, or its address was "
                                       "unusable: see the daemon's log)")
-    return {"url": f"{ctx.web_url}?token={token}", "base": ctx.web_url}
+    return p.WebUrlReply(url=f"{ctx.web_url}?token={token}", base=ctx.web_url)
 
 
-HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
+HANDLERS: dict[str, Callable[[Context, Any], Any]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
     "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
 }
@@ -274,10 +271,10 @@ HANDLERS: dict[str, Callable[[Context, Any], dict[str, Any]]] = {
 
 def dispatch(ctx: Context, req: Any) -> bytes:
     try:
-        data = HANDLERS[req.verb](ctx, req)
-    except HandlerError as e:
+        reply = HANDLERS[req.verb](ctx, req)
+    except p.ProtocolError as e:
         return p.error(e.code, e.message)
     except states.IllegalTransition as e:
         # The supervisor moved the job between our read and our write (it just started, say).
         return p.error("conflict", f"{e}; try again")
-    return p.encode(p.Reply(data=data))
+    return p.answer(reply)

@@ -158,15 +158,13 @@ def test_idle_and_half_sent_clients_do_not_block_others(server):
 
 
 def test_many_concurrent_clients_are_answered_or_told_busy_never_left_hanging(server):
-    from daemon.client.connection import RequestFailed
-
     results = []
 
     def one():
         try:
             Client(server.path, timeout_s=10).call(p.Ping())
             results.append("ok")
-        except RequestFailed as e:
+        except p.ProtocolError as e:
             results.append(e.code)  # over max_connections (8 here): a `busy` error at once
 
     ts = [threading.Thread(target=one) for _ in range(20)]
@@ -203,3 +201,28 @@ def test_cli_says_in_one_line_that_the_daemon_is_down(tmp_path):
     with pytest.raises(DaemonDown) as e:
         Client(tmp_path / "none.sock").call(p.Ping())
     assert str(e.value) == f"lorad: the daemon is not running (no socket at {tmp_path / 'none.sock'})"
+
+
+def test_every_verb_has_a_reply_type_and_its_handlers_reply_validates_against_it(tmp_path):
+    from daemon.service.handlers import HANDLERS, dispatch
+    from tests.helpers.web import BASE, Site, quick_job_yaml
+
+    assert set(p.REPLY_TYPES) == set(p.REQUEST_TYPES)
+    site = Site(tmp_path)
+    try:
+        site.ctx.web_url = BASE
+        queued, failed = site.add_job("a"), site.add_job("b")
+        site.store.transition(failed, "queued", "failed", "test")
+        reqs = [p.Ping(), p.Submit(name="c.yaml", text=quick_job_yaml("c")), p.Status(), p.Status(job=queued),
+                p.Logs(job=queued), p.Pause(job=queued), p.Resume(job=queued), p.Cancel(job=queued),
+                p.Retry(job=failed), p.SetPriority(job=failed, priority=3), p.Drain(on=False), p.Power(),
+                p.Power(clear=True), p.WebUrl()]
+        assert {type(r) for r in reqs} == set(p.REQUEST_TYPES)
+        for req in reqs:
+            reply = HANDLERS[req.verb](site.ctx, req)
+            assert isinstance(reply, p.REPLY_TYPES[type(req)]), req.verb
+            wire = json.loads(p.answer(reply))  # as dispatch sends it
+            assert wire["ok"] and p.parse_reply(req, wire["data"]).wire() == wire["data"], req.verb
+        assert json.loads(dispatch(site.ctx, p.Ping()))["data"]["pid"] == os.getpid()
+    finally:
+        site.close()
