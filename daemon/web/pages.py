@@ -14,6 +14,8 @@ from html import escape
 from typing import Any
 from urllib.parse import quote
 
+from daemon.system.eta import fmt_eta
+
 FINAL = {"succeeded", "failed", "cancelled"}
 
 CSS = """
@@ -72,13 +74,6 @@ def num(v: Any, f: str = "{:.4g}") -> str:
     return "-" if v is None else f.format(v)
 
 
-def eta(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
 def when(t: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
 
@@ -128,7 +123,7 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
             f"<td>{e(j['name'])}</td><td>{state_badge(j['state'])}</td>"
             f"<td>{progress(j['step'], j['total'])}</td><td class=num>{j['step']}/{j['total']}</td>"
             f"<td class=num>{num(j['loss'])}</td><td class=num>{num(j['s_per_step'], '{:.3f}')}</td>"
-            f"<td class=num>{eta(j['eta_s']) if running else '-'}</td>"
+            f"<td class=num>{fmt_eta(j['eta_s']) if running else '-'}</td>"
             f"<td class=num>{num(j.get('avg_w'), '{:.0f}')}</td><td class=num>{num(j.get('j_per_step'), '{:.1f}')}</td>"
             f"<td class=note>{e(note_of(j))}</td></tr>")
     return ("<table id='jobs'><thead><tr><th>ID</th><th>Name</th><th>State</th><th>Progress</th>"
@@ -142,7 +137,7 @@ def job_summary(j: dict[str, Any]) -> str:
     cells = [("State", state_badge(j["state"])), ("Progress", f"{progress(j['step'], j['total'])} "
                                                               f"{j['step']}/{j['total']}"),
              ("Loss", num(j["loss"])), ("s/step", num(j["s_per_step"], "{:.3f}")),
-             ("ETA", eta(j["eta_s"]) if j["state"] == "running" else "-"),
+             ("ETA", fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
              ("W (avg)", num(j.get("avg_w"), "{:.0f}")), ("J/step", num(j.get("j_per_step"), "{:.1f}")),
              ("kWh", num(j.get("kwh"), "{:.4f}")), ("Priority", e(j["priority"])),
              ("Last checkpoint", f"step {j['checkpoint_step']}" if j.get("checkpoint_step") is not None else "-")]

@@ -97,12 +97,24 @@ def read_events(workdir: Path, offset: int = 0) -> list[dict[str, Any]]:
             data = f.read()
     except FileNotFoundError:
         return []
+    return [ev for ev in decode_lines(data) if isinstance(ev, dict)]
+
+
+def decode_lines(data: bytes) -> list[Any]:
+    """The JSON values of these whole lines, skipping a torn one (a kill mid-write, after which the engine starts a
+    new line). One decode of the lines joined as an array is about twice as fast as one per line (20,000 step
+    lines: the dashboard's job page); a chunk with a torn line goes the slow way, which skips just that line."""
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    if not lines:
+        return []
+    try:
+        return json.loads(b"[" + b",".join(lines) + b"]")
+    except ValueError:
+        pass
     out = []
-    for line in data.decode(errors="replace").splitlines():
+    for line in lines:
         try:
-            ev = json.loads(line)
+            out.append(json.loads(line))
         except ValueError:
             continue
-        if isinstance(ev, dict):
-            out.append(ev)
     return out
