@@ -45,9 +45,18 @@ class Trainer:
     workdir: Path
 
 
+def parent_pid(pid: int) -> int | None:
+    f = _stat_fields(pid)
+    return int(f[1]) if f else None  # field 4 overall
+
+
 def find_trainers(jobs_root: Path) -> list[Trainer]:
-    """Live `engine.run` processes whose --workdir lies under jobs_root (a previous daemon's orphans)."""
-    out = []
+    """Live `engine.run` processes whose --workdir lies under jobs_root (a previous daemon's orphans).
+
+    A trainer's child between its fork and its exec (subprocess running `ldconfig -p` for a library lookup,
+    say) still shows the trainer's command line: it is part of that trainer, not a second one.
+    """
+    found: dict[int, Trainer] = {}
     jobs_root = Path(jobs_root).resolve()
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
@@ -67,8 +76,8 @@ def find_trainers(jobs_root: Path) -> list[Trainer]:
             continue
         st = start_time(int(d))
         if st is not None and alive(int(d)):
-            out.append(Trainer(int(d), st, wd.resolve()))
-    return out
+            found[int(d)] = Trainer(int(d), st, wd.resolve())
+    return [t for t in found.values() if parent_pid(t.pid) not in found]
 
 
 def signal_group(pid: int, sig: int) -> None:
