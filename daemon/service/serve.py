@@ -43,7 +43,7 @@ from daemon.supervisor.notifications import Notifications
 from daemon.system import trainer_user
 from daemon.system.lock import AlreadyRunning, HomeLock
 from daemon.system.log import setup as setup_log
-from daemon.system.notify import Notifier
+from daemon.system.notify import SystemdNotifier
 from engine.storage.fsio import RealFs, ensure_dir_durable
 from engine.version import lorad_version
 
@@ -77,7 +77,7 @@ class Parts:
 
     store: Store
     intake: Intake
-    notifier: Notifier
+    notifier: SystemdNotifier
     policy: Any
     inbox: InboxWatcher
     notifications: Notifications
@@ -169,7 +169,7 @@ def on_signals(stop: threading.Event, sups: list[Supervisor]) -> None:
 def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: Store, log, stop: threading.Event,
                 t0: float) -> Parts:
     """Intake, reconcile what the last run left, then the policy, devices, inbox, notifications and supervisor."""
-    notifier = Notifier()
+    notifier = SystemdNotifier()
     intake = Intake(home, cfg, store, log)
     log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
     notifier.status("reconciling")

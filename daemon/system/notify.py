@@ -12,7 +12,10 @@ import os
 import socket
 
 
-class Notifier:
+class SystemdNotifier:
+    """Tells systemd how the daemon is (ready, status, watchdog, stopping); a job's notifications (webhook,
+    command) are daemon/supervisor/notifications.py's Notifications."""
+
     def __init__(self, env: dict[str, str] | None = None):
         env = os.environ if env is None else env
         addr = env.get("NOTIFY_SOCKET", "")

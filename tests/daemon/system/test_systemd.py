@@ -12,7 +12,7 @@ import time
 import pytest
 
 from daemon.system.lock import AlreadyRunning, HomeLock
-from daemon.system.notify import Notifier
+from daemon.system.notify import SystemdNotifier
 from tests.helpers.processes import REPO
 
 UNIT = REPO / "systemd" / "lorad.service"
@@ -29,7 +29,7 @@ def notify_socket(tmp_path):
 
 def test_ready_status_watchdog_and_extend_arrive_as_datagrams(notify_socket):
     s, path = notify_socket
-    n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "3000000"})
+    n = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "3000000"})
     assert n.enabled and n.watchdog_s == 3.0
     n.ready("idle; 0 queued")
     assert s.recv(4096).decode().split("\n") == ["READY=1", "STATUS=idle; 0 queued", f"MAINPID={os.getpid()}"]
@@ -49,16 +49,16 @@ def test_abstract_socket_names_are_supported():
     s.bind("\0" + name)
     s.settimeout(2)
     try:
-        assert Notifier({"NOTIFY_SOCKET": "@" + name}).watchdog()
+        assert SystemdNotifier({"NOTIFY_SOCKET": "@" + name}).watchdog()
         assert s.recv(100) == b"WATCHDOG=1"
     finally:
         s.close()
 
 
 def test_outside_systemd_notify_is_a_no_op_and_a_watchdog_for_another_pid_is_ignored():
-    assert not Notifier({}).enabled and not Notifier({}).ready("x")
-    assert Notifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_s is None
-    assert Notifier({"NOTIFY_SOCKET": "/nonexistent/sock"}).watchdog() is False  # never raises
+    assert not SystemdNotifier({}).enabled and not SystemdNotifier({}).ready("x")
+    assert SystemdNotifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"}).watchdog_s is None
+    assert SystemdNotifier({"NOTIFY_SOCKET": "/nonexistent/sock"}).watchdog() is False  # never raises
 
 
 def test_unit_has_the_promised_settings():
