@@ -145,8 +145,12 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
     # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
-    out = subprocess.run([sys.executable, "-m", "daemon.client.cli", "install-service", "--dry-run"], capture_output=True,
-                         text=True, cwd=REPO, check=True).stdout
+    from tests.helpers.daemon import cli_in_process
+    from tests.helpers.processes import child_env
+
+    r = cli_in_process(["install-service", "--dry-run"], child_env())  # its text is the point, not its process
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
     unit = out.split("# --- /etc/lorad/daemon.yaml")[0]  # the starter daemon.yaml follows the unit
     exe = unit.split("ExecStart=")[1].split()[0]
     if not os.access(exe, os.X_OK):
