@@ -1,4 +1,7 @@
-"""The diffusers LoRA file of the FLUX.2 and Qwen-Image families, and the metadata every image export carries.
+"""What every image family's export shares: the metadata every file carries, the trained LoRA factors
+(lora_modules), the kohya/ComfyUI layout over BFL module names (bfl_target by a family's rules,
+comfyui_state_dict; FLUX.1's rules and the layout's explanation: flux_export.py), and the diffusers LoRA file of the
+FLUX.2 and Qwen-Image families.
 
 `pytorch_lora_weights.safetensors` (output.formats: diffusers) is the layout
 the pipelines' `save_lora_weights` writes and `load_lora_weights` reads:
@@ -21,6 +24,8 @@ trigger, dataset hash) sits beside diffusers' key.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +33,8 @@ import torch
 from safetensors.torch import save_file
 
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+
+_BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 
 
 def metadata(cfg, meta: dict[str, Any]) -> dict[str, str]:
@@ -67,3 +74,80 @@ def diffusers_lora_file(transformer: torch.nn.Module, out_dir: Path, md: dict[st
     conf = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in conf.items()}
     md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(conf, indent=2, sort_keys=True)}
     return save(sd, Path(out_dir) / DIFFUSERS_FILE, md)
+
+
+def bfl_target(module: str, block_rules: dict, top_rules: dict) -> tuple[str, tuple[str, ...] | None]:
+    """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module, by a
+    family's rules (flux_export.py's for FLUX.1, flux2.py's for FLUX.2)."""
+    m = _BLOCK.match(module)
+    if m:
+        kind, i, rest = m.groups()
+        rule = block_rules[kind].get(rest)
+        if rule is not None:
+            name, parts = rule
+            return name.format(i=i), parts
+    elif module in top_rules:
+        return top_rules[module], None
+    raise ValueError(f"no ComfyUI/BFL name for module {module!r}")
+
+
+def cpu_f32(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32).contiguous()
+
+
+def lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.nn.Module]]:
+    """Diffusers module path -> (A [r, in], B [out, r], the base linear) for every LoRA layer, on the CPU."""
+    out = {}
+    for name, mod in model.named_modules():
+        if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
+            out[name] = (cpu_f32(mod.lora_A["default"].weight), cpu_f32(mod.lora_B["default"].weight), mod.get_base_layer())
+    return out
+
+
+def _out_features(model: torch.nn.Module, path: str) -> int:
+    mod = model.get_submodule(path)
+    return (mod.get_base_layer() if hasattr(mod, "get_base_layer") else mod).out_features
+
+
+def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, target: Callable,
+                       swap_halves: set[str]) -> dict[str, torch.Tensor]:
+    """kohya/ComfyUI keys over BFL names; fused linears get stacked downs and block-diagonal ups (the layout:
+    engine/families/image/flux_export.py's docstring).
+
+    `target` maps a diffusers module to its BFL name and fused parts (the family's bfl_target),
+    `swap_halves` names the BFL linears whose output halves are in the other order.
+    """
+    groups: dict[str, tuple[str, tuple[str, ...] | None]] = {}
+    for name in mods:
+        bfl, parts = target(name)
+        prefix = name
+        if parts is not None:
+            prefix = name[: -len(next(p for p in parts if name.endswith("." + p)))]
+        groups[bfl] = (prefix, parts)
+    sd: dict[str, torch.Tensor] = {}
+    for bfl, (prefix, parts) in sorted(groups.items()):
+        key = "lora_unet_" + bfl.replace(".", "_")
+        if parts is None:
+            a, b, _ = mods[prefix]
+            up = b
+            if bfl in swap_halves:
+                half = b.shape[0] // 2
+                up = torch.cat([b[half:], b[:half]])
+            down, k = a, 1
+        else:
+            present = [p for p in parts if prefix + p in mods]
+            k = len(present)
+            down = torch.cat([mods[prefix + p][0] for p in present])
+            # Row offsets come from every part of the fused linear, trained or not.
+            sizes = [_out_features(model, prefix + p) for p in parts]
+            up = torch.zeros(sum(sizes), k * rank)
+            row, col = 0, 0
+            for p, size in zip(parts, sizes, strict=True):
+                if prefix + p in mods:
+                    up[row : row + size, col : col + rank] = mods[prefix + p][1]
+                    col += rank
+                row += size
+        sd[f"{key}.lora_down.weight"] = down.contiguous()
+        sd[f"{key}.lora_up.weight"] = up.contiguous()
+        sd[f"{key}.alpha"] = torch.tensor(float(alpha) * k)
+    return sd

@@ -61,9 +61,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusers_lora_file, metadata, save
-from engine.families.image.flux_export import bfl_target as flux_bfl_target
-from engine.families.image.flux_export import comfyui_state_dict, lora_modules
+from engine.families.image.export import bfl_target as bfl_name
+from engine.families.image.export import comfyui_state_dict, diffusers_lora_file, lora_modules, metadata, save
 
 DEFAULT_TARGETS = (
     r"^(transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -109,8 +108,8 @@ _TOP_RULES = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 SWAP_HALVES = {"final_layer.adaLN_modulation.1"}
-# (BFL name, fused parts) of a FLUX.2 module: engine/families/image/flux_export.py's mapping with FLUX.2's rules.
-bfl_target = functools.partial(flux_bfl_target, block_rules=_BLOCK_RULES, top_rules=_TOP_RULES)
+# (BFL name, fused parts) of a FLUX.2 module: export.py's mapping with FLUX.2's rules.
+bfl_target = functools.partial(bfl_name, block_rules=_BLOCK_RULES, top_rules=_TOP_RULES)
 
 
 class Flux2Model:

@@ -1,4 +1,4 @@
-"""Flux LoRA files that diffusers and ComfyUI load with the scale they were trained at.
+"""FLUX.1's LoRA files that diffusers and ComfyUI load with the scale they were trained at.
 
 `pytorch_lora_weights.safetensors` (output.formats: diffusers) — diffusers' own
 layout, what `FluxPipeline.load_lora_weights(dir)` reads:
@@ -78,17 +78,17 @@ file).
 
 from __future__ import annotations
 
+import functools
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from engine.families.image.export import metadata
+from engine.families.image import export as image_export
+from engine.families.image.export import DIFFUSERS_FILE, comfyui_state_dict, cpu_f32, lora_modules, metadata
 
-DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 COMFYUI_FILE = "flux_lora_comfyui.safetensors"
 
 # Per block kind: diffusers sub-path -> (BFL name template, the sub-paths fused into that BFL linear in row order,
@@ -128,50 +128,17 @@ _TOP_RULES = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
 }
 _SWAP_HALVES = {"final_layer.adaLN_modulation.1"}
-_BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
-
-
-def bfl_target(module: str, block_rules: dict | None = None, top_rules: dict | None = None
-               ) -> tuple[str, tuple[str, ...] | None]:
-    """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module.
-
-    The rules are FLUX.1's unless given (engine/families/image/flux2.py passes FLUX.2's).
-    """
-    block_rules, top_rules = block_rules or _BLOCK_RULES, top_rules or _TOP_RULES
-    m = _BLOCK.match(module)
-    if m:
-        kind, i, rest = m.groups()
-        rule = block_rules[kind].get(rest)
-        if rule is not None:
-            name, parts = rule
-            return name.format(i=i), parts
-    elif module in top_rules:
-        return top_rules[module], None
-    raise ValueError(f"no ComfyUI/BFL name for module {module!r}")
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.float32).contiguous()
-
-
-def lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.nn.Module]]:
-    """Diffusers module path -> (A [r, in], B [out, r], the base linear) for every LoRA layer, on the CPU."""
-    out = {}
-    for name, mod in model.named_modules():
-        if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
-            out[name] = (_cpu(mod.lora_A["default"].weight), _cpu(mod.lora_B["default"].weight), mod.get_base_layer())
-    return out
-
-
+# FLUX.1's diffusers module -> (BFL name, fused parts); flux2.py has FLUX.2's.
+bfl_target = functools.partial(image_export.bfl_target, block_rules=_BLOCK_RULES, top_rules=_TOP_RULES)
 def dora_magnitudes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Diffusers module path -> DoRA magnitude [out] for every DoRA layer (none for plain LoRA)."""
-    return {name: _cpu(mod.lora_magnitude_vector["default"].weight) for name, mod in model.named_modules()
+    return {name: cpu_f32(mod.lora_magnitude_vector["default"].weight) for name, mod in model.named_modules()
             if "default" in getattr(mod, "lora_magnitude_vector", {})}
 
 
 def _factor(layer, name: str) -> torch.Tensor | None:
     params = getattr(layer, name)
-    return _cpu(params["default"]) if "default" in params else None
+    return cpu_f32(params["default"]) if "default" in params else None
 
 
 def lycoris_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -211,54 +178,6 @@ def diffusers_state_dict(mods, alpha: float, magnitudes: dict[str, torch.Tensor]
     return sd
 
 
-def _out_features(model: torch.nn.Module, path: str) -> int:
-    mod = model.get_submodule(path)
-    return (mod.get_base_layer() if hasattr(mod, "get_base_layer") else mod).out_features
-
-
-def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, target=bfl_target,
-                       swap_halves: set[str] = _SWAP_HALVES) -> dict[str, torch.Tensor]:
-    """kohya/ComfyUI keys over BFL names; fused linears get stacked downs and block-diagonal ups (see docstring).
-
-    `target` maps a diffusers module to its BFL name and fused parts (FLUX.1's by default; FLUX.2 passes its own),
-    `swap_halves` names the BFL linears whose output halves are in the other order.
-    """
-    groups: dict[str, tuple[str, tuple[str, ...] | None]] = {}
-    for name in mods:
-        bfl, parts = target(name)
-        prefix = name
-        if parts is not None:
-            prefix = name[: -len(next(p for p in parts if name.endswith("." + p)))]
-        groups[bfl] = (prefix, parts)
-    sd: dict[str, torch.Tensor] = {}
-    for bfl, (prefix, parts) in sorted(groups.items()):
-        key = "lora_unet_" + bfl.replace(".", "_")
-        if parts is None:
-            a, b, _ = mods[prefix]
-            up = b
-            if bfl in swap_halves:
-                half = b.shape[0] // 2
-                up = torch.cat([b[half:], b[:half]])
-            down, k = a, 1
-        else:
-            present = [p for p in parts if prefix + p in mods]
-            k = len(present)
-            down = torch.cat([mods[prefix + p][0] for p in present])
-            # Row offsets come from every part of the fused linear, trained or not.
-            sizes = [_out_features(model, prefix + p) for p in parts]
-            up = torch.zeros(sum(sizes), k * rank)
-            row, col = 0, 0
-            for p, size in zip(parts, sizes, strict=True):
-                if prefix + p in mods:
-                    up[row : row + size, col : col + rank] = mods[prefix + p][1]
-                    col += rank
-                row += size
-        sd[f"{key}.lora_down.weight"] = down.contiguous()
-        sd[f"{key}.lora_up.weight"] = up.contiguous()
-        sd[f"{key}.alpha"] = torch.tensor(float(alpha) * k)
-    return sd
-
-
 def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> list[str]:
     """Write the formats in cfg.output.formats into out_dir; return the file names."""
     mods = lora_modules(model)
@@ -275,7 +194,8 @@ def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> 
                  "ss_base_model_version": "flux1", "ss_output_name": cfg.name}
         if lycoris:
             kohya["ss_network_args"] = json.dumps({"algo": cfg.lora.type})
-        sd = lycoris_state_dict(model) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha)
+        sd = lycoris_state_dict(model) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha,
+                                                                          bfl_target, _SWAP_HALVES)
         save_file(sd, str(out_dir / COMFYUI_FILE), metadata={**md, **kohya})
         names.append(COMFYUI_FILE)
     return names

@@ -115,7 +115,7 @@ class QwenImageModel:
                 "true_cfg_scale": cfg.sample.guidance}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        from engine.families.image.flux_export import lora_modules
+        from engine.families.image.export import lora_modules
 
         md = metadata(cfg, meta)
         names = []
