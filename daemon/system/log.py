@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,3 @@ def job_event(workdir: Path, job_id: str, event: str, level: str = "info", **kw:
             f.write(json.dumps(line, default=str) + "\n")
     except OSError:
         pass  # the job's directory is on a full disk: the daemon log and the DB still have it
-
-
-def now_iso(t: float | None = None) -> str:
-    return datetime.fromtimestamp(time.time() if t is None else t, timezone.utc).isoformat(timespec="seconds")

@@ -25,8 +25,6 @@ import math
 
 import torch
 
-NO_BIAS = "balanced"
-
 
 def band(strategy: str, begin: float | None, end: float | None) -> tuple[float, float]:
     """The σ band a strategy weights."""
