@@ -92,7 +92,8 @@ class WebUrl(_Msg):
     verb: Literal["web-url"] = "web-url"
 
 
-# A new verb: a request class above, added here, and a handler in daemon/service/handlers.py.
+# A new verb: a request class above, added here, its reply model in REPLY_TYPES below, and a handler in
+# daemon/service/handlers.py.
 REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, Retry, SetPriority, Drain, Power,
                                    WebUrl]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]

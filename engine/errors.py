@@ -1,6 +1,6 @@
 """What the engine raises across modules, in one place that imports nothing.
 
-engine/run.py turns each into an exit code: JobInvalid and ConfigMismatch → 65
+engine/recipe.py (train) turns each into an exit code: JobInvalid and ConfigMismatch → 65
 (never retried), DiskError → 74 (retried after backoff). The thin client
 imports this module too, so it must stay free of torch and of the rest of the
 engine.

@@ -1,6 +1,6 @@
 """The interface every model family implements.
 
-The training recipe (engine/run.py) only talks to a family through these
+The training recipe (engine/recipe.py) only talks to a family through these
 methods, so a family owns everything specific to its models: how to load the
 base, which modules get LoRA, how a batch turns into a loss, how the dataset
 is built and how the finished adapter is exported.
