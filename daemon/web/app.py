@@ -219,7 +219,7 @@ class Dashboard:
             return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote('priority must be a whole number -1000..1000')}",
                                     status_code=303)
         reply = await run_in_threadpool(self._ask, req)
-        said = reply["data"].get("message", "done") if reply.get("ok") else f"refused: {reply.get('message')}"
+        said = p.parse_reply(req, reply["data"]).message if reply.get("ok") else f"refused: {reply.get('message')}"
         return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote(said)}", status_code=303)
 
     async def _form(self, request: Request) -> Any:
@@ -250,7 +250,8 @@ class Dashboard:
                                                                   [(None, "paste a job or choose a file")]), live=False)
         reply = await run_in_threadpool(self._ask, p.Submit(name=name, text=text))
         if reply.get("ok"):
-            return RedirectResponse(f"/jobs/{quote(reply['data']['job'])}?said={quote('accepted')}", status_code=303)
+            job = p.SubmitReply.model_validate(reply["data"]).job
+            return RedirectResponse(f"/jobs/{quote(job)}?said={quote('accepted')}", status_code=303)
         problems = submit_help.locate(text, reply.get("message", ""), name)
         return HTMLResponse(pages.layout("Submit", pages.submit_form(self.csrf(request), text, problems)),
                             status_code=400)
