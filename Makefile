@@ -22,7 +22,7 @@ demo: $(STAMP)
 	bash configs/demo.sh
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -x --timeout=600 tests
+	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 tests
 
 # The dashboard's browser test drives Debian's chromium through chromedriver (tests/e2e/test_dashboard_browser.py).
 # Installed here when missing and we may (root, apt-get); otherwise that one test is skipped and says why.
