@@ -112,11 +112,34 @@ class _Trainer:
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.join()
-        assert self.proc.exitcode == -signal.SIGKILL
+        assert self.proc.exitcode == -signal.SIGKILL, _forkserver_state(self.proc)
 
     def finish(self, timeout: float) -> int:
         self.proc.join(timeout)
         return self.proc.exitcode
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        return f"not open ({e.strerror})"
+
+
+def _forkserver_state(p) -> str:
+    """Why a forked child's status never came (exit code 255): is the fork server alive, are our pipes to it open."""
+    from multiprocessing import forkserver
+
+    pid, alive_fd = forkserver._forkserver._forkserver_pid, forkserver._forkserver._forkserver_alive_fd
+    try:
+        server = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError as e:
+        server = f"not our child ({e.strerror})"
+    import threading
+
+    return (f"exitcode {p.exitcode}; fork server {pid}: waitpid {server}; sentinel fd {p.sentinel}: "
+            f"{_fd_target(p.sentinel)}; alive fd {alive_fd}: {_fd_target(alive_fd)}; "
+            f"threads {[t.name for t in threading.enumerate()]}")
 
 
 def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
