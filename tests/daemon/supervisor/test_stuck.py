@@ -21,6 +21,7 @@ from daemon.config.daemon import DaemonConfig
 from daemon.service.recovery import reconcile
 from daemon.store import states
 from daemon.store.db import Store
+from daemon.supervisor import lock_contention
 from daemon.supervisor.loop import Supervisor
 from daemon.system import proc
 from daemon.system.log import setup
@@ -55,7 +56,9 @@ def unkillable(monkeypatch):
 
 
 def test_a_trainer_that_outlives_sigkill_is_reported_its_gpu_kept_out_and_the_other_gpu_keeps_serving(
-        tmp_path, unkillable):
+        tmp_path, unkillable, monkeypatch):
+    # The job waits on the lock its stuck trainer holds, retried every LOCK_BUSY_RETRY_S (5 s): when, is not the point.
+    monkeypatch.setattr(lock_contention, "LOCK_BUSY_RETRY_S", 0.5)
     store = Store(tmp_path / "state.db")
     cfg = DaemonConfig(hang_timeout_s=0.5, hang_step_multiple=1, kill_wait_s=0.5, backoff_base_s=0, stop_grace_s=5)
     sup = Supervisor(tmp_path, cfg, store, [0, 1], setup())
