@@ -218,6 +218,7 @@ def test_a_job_continued_past_its_end_never_calls_the_old_adapter_done(finished_
     import errno
 
     import engine.recipe as run
+    from engine.checkpoint.output import OUTPUT_STAMP
 
     job, cfg, workdir, _ = finished_tiny_job
     wd = tmp_path / "continued"
@@ -238,7 +239,7 @@ def test_a_job_continued_past_its_end_never_calls_the_old_adapter_done(finished_
     assert train(longer, wd, progress="none") == 0
     done = read_events(wd)[-1]
     assert done["event"] == "done" and not done.get("already") and done["step"] == cfg.train.steps + 4
-    assert json.loads((wd / "output" / run.OUTPUT_STAMP).read_text())["step"] == cfg.train.steps + 4
+    assert json.loads((wd / "output" / OUTPUT_STAMP).read_text())["step"] == cfg.train.steps + 4
     assert adapter_bytes(wd) != old
 
 
