@@ -3,20 +3,14 @@
 Each family's killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint half-written, then resumed) runs
 as real processes (the trainer's command line, engine/run.py) in the background of a module fixture while the same job trains
 uninterrupted in the test process; the other tests read the uninterrupted run's files. The processes are forked
-from a server that imported the training stack once: a fresh `python -m engine.run` spends most of its life on
-two shared cores importing torch, transformers and diffusers, and this file needs six of them.
+from a server that imported the training stack once (tests/helpers/forked.py): this file needs six of them.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import os
 import re
 import shutil
-import signal
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
+from tests.helpers.forked import ForkedTrainer
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
-from tests.helpers.processes import CHILD_ENV
 
 FAMILIES = ("flux2", "qwen_image")
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
@@ -64,94 +58,16 @@ def _tmp_dirs(wd: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if ".tmp-" in p.name) if root.is_dir() else []
 
 
-# What every trainer imports before its first step; the fork server imports it once for all six.
-PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2", "engine.families.image.qwen_image",
-           "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
-           "transformers.models.qwen3.modeling_qwen3", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
-
-
-def _engine_main(job: str, wd: str, env: dict[str, str]) -> None:
-    """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
-    os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
-    os.environ.update(env)
-    from tests.helpers.processes import trainer_main as main
-
-    sys.exit(main(["--job", job, "--workdir", wd, "--progress", "none"]))
-
-
-class _Trainer:
-    """One forked trainer; its events are read from WORKDIR/events.jsonl (from where this run began)."""
-
-    def __init__(self, job: Path, wd: Path, **env: str):
-        self.events_file = wd / "events.jsonl"
-        self.offset = self.events_file.stat().st_size if self.events_file.exists() else 0
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        self.proc = ctx.Process(target=_engine_main, args=(str(job), str(wd), {**CHILD_ENV, **env}))
-        self.proc.start()
-
-    @property
-    def events(self) -> list[dict]:
-        if not self.events_file.exists():
-            return []
-        with open(self.events_file, "rb") as f:
-            f.seek(self.offset)
-            lines = f.read().decode().split("\n")[:-1]  # a line still being written is left for the next look
-        return [json.loads(line) for line in lines if line.strip()]
-
-    def named(self, event: str) -> list[dict]:
-        return [e for e in self.events if e.get("event") == event]
-
-    def wait_for(self, pred, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert self.proc.is_alive() or pred(), f"trainer exited {self.proc.exitcode} first; {self.events[-3:]}"
-            assert time.monotonic() < deadline, f"timed out; {self.events[-3:]}"
-            time.sleep(0.01)
-
-    def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join()
-        assert self.proc.exitcode == -signal.SIGKILL, _forkserver_state(self.proc)
-
-    def finish(self, timeout: float) -> int:
-        self.proc.join(timeout)
-        return self.proc.exitcode
-
-
-def _fd_target(fd: int) -> str:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError as e:
-        return f"not open ({e.strerror})"
-
-
-def _forkserver_state(p) -> str:
-    """Why a forked child's status never came (exit code 255): is the fork server alive, are our pipes to it open."""
-    from multiprocessing import forkserver
-
-    pid, alive_fd = forkserver._forkserver._forkserver_pid, forkserver._forkserver._forkserver_alive_fd
-    try:
-        server = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError as e:
-        server = f"not our child ({e.strerror})"
-    import threading
-
-    return (f"exitcode {p.exitcode}; fork server {pid}: waitpid {server}; sentinel fd {p.sentinel}: "
-            f"{_fd_target(p.sentinel)}; alive fd {alive_fd}: {_fd_target(alive_fd)}; "
-            f"threads {[t.name for t in threading.enumerate()]}")
-
-
 def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     """SIGKILL while encoding the cache, then while a checkpoint is half-written; resume to the end."""
     story: list[str] = []
     wd.mkdir(parents=True, exist_ok=True)
-    t = _Trainer(job, wd)
+    t = ForkedTrainer(job, wd)
     t.wait_for(lambda: any(e.get("event") == "cache_progress" and e["done"] >= 2 for e in t.events), timeout=300)
     t.kill()
     story.append(f"run1 SIGKILL while caching ({t.named('cache_progress')[-1]['done']} encoded)")
 
-    t = _Trainer(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
+    t = ForkedTrainer(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
     t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
     t.kill()
     torn = _tmp_dirs(wd)
@@ -159,7 +75,7 @@ def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {[d.name for d in torn]} half-written")
     assert torn and start["reused"] >= 2, story
 
-    t = _Trainer(job, wd)
+    t = ForkedTrainer(job, wd)
     assert t.finish(timeout=300) == 0, t.events[-5:]
     story.append(f"run3 resumed from {[e['from_step'] for e in t.named('resumed')]}")
     assert t.named("cache_start")[0]["to_encode"] == 0, story

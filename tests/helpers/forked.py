@@ -1,0 +1,98 @@
+"""Trainers forked from a server that imported the training stack once: real processes, real SIGKILLs, cheap starts.
+
+A fresh `python -m engine.run` spends most of its life on two shared cores importing torch, transformers and
+diffusers. A multiprocessing fork server imports them once (its preload); each trainer is then forked from it and
+runs engine/run.py as `python -m engine.run` does (tests.helpers.processes.trainer_main). Its events are read from
+WORKDIR/events.jsonl, not stdout: the stdout contract the daemon reads keeps its own cold-start test.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.processes import CHILD_ENV, WAIT_S
+
+# What every image trainer imports before its first step.
+IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
+                 "engine.families.image.qwen_image", "diffusers.pipelines.flux2.pipeline_flux2_klein",
+                 "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers.models.qwen3.modeling_qwen3",
+                 "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
+
+
+def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
+    """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
+    os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
+    os.environ.update(env)
+    from tests.helpers.processes import trainer_main
+
+    sys.exit(trainer_main(["--job", job, "--workdir", wd, "--progress", "none"]))
+
+
+class ForkedTrainer:
+    """One forked trainer; its events are read from WORKDIR/events.jsonl (from where this run began)."""
+
+    def __init__(self, job: Path, wd: Path, preload: Sequence[str] = IMAGE_PRELOAD, **env: str):
+        self.events_file = wd / "events.jsonl"
+        self.offset = self.events_file.stat().st_size if self.events_file.exists() else 0
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+        self.proc = ctx.Process(target=engine_main, args=(str(job), str(wd), {**CHILD_ENV, **env}))
+        self.proc.start()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        if not self.events_file.exists():
+            return []
+        with open(self.events_file, "rb") as f:
+            f.seek(self.offset)
+            lines = f.read().decode().split("\n")[:-1]  # a line still being written is left for the next look
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def named(self, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == event]
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert self.proc.is_alive() or pred(), f"trainer exited {self.proc.exitcode} first; {self.events[-3:]}"
+            assert time.monotonic() < deadline, f"timed out; {self.events[-3:]}"
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join()
+        assert self.proc.exitcode == -signal.SIGKILL, forkserver_state(self.proc)
+
+    def finish(self, timeout: float) -> int | None:
+        self.proc.join(timeout)
+        return self.proc.exitcode
+
+
+def _fd_target(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        return f"not open ({e.strerror})"
+
+
+def forkserver_state(p: multiprocessing.process.BaseProcess) -> str:
+    """Why a forked child's status never came (exit code 255): is the fork server alive, are our pipes to it open."""
+    from multiprocessing import forkserver
+
+    pid, alive_fd = forkserver._forkserver._forkserver_pid, forkserver._forkserver._forkserver_alive_fd
+    try:
+        server: Any = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError as e:
+        server = f"not our child ({e.strerror})"
+    return (f"exitcode {p.exitcode}; fork server {pid}: waitpid {server}; sentinel fd {p.sentinel}: "
+            f"{_fd_target(p.sentinel)}; alive fd {alive_fd}: {_fd_target(alive_fd)}; "
+            f"threads {[t.name for t in threading.enumerate()]}")
