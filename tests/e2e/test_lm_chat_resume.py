@@ -1,4 +1,7 @@
-"""A chat-format, chunked-loss causal-LM job killed mid-run and resumed ends bit-identical to an uninterrupted one."""
+"""A chat-format, chunked-loss causal-LM job killed mid-run and resumed ends bit-identical to an uninterrupted one.
+
+The trainers are real processes forked from a server that imported the stack once (tests/helpers/forked.py); the
+SIGKILL is real."""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, tiny_job_dict
-from tests.helpers.processes import Trainer, run_engine
 
 TOPICS = ["boats", "trains", "clouds", "bread", "maps", "owls", "glass", "rivers"]
 
@@ -40,20 +43,20 @@ def chat_job(root: Path, micro_model: Path) -> Path:
 
 
 def _uninterrupted(job: Path, wd: Path) -> Path:
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
+    assert t.finish(timeout=600) == 0, t.events[-5:]
     assert t.named("chunked_loss") and t.named("chat_template_fallback")
     assert t.named("dataset")[0]["format"] == "chat"
     return wd
 
 
 def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     t.wait_step(random.randint(4, 9))
     t.kill()
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
+    assert t.finish(timeout=600) == 0, t.events[-5:]
     resumed = t.named("resumed")
     assert resumed and 0 < resumed[0]["from_step"] < 12
     return wd, resumed[0]["from_step"]

@@ -26,6 +26,8 @@ IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families
                  "engine.families.image.qwen_image", "diffusers.pipelines.flux2.pipeline_flux2_klein",
                  "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers.models.qwen3.modeling_qwen3",
                  "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
+# What a causal-LM trainer (the micro Llama) imports before its first step.
+LM_PRELOAD = ["engine.recipe", "engine.families.causal_lm", "transformers.models.llama.modeling_llama", "peft"]
 
 
 def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
@@ -66,6 +68,9 @@ class ForkedTrainer:
             assert self.proc.is_alive() or pred(), f"trainer exited {self.proc.exitcode} first; {self.events[-3:]}"
             assert time.monotonic() < deadline, f"timed out; {self.events[-3:]}"
             time.sleep(0.01)
+
+    def wait_step(self, step: int, timeout: float = WAIT_S) -> None:
+        self.wait_for(lambda: any(e.get("event") == "step" and e["step"] >= step for e in self.events), timeout)
 
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
