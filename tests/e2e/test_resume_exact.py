@@ -1,7 +1,8 @@
 """Resume is exact: kills at any point, signals, and re-running a finished or changed job.
 
-The kills and signals hit real `python -m engine.run` children on a micro
-Llama, the same process boundary the daemon uses.
+The kills and signals hit real trainer processes on a micro Llama: the three-SIGKILL chains fork them from a server
+that imported the stack once (tests/helpers/forked.py); the other tests start cold `python -m engine.run` children
+and read their stdout, the process boundary and JSON-lines contract the daemon uses.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import yaml
 from engine.checkpoint.store import CheckpointStore
 from engine.config.job import load_job, parse_job
 from engine.recipe import train
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, read_events, tiny_job_dict
-from tests.helpers.processes import Trainer, run_engine
+from tests.helpers.processes import Trainer
 
 OPTIMIZERS = ["adamw8bit", "adamw"]
 
@@ -45,8 +47,8 @@ def _tmp_dirs(workdir: Path) -> list[Path]:
 
 
 def run_uninterrupted(job: Path, wd: Path) -> Path:
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
+    assert t.finish(timeout=600) == 0, t.events[-5:]
     return wd
 
 
@@ -57,14 +59,14 @@ def run_with_three_sigkills(job: Path, wd: Path) -> tuple[Path, list[str]]:
 
     # 1. killed at a random step after the first checkpoint is committed (the writer may lag under load)
     k1 = rnd.randint(6, 10)
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     t.wait_step(k1)
     t.kill()
     story.append(f"run1 SIGKILL after step {k1} (last step seen {t.named('step')[-1]['step']})")
 
     # 2. resumed, then killed while a checkpoint is half-written
-    t = Trainer.engine(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
     t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)))
     t.kill()
     torn = _tmp_dirs(wd)
@@ -75,7 +77,7 @@ def run_with_three_sigkills(job: Path, wd: Path) -> tuple[Path, list[str]]:
     assert not (wd / "checkpoints" / f"step-{torn_step:08d}").exists(), story
 
     # 3. resumed from before the torn save, then killed at another random step
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
     t.wait_for(lambda: bool(t.named("resumed")) or bool(t.named("step")))
     resumed3 = t.named("resumed")
     assert resumed3 and resumed3[0]["from_step"] < torn_step, story + [f"run3 events {t.events[:3]}"]
@@ -86,8 +88,8 @@ def run_with_three_sigkills(job: Path, wd: Path) -> tuple[Path, list[str]]:
     story.append(f"run3 resumed from {resumed3[0]['from_step']}, SIGKILL after step {k3}")
 
     # 4. resumed and run to the end
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
+    assert t.finish(timeout=600) == 0, t.events[-5:]
     resumed4 = t.named("resumed")
     story.append(f"run4 resumed from {[e['from_step'] for e in resumed4]}")
     assert resumed4 and resumed4[0]["from_step"] > 0, story
