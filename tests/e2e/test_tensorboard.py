@@ -10,6 +10,7 @@ import yaml
 from engine.config.job import load_job
 from engine.errors import JobInvalid
 from engine.recipe import train
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import (
     QUICKSTART_DATA,
     adapter_bytes,
@@ -18,7 +19,6 @@ from tests.helpers.jobs import (
     tiny_job,
     tiny_job_dict,
 )
-from tests.helpers.processes import Trainer, run_engine
 
 TAGS = ("train/loss", "train/lr", "train/grad_norm", "perf/s_per_step", "validation/loss")
 
@@ -48,7 +48,7 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     assert train(load_job(job), ref, progress="none") == 0
 
     wd = tmp_path / "killed"
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)  # a real process, killed for real (tests/helpers/forked.py)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     committed = t.named("checkpoint_committed")[-1]["step"]
     t.wait_step(committed + 4)  # a few steps past the checkpoint, so the killed attempt wrote some of them
@@ -56,8 +56,8 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     validated_past = [e["step"] for e in t.named("validation") if e["step"] > committed]
     first = sorted((wd / "tb").glob("events.out.tfevents.*"))
     assert len(first) == 1
-    t = run_engine(job, wd)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
+    assert t.finish(timeout=600) == 0, t.events[-5:]
     resumed = t.named("resumed")[0]["from_step"]
     assert max(_steps_in_file(first[0], "train/loss")) > resumed, "nothing to purge: the test would prove nothing"
     assert len(list((wd / "tb").glob("events.out.tfevents.*"))) == 2  # one file per attempt
