@@ -16,7 +16,8 @@ from engine.config.job import load_job
 from engine.families.image.flux import apply_lora
 from engine.families.image.flux_export import COMFYUI_FILE, DIFFUSERS_FILE
 from tests.helpers import images as fh
-from tests.helpers.processes import REPO, Trainer, run_engine
+from tests.helpers.forked import FLUX_PRELOAD, ForkedTrainer
+from tests.helpers.processes import REPO
 
 flux_job = fh.flux_job  # shared session fixture
 flux_uninterrupted = fh.flux_uninterrupted  # shared session fixture
@@ -37,12 +38,12 @@ def _metadata(path: Path) -> dict[str, str]:
 def test_killed_while_caching_and_while_training_then_resumed_is_bit_identical(flux_job, flux_uninterrupted, tmp_path):
     wd = tmp_path / "work"
     # 1. SIGKILL in the middle of encoding the cache
-    t = Trainer.engine(flux_job, wd)
+    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
     t.wait_for(lambda: any(e.get("event") == "cache_progress" and e["done"] >= 4 for e in t.events), timeout=180)
     t.kill()
     # 2. the committed encodings are reused; SIGKILL at a random step after the first checkpoint
     k = random.randint(4, 10)
-    t = Trainer.engine(flux_job, wd)
+    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
     t.wait_step(k, timeout=180)
     # checkpoints are written in the background: make sure one is committed before the kill
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=180)
@@ -51,8 +52,8 @@ def test_killed_while_caching_and_while_training_then_resumed_is_bit_identical(f
     start = t.named("cache_start")[0]
     assert start["reused"] >= 4, start
     # 3. resumed to the end
-    t = run_engine(flux_job, wd, timeout=300)
-    assert t.proc.returncode == 0, t.stderr[-3000:]
+    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
+    assert t.finish(timeout=300) == 0, t.events[-5:]
     assert t.named("cache_start")[0]["to_encode"] == 0
     resumed = t.named("resumed")
     assert resumed and resumed[0]["from_step"] >= saved, (k, saved, resumed)

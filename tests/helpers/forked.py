@@ -26,6 +26,10 @@ IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families
                  "engine.families.image.qwen_image", "diffusers.pipelines.flux2.pipeline_flux2_klein",
                  "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers.models.qwen3.modeling_qwen3",
                  "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
+# What a FLUX.1 trainer imports before its first step.
+FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux",
+                "diffusers.models.transformers.transformer_flux", "transformers.models.clip.modeling_clip",
+                "transformers.models.t5.modeling_t5", "peft"]
 # What a causal-LM trainer (the micro Llama) imports before its first step.
 LM_PRELOAD = ["engine.recipe", "engine.families.causal_lm", "transformers.models.llama.modeling_llama", "peft"]
 
