@@ -27,8 +27,8 @@ from engine.training.optim import (
     split_tree,
     use_eval_weights,
 )
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, tiny_job, tiny_job_dict
-from tests.helpers.processes import Trainer
 
 NEW_OPTIMIZERS = ["prodigy", "adamw_schedulefree", "scao"]
 # scao preconditions only after its own curvature warm-up (100 steps by default): short here so tests reach it.
@@ -207,15 +207,15 @@ def _kill_twice(job: Path, wd: Path) -> int:
     """Two real trainer processes SIGKILLed: a step past the first committed checkpoint, then while the resumed one
     half-writes its next checkpoint. Returns the step the second one resumed from."""
     slow = 500  # seconds: four trainers start side by side on a busy 2-core machine
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)  # real processes, killed for real (tests/helpers/forked.py)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=slow)
     t.wait_step(t.named("checkpoint_committed")[0]["step"] + 1, timeout=slow)
     t.kill()
-    t = Trainer.engine(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.2")
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.2")
     t.wait_for(lambda: _checkpoint_being_written(wd), timeout=slow)
     t.kill()
     resumed = t.named("resumed")
-    assert resumed, t.stderr[-2000:]
+    assert resumed, t.events[-5:]
     return resumed[0]["from_step"]
 
 
