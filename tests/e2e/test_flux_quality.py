@@ -19,8 +19,8 @@ from engine.errors import JobInvalid
 from engine.families.image.flux import Flux
 from tests.helpers import images as fh
 from tests.helpers.fakes import RecLog
+from tests.helpers.forked import FLUX_PRELOAD, ForkedTrainer
 from tests.helpers.images import IMAGES, make_images
-from tests.helpers.processes import Trainer, run_engine
 
 tiny_flux = fh.tiny_flux  # shared session fixture
 
@@ -201,19 +201,19 @@ def test_the_quality_keys_are_flux_only(tmp_path):
 
 # ------------------------------------------------------------------ exact resume, all features at once
 def _uninterrupted(job: Path, wd: Path) -> Path:
-    t = run_engine(job, wd, timeout=400)
-    assert t.proc.returncode == 0, t.stderr[-3000:]
+    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)
+    assert t.finish(timeout=400) == 0, t.events[-5:]
     assert t.named("cache_start")[0]["to_encode"] == 0
     return wd
 
 
 def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
-    t = Trainer.engine(job, wd)
+    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)  # a real process, killed for real (tests/helpers/forked.py)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=400)
     t.wait_step(random.randint(3, 6), timeout=400)
     t.kill()
-    t = run_engine(job, wd, timeout=400)
-    assert t.proc.returncode == 0, t.stderr[-3000:]
+    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)
+    assert t.finish(timeout=400) == 0, t.events[-5:]
     resumed = t.named("resumed")
     assert resumed and 0 < resumed[0]["from_step"] < 8
     return wd, resumed[0]["from_step"]
