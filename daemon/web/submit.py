@@ -1,6 +1,6 @@
 """The submit page's error display: the validator's "key: message" problems, each placed at its key's line.
 
-engine/config/job.py names every problem by its dotted key (`train.steps: must be
+engine/config/ (describe.py, rules.py) names every problem by its dotted key (`train.steps: must be
 greater than 0`); yaml.compose keeps each node's line, so the page can show the
 message next to the key it names. A missing key points at its section's line.
 """

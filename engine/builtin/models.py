@@ -8,7 +8,7 @@ nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
 pipeline (engine/builtin/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
 for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py).
 
-Importable without torch: job validation (engine/config/job.py) reads BUILTIN_MODELS.
+Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
 
 from __future__ import annotations

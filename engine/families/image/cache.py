@@ -18,7 +18,7 @@ only, a new image only that image, a new bucket list only what moved.
 
 What differs per family is only how a [1, 3, H, W] image in [-1, 1] becomes a
 latent and how a text becomes its tensors: the family passes those two
-encoders (engine/families/image/flux_encode.py for FLUX.1, image_base.PipelineEncoder
+encoders (engine/families/image/flux_encode.py for FLUX.1, dataset.PipelineEncoder
 for FLUX.2 and Qwen-Image).
 """
 
