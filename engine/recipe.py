@@ -62,7 +62,7 @@ from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag
+from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -288,6 +288,7 @@ class Loop:
             if run.ema is not None:
                 run.ema.update(at.step)
             self.report(loss, lr, grad_norm, time.monotonic() - t0)
+            debug_pause()  # tests: a kill a few steps after an event lands before the job ends
             if run.validation is not None and validation_due(self.cfg.data.validation.every_steps, at.step):
                 self.validate()  # every rank its share, before the stop decision: a checkpointed step has its value
             stopping, urgent = run.ranks.agree(stop.requested, stop.take_save_request())

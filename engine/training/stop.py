@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 EXIT_OK = 0
 EXIT_INVALID = 65  # EX_DATAERR: the job can never run as written; not retried
@@ -67,3 +68,11 @@ class StopFlag:
             os._exit(EXIT_INTERRUPTED_HARD)
         os.write(2, SOFT_STOP_MESSAGE.encode())
         self.request("SIGINT")
+
+
+def debug_pause() -> None:
+    """Sleep $LORAD_DEBUG_STEP_DELAY_S after each optimizer step (tests only; unset in real runs): a tiny job
+    trains a step in milliseconds, and a test that kills it a few steps after an event must get there first."""
+    delay = float(os.environ.get("LORAD_DEBUG_STEP_DELAY_S", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)

@@ -34,6 +34,12 @@ FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.
 LM_PRELOAD = ["engine.recipe", "engine.families.causal_lm", "transformers.models.llama.modeling_llama", "peft"]
 
 
+# A forked micro-model trainer runs a step in milliseconds, faster than this side polls events.jsonl: without
+# a pause after each step a test waiting for step k to kill the trainer could find it finished (seen once in
+# test_tensorboard: all 12 steps in 0.09 s). The pause changes no value trained.
+STEP_DELAY_S = "0.03"
+
+
 def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
@@ -51,7 +57,8 @@ class ForkedTrainer:
         self.offset = self.events_file.stat().st_size if self.events_file.exists() else 0
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(list(preload))
-        self.proc = ctx.Process(target=engine_main, args=(str(job), str(wd), {**CHILD_ENV, **env}))
+        env = {**CHILD_ENV, "LORAD_DEBUG_STEP_DELAY_S": STEP_DELAY_S, **env}
+        self.proc = ctx.Process(target=engine_main, args=(str(job), str(wd), env))
         self.proc.start()
 
     @property
