@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -33,6 +34,13 @@ FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.
 # What a causal-LM trainer (the micro Llama) imports before its first step.
 LM_PRELOAD = ["engine.recipe", "engine.families.causal_lm", "transformers.models.llama.modeling_llama", "peft"]
 
+
+# multiprocessing's forkserver Popen.poll() is not thread-safe: it reads the child's exit status from the fork
+# server's pipe once, and two threads polling the same child at once (Process.start() polls every earlier child,
+# in _cleanup, while another thread joins the one it killed) both read it: one gets the status, the other EOF,
+# which poll() turns into exit code 255. Tests that run kill chains side by side (threads) start and poll
+# under this lock; the blocking wait for a child's end happens outside it, on its sentinel.
+_POLL = threading.Lock()
 
 # A forked micro-model trainer runs a step in milliseconds, faster than this side polls events.jsonl: without
 # a pause after each step a test waiting for step k to kill the trainer could find it finished (seen once in
@@ -59,7 +67,8 @@ class ForkedTrainer:
         ctx.set_forkserver_preload(list(preload))
         env = {**CHILD_ENV, "LORAD_DEBUG_STEP_DELAY_S": STEP_DELAY_S, **env}
         self.proc = ctx.Process(target=engine_main, args=(str(job), str(wd), env))
-        self.proc.start()
+        with _POLL:
+            self.proc.start()
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -76,21 +85,29 @@ class ForkedTrainer:
     def wait_for(self, pred: Callable[[], bool], timeout: float = WAIT_S) -> None:
         deadline = time.monotonic() + timeout
         while not pred():
-            assert self.proc.is_alive() or pred(), f"trainer exited {self.proc.exitcode} first; {self.events[-3:]}"
+            assert self.alive() or pred(), f"trainer exited {self.exitcode()} first; {self.events[-3:]}"
             assert time.monotonic() < deadline, f"timed out; {self.events[-3:]}"
             time.sleep(0.01)
 
     def wait_step(self, step: int, timeout: float = WAIT_S) -> None:
         self.wait_for(lambda: any(e.get("event") == "step" and e["step"] >= step for e in self.events), timeout)
 
+    def alive(self) -> bool:
+        with _POLL:
+            return self.proc.is_alive()
+
+    def exitcode(self) -> int | None:
+        with _POLL:
+            return self.proc.exitcode
+
     def kill(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.join()
-        assert self.proc.exitcode == -signal.SIGKILL, forkserver_state(self.proc)
+        assert self.finish(timeout=60) == -signal.SIGKILL, forkserver_state(self.proc)
 
     def finish(self, timeout: float) -> int | None:
-        self.proc.join(timeout)
-        return self.proc.exitcode
+        """Wait up to `timeout` for the trainer to end; its exit code (None while it still runs)."""
+        multiprocessing.connection.wait([self.proc.sentinel], timeout)  # its end, seen without reading its status
+        return self.exitcode()
 
 
 def _fd_target(fd: int) -> str:
