@@ -207,7 +207,9 @@ def _kill_twice(job: Path, wd: Path) -> int:
     """Two real trainer processes SIGKILLed: a step past the first committed checkpoint, then while the resumed one
     half-writes its next checkpoint. Returns the step the second one resumed from."""
     slow = 500  # seconds: four trainers start side by side on a busy 2-core machine
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)  # real processes, killed for real (tests/helpers/forked.py)
+    # Steps slowed to 0.2 s: the first commit is written by a niced thread and its event can come late, when an
+    # 8-step job is nearly done (seen once: the trainer finished before the kill).
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD, LORAD_DEBUG_STEP_DELAY_S="0.2")  # real processes, real kills
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=slow)
     t.wait_step(t.named("checkpoint_committed")[0]["step"] + 1, timeout=slow)
     t.kill()
