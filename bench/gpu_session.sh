@@ -24,6 +24,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 PY=${PY:-python3}
+LIMIT=${STAGE_TIMEOUT:-560}  # seconds for the stage's one command; lower it to run two stages in one call
 stage=${1:?usage: gpu_session.sh tests|flux-a|flux-b|flux-r128|llama|loss-bf16|loss-fp8}
 {
   echo "# stage $stage on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
@@ -32,12 +33,12 @@ stage=${1:?usage: gpu_session.sh tests|flux-a|flux-b|flux-r128|llama|loss-bf16|l
 
 speed() {  # speed NAME ARGS... : one engine_speed run, table to $OUT/NAME.md
   local name=$1; shift
-  timeout 560 $PY bench/engine_speed.py "$@" --out "$OUT/$name.md" 2>&1 | tee -a "$OUT/$stage.log"
+  timeout "$LIMIT" $PY bench/engine_speed.py "$@" --out "$OUT/$name.md" 2>&1 | tee -a "$OUT/$stage.log"
 }
 
 case $stage in
   tests)
-    timeout 560 $PY -m pytest -q -m gpu --timeout=300 tests -p no:cacheprovider 2>&1 | tee -a "$OUT/$stage.log" ;;
+    timeout "$LIMIT" $PY -m pytest -q -m gpu --timeout=300 tests -p no:cacheprovider 2>&1 | tee -a "$OUT/$stage.log" ;;
   flux-a) speed flux-r16-a --shape flux-dev --rank 16 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-dequant,fp8-8bit-wT ;;
   flux-b) speed flux-r16-b --shape flux-dev --rank 16 --configs baseline,fp8-8bit,fp8-8bit-swap,fp8-8bit-ckpt,fp8-8bit-compile ;;
   flux-r128) speed flux-r128 --shape flux-dev --rank 128 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-swap ;;

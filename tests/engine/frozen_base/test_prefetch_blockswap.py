@@ -83,10 +83,13 @@ class Stack(nn.Module):
 
 def run_steps(model: nn.Module, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor]]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    # The input follows the model: its width from the head, its device from the parameters (a CUDA
+    # stack fed a CPU batch of the wrong width could never pass).
+    width, device = model.head.in_features, model.head.weight.device
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
-        loss = model(torch.randn(8, 32, generator=g))
+        loss = model(torch.randn(8, width, generator=g).to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
