@@ -71,7 +71,7 @@ from engine.frozen_base.blockswap import BlockSwapper, find_blocks  # noqa: E402
 from engine.frozen_base.fp8 import FP8Linear  # noqa: E402
 from engine.frozen_base.precision import DEFAULT_SKIP  # noqa: E402
 from engine.frozen_base.prefetch import Prefetcher  # noqa: E402
-from engine.frozen_base.speedups import compile_blocks  # noqa: E402
+from engine.frozen_base.speedups import avoid_cudnn_attention, compile_blocks  # noqa: E402
 
 GiB = 1024**3
 
@@ -143,6 +143,7 @@ CONFIGS = {c.name: c for c in [
     Config("fp8-8bit-swap", base="fp8", swap=True),
     Config("fp8-8bit-ckpt", base="fp8", ckpt_toggle=True),
     Config("fp8-8bit-compile", base="fp8", compile=True),
+    Config("bf16-8bit-compile", compile=True),
     Config("fp8-8bit-wT", base="fp8", transposed_copy=True),
     Config("fp8-8bit-dequant", base="fp8", fp8_compute="dequant"),
     Config("bf16-8bit-eager", attn="eager"),
@@ -346,6 +347,24 @@ def cleanup(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def profile_steps(step_fn, first: int, device: torch.device, label: str, top: int) -> None:
+    """Two more steps under torch.profiler; print the `top` ops by device time (CPU time on the CPU).
+
+    Answers where a step's time goes (GEMM vs quantisation vs copies) without changing the timed steps,
+    which ran before this."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for step in range(first, first + 2):
+            step_fn(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"# profile of 2 steps: {label}\n" + prof.key_averages().table(sort_by=key, row_limit=top),
+          file=sys.stderr, flush=True)
+
+
 def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype: torch.dtype, args) -> Row:
     from engine.config.train import TrainConfig
     from engine.training.optim import build_optimizer
@@ -387,10 +406,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
     total_steps = max(args.warmup + args.steps, args.loss_steps)
     times: list[float] = []
     model.train()
-    for step in range(total_steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+    def train_step(step: int) -> float:
         batch = prefetcher.get(step)
         loss = loss_fn(model, shape, batch, dtype, ids)
         loss.backward()
@@ -398,13 +414,21 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()  # also a sync point
+        return loss.item()  # also a sync point
+
+    for step in range(total_steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        loss_value = train_step(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
         if args.warmup <= step < args.warmup + args.steps:
             times.append(dt)
         row.losses.append(loss_value)
+    if args.profile:
+        profile_steps(lambda step: train_step(step), total_steps, device, f"{shape.name} r{rank} {cfg.name}", args.profile)
     nt = counter.total
     row.s_per_step = statistics.median(times)
     row.loss = row.losses[args.loss_steps - 1]
@@ -468,11 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak of this GPU, for MFU")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, profile two more and print the top N ops by device time")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and few steps; runs on the CPU")
     ap.add_argument("--out", help="also write the table (markdown) to this file")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    avoid_cudnn_attention(device)  # as the trainer does: cuDNN's attention backward failed on an H200
     if args.smoke:
         shapes = args.shape or ["flux-tiny", "llama-tiny"]
         ranks = args.rank or [16]

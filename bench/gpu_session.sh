@@ -7,6 +7,8 @@
 #   tests      the GPU-marked tests (pytest -m gpu)
 #   flux-a     FLUX.1-dev r16: baseline, bf16-8bit, fp8-8bit, fp8-8bit-dequant, fp8-8bit-wT
 #   flux-b     FLUX.1-dev r16: baseline, fp8-8bit, fp8-8bit-swap, fp8-8bit-ckpt, fp8-8bit-compile
+#   flux-c     FLUX.1-dev r16: baseline, bf16-8bit-compile, fp8-8bit-compile (compile against compile)
+#   profile    FLUX.1-dev r16: bf16-8bit, fp8-8bit, fp8-8bit-compile, each with the top 25 ops of two steps
 #   flux-r128  FLUX.1-dev r128: baseline, bf16-8bit, fp8-8bit, fp8-8bit-swap
 #   llama      Llama-3-8B shape r16: baseline, bf16-8bit, fp8-8bit, fp8-8bit-ckpt, fp8-8bit-compile, bf16-8bit-eager
 #   loss-bf16  FLUX.1-dev r16, 200 steps: bf16-8bit (the loss@200 reference)
@@ -25,7 +27,7 @@ if [ -d .whl ]; then
 fi
 PY=${PY:-python3}
 LIMIT=${STAGE_TIMEOUT:-560}  # seconds for the stage's one command; lower it to run two stages in one call
-stage=${1:?usage: gpu_session.sh tests|flux-a|flux-b|flux-r128|llama|loss-bf16|loss-fp8}
+stage=${1:?usage: gpu_session.sh tests|flux-a|flux-b|flux-c|profile|flux-r128|llama|loss-bf16|loss-fp8}
 {
   echo "# stage $stage on $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
   $PY -c 'import torch, transformers, peft, diffusers, bitsandbytes as b; print("torch", torch.__version__, "cuda", torch.version.cuda, "| transformers", transformers.__version__, "peft", peft.__version__, "diffusers", diffusers.__version__, "bitsandbytes", b.__version__)'
@@ -38,9 +40,12 @@ speed() {  # speed NAME ARGS... : one engine_speed run, table to $OUT/NAME.md
 
 case $stage in
   tests)
-    timeout "$LIMIT" $PY -m pytest -q -m gpu --timeout=300 tests -p no:cacheprovider 2>&1 | tee -a "$OUT/$stage.log" ;;
+    timeout "$LIMIT" $PY -m pytest -q -m gpu --continue-on-collection-errors --timeout=300 tests -p no:cacheprovider 2>&1 | tee -a "$OUT/$stage.log" ;;
   flux-a) speed flux-r16-a --shape flux-dev --rank 16 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-dequant,fp8-8bit-wT ;;
   flux-b) speed flux-r16-b --shape flux-dev --rank 16 --configs baseline,fp8-8bit,fp8-8bit-swap,fp8-8bit-ckpt,fp8-8bit-compile ;;
+  flux-c) speed flux-r16-c --shape flux-dev --rank 16 --configs baseline,bf16-8bit-compile,fp8-8bit-compile ;;
+  profile) speed flux-r16-profile --shape flux-dev --rank 16 --configs bf16-8bit,fp8-8bit,fp8-8bit-compile \
+             --warmup 2 --steps 3 --profile 25 ;;
   flux-r128) speed flux-r128 --shape flux-dev --rank 128 --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-swap ;;
   llama) speed llama3-8b --shape llama3-8b --rank 16 \
            --configs baseline,bf16-8bit,fp8-8bit,fp8-8bit-ckpt,fp8-8bit-compile,bf16-8bit-eager ;;

@@ -8,7 +8,10 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl
 WHEELS=(
   bitsandbytes==0.50.2 diffusers==0.42.1
-  pydantic==2.14.3 "pydantic-core==$(.venv/bin/python -c 'import pydantic_core; print(pydantic_core.__version__)')"
+  # pydantic and the pydantic-core it pins, both as in the venv (a mismatch stops every import there)
+  "pydantic==$(.venv/bin/python -c 'import pydantic; print(pydantic.VERSION)')"
+  "pydantic-core==$(.venv/bin/python -c 'import pydantic_core; print(pydantic_core.__version__)')"
+  "starlette==$(.venv/bin/python -c 'import starlette; print(starlette.__version__)')"  # the dashboard tests
   annotated-types typing-inspection
   structlog==26.1.0 watchdog==7.1.0 apscheduler==3.11.3 tzlocal
   pytest-timeout

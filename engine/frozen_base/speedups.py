@@ -25,8 +25,25 @@ def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> int:
     return len(blocks)
 
 
+def avoid_cudnn_attention(device: torch.device, log=None) -> bool:
+    """On CUDA, keep SDPA off its cuDNN backend; return whether the setting was changed.
+
+    Measured, not assumed: on an H200 with torch 2.11 (cu130), the cuDNN attention backward failed at the
+    FLUX.1-dev shape ("mha_graph.execute(...).is_good()", then an illegal memory access that ends the
+    process). Flash attention, SDPA's next choice on Hopper and Ada, trained the same step
+    (bench/RESULTS.md, engine speed). The flag is process-wide, so this runs once, in the trainer.
+    """
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    if log is not None:
+        log.info("attention_backend", cudnn=False)
+    return True
+
+
 def apply_train_speedups(model: nn.Module, train, device: torch.device, log=None) -> BlockSwapper | None:
     """Install block swapping and compilation as `train` (the job's TrainConfig) asks; log what was done."""
+    avoid_cudnn_attention(device, log)
     blocks = find_blocks(model) if (train.blocks_to_swap or train.compile) else []
     swapper = None
     if train.blocks_to_swap:
