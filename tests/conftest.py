@@ -15,6 +15,10 @@ import yaml
 
 from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict
 
+# Tables are as wide as the terminal; tests read their cells. Without this, the width depended on how pytest
+# was started (a terminal, a pipe, an xdist worker), and a note cut to fit a narrow one failed a test.
+os.environ["COLUMNS"] = "120"
+
 
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory) -> Path:
