@@ -155,6 +155,18 @@ def sample_log(pick, world: World):
     return logged
 
 
+def ignore_frozen(model: torch.nn.Module) -> list[str]:
+    """Mark every frozen parameter for DDP to ignore; return their names.
+
+    Every rank loads the same frozen base from the same files, so DDP's start-up broadcast of it is wasted
+    (the whole base over NCCL), and with block swapping it is refused outright: DDP wants all the parameters
+    it manages on one device type, and swapped blocks keep theirs in host memory. The trainable adapter is
+    still broadcast from rank 0 and all-reduced every step."""
+    names = [n for n, p in model.named_parameters() if not p.requires_grad]
+    model._ddp_params_and_buffers_to_ignore = names
+    return names
+
+
 class NcclMissing(JobInvalid):
     """A multi-process job on GPUs with a torch built without NCCL: no retry can help (exit 65)."""
 
@@ -206,8 +218,15 @@ class Ranks:
         return shard_model(model)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model the forward and backward go through: DDP-wrapped on several processes (FSDP: as sharded)."""
-        return self._acc.prepare_model(model) if self._acc is not None and not self.sharded else model
+        """The model the forward and backward go through: DDP-wrapped on several processes (FSDP: as sharded).
+
+        The family has already placed the model (engine/frozen_base/blockswap.place_model keeps swapped blocks'
+        frozen weights in host memory), so accelerate must not move it: its device placement would put every
+        swapped block on every GPU. DDP is told to leave the frozen base alone (see ignore_frozen)."""
+        if self._acc is None or self.sharded:
+            return model
+        ignore_frozen(model)
+        return self._acc.prepare_model(model, device_placement=False)
 
     def no_sync(self, model: torch.nn.Module, last_round: bool):
         """Skip DDP's gradient all-reduce on every accumulation round but the last. FSDP reduce-scatters every

@@ -63,7 +63,9 @@ def launch(job: Path, workdir: Path, processes: int, **env: str) -> Trainer:
 
 def write_job(dest: Path, model: Path, gpus: int) -> Path:
     d = deep_update(tiny_job_dict(model, QUICKSTART_DATA), {
-        "train": {"steps": STEPS, "grad_accum": GLOBAL_BATCH // (2 * gpus)},
+        # The 2-process job also swaps a block: DDP over a frozen base partly in host memory (ignore_frozen);
+        # swapping changes no number, so it still trains what one process trains.
+        "train": {"steps": STEPS, "grad_accum": GLOBAL_BATCH // (2 * gpus), "blocks_to_swap": 1 if gpus == 2 else 0},
         "resources": {"gpus": gpus},
         "checkpoint": {"every_steps": 4, "keep": 20},
         # 3 batches on 2 ranks: rank 0 evaluates two, rank 1 one, and the sums are all-reduced
@@ -109,6 +111,7 @@ def runs(tmp_path_factory, micro_model):
 def test_two_processes_train_what_one_process_trains_with_the_same_global_batch(runs):
     (_, w1, t1), (_, w2, t2) = runs[1], runs[2]
     assert [e["processes"] for e in t2.named("start")] == [2]
+    assert [e["swapped"] for e in t2.named("block_swap")] == [1] and t1.named("block_swap") == []
     assert [e["grad_accum"] for e in t2.named("start")] == [1] and [e["grad_accum"] for e in t1.named("start")] == [2]
     assert sample_ids_by_step(w1) == sample_ids_by_step(w2)
     assert losses(t1) == pytest.approx(losses(t2), abs=ATOL)
