@@ -51,6 +51,7 @@ materialised), so a 12B model never exists in fp32 or in host RAM.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import statistics
@@ -347,6 +348,17 @@ def cleanup(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def one_step(model, shape: Shape, prefetcher, params, optimizer, dtype, ids, step: int) -> float:
+    batch = prefetcher.get(step)
+    loss = loss_fn(model, shape, batch, dtype, ids)
+    loss.backward()
+    prefetcher.prefetch(step + 1)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()  # also a sync point
+
+
 def profile_steps(step_fn, first: int, device: torch.device, label: str, top: int) -> None:
     """Two more steps under torch.profiler; print the `top` ops by device time (CPU time on the CPU).
 
@@ -406,16 +418,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
     total_steps = max(args.warmup + args.steps, args.loss_steps)
     times: list[float] = []
     model.train()
-    def train_step(step: int) -> float:
-        batch = prefetcher.get(step)
-        loss = loss_fn(model, shape, batch, dtype, ids)
-        loss.backward()
-        prefetcher.prefetch(step + 1)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()  # also a sync point
-
+    train_step = functools.partial(one_step, model, shape, prefetcher, params, optimizer, dtype, ids)
     for step in range(total_steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -428,7 +431,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
             times.append(dt)
         row.losses.append(loss_value)
     if args.profile:
-        profile_steps(lambda step: train_step(step), total_steps, device, f"{shape.name} r{rank} {cfg.name}", args.profile)
+        profile_steps(train_step, total_steps, device, f"{shape.name} r{rank} {cfg.name}", args.profile)
     nt = counter.total
     row.s_per_step = statistics.median(times)
     row.loss = row.losses[args.loss_steps - 1]
@@ -445,7 +448,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         row.peak_gib = torch.cuda.max_memory_allocated(device) / GiB
     if swapper is not None:
         swapper.remove()
-    del model, optimizer, params, prefetcher, swapper, blocks
+    del model, optimizer, params, prefetcher, swapper, blocks, train_step
     cleanup(device)
     return row
 

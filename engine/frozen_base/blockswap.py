@@ -24,10 +24,23 @@ save nothing. The frozen linears of swapped blocks therefore run through
 backward time, when the swapper has loaded it again (our FP8 layer does the
 same by design).
 
-Each block's frozen weights live in one pinned host buffer and are copied in
-one transfer into one device buffer (views carve out the parameters): per-
-parameter pinned allocations would be rounded up to powers of two by torch's
-host allocator, up to 1.5-2x the weights' size in host RAM.
+Each block's frozen weights live in one host buffer and are copied in one
+transfer into one device buffer (views carve out the parameters). The host
+buffer is allocated at its exact size and then page-locked with
+cudaHostRegister: torch's pinned allocator (`pin_memory=True`) rounds every
+allocation up to a power of two, so a 283 MB FLUX.1 single block would take
+512 MiB and swapping all 57 blocks would lock about 41 GB to hold 24 GB.
+
+The window of two is also kept on the device, not only in Python. An evicted
+device buffer carries `record_stream(compute)`, so the allocator cannot reuse
+it until the compute stream has passed it; a CPU running ahead would start
+further loads into fresh memory and reserved memory would grow past two
+blocks (the pattern of PyTorch issue #147168). So each eviction records an
+event on the compute stream, and the next load waits on it on the CPU first.
+The cost is one short GPU bubble per swapped block (the CPU's launch latency).
+
+All CUDA calls go through `CudaOps` (engine/frozen_base/swap_ops.py); on the CPU `HostOps` stands in, and
+tests drive the swapper with a recording fake of the same four calls.
 
 Backward is detected with gradient hooks on every output of a block that
 needs a gradient (whichever arrives first acts; Flux's last single block
@@ -49,6 +62,7 @@ import torch
 import torch.nn as nn
 
 from engine.errors import JobInvalid
+from engine.frozen_base.swap_ops import CudaOps, HostOps
 
 
 @dataclass
@@ -69,7 +83,8 @@ def _in_backward() -> bool:
 
 
 class BlockSwapper:
-    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device, keep_trace: bool = False):
+    def __init__(self, blocks: list[nn.Module], blocks_to_swap: int, device: torch.device, keep_trace: bool = False,
+                 ops=None):
         if blocks_to_swap < 0 or blocks_to_swap > len(blocks):
             raise ValueError(f"train.blocks_to_swap must be between 0 and the number of blocks ({len(blocks)}), "
                              f"got {blocks_to_swap}")
@@ -79,7 +94,8 @@ class BlockSwapper:
         first = len(blocks) - blocks_to_swap
         self.swapped = list(range(first, len(blocks)))
         self.stats = SwapStats(keep_trace=keep_trace)
-        self._stream = torch.cuda.Stream(device=self.device) if self.cuda else None
+        self._ops = ops or (CudaOps(self.device) if self.cuda else HostOps())  # ops: tests' recording fake
+        self._released: list[object] = []  # compute-stream events of evictions the next load waits for
         # Per swapped block: its frozen params, one flat host buffer with a view per param, and (when
         # resident) a ready event.
         self._params: dict[int, list[nn.Parameter]] = {}
@@ -108,8 +124,8 @@ class BlockSwapper:
             torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
 
     def _pack_host(self, params: list[nn.Parameter], offsets: list[int]) -> torch.Tensor:
-        """One (pinned, on CUDA) byte buffer holding every param's bytes at ALIGN-aligned offsets."""
-        flat = torch.empty(offsets[-1], dtype=torch.uint8, pin_memory=self.cuda)
+        """One exactly-sized (page-locked, on CUDA) byte buffer with every param's bytes at ALIGN-aligned offsets."""
+        flat = self._ops.host_buffer(offsets[-1])
         for p, v in zip(params, _views(flat, params, offsets), strict=True):
             v.copy_(p.data)  # from the host (place_model left it there) or from the GPU
         return flat
@@ -119,17 +135,13 @@ class BlockSwapper:
         """Start copying block i to the device (asynchronously on CUDA)."""
         if i not in self._params or i in self._resident:
             return
+        for ev in self._released:  # the evicted blocks' memory is free on the device before more is taken
+            self._ops.wait_for(ev)
+        self._released.clear()
         self.stats.loads += 1
         self.stats.note("load", i)
-        if self.cuda:
-            with torch.cuda.stream(self._stream):
-                dev = self._flat[i].to(self.device, non_blocking=True)  # one DMA for the whole block
-                ev = torch.cuda.Event()
-                ev.record(self._stream)
-            self._resident[i] = (ev, dev)
-        else:
-            dev = self._flat[i].clone()
-            self._resident[i] = (None, dev)
+        dev, ready = self._ops.upload(self._flat[i])
+        self._resident[i] = (ready, dev)
         for p, v in zip(self._params[i], _views(dev, self._params[i], self._offsets[i]), strict=True):
             p.data = v
         self.stats.max_resident = max(self.stats.max_resident, len(self._resident))
@@ -141,11 +153,9 @@ class BlockSwapper:
         if i not in self._resident:
             self._load(i)
         self.stats.note("wait", i)
-        ev, dev = self._resident[i]
-        if self.cuda and ev is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(ev)
-            dev.record_stream(current)  # allocated on the side stream, used on the compute stream
+        ready, dev = self._resident[i]
+        if ready is not None:
+            self._ops.use(dev, ready)
             self._resident[i] = (None, dev)
 
     def _evict_except(self, keep: set[int]) -> None:
@@ -153,6 +163,7 @@ class BlockSwapper:
             for p, h in zip(self._params[i], self._host[i], strict=True):
                 p.data = h  # host copies are never written: the base is frozen, nothing to copy back
             del self._resident[i]
+            self._released.append(self._ops.mark(i))
             self.stats.evictions += 1
             self.stats.note("evict", i)
 
@@ -196,6 +207,9 @@ class BlockSwapper:
         for i in self.swapped:
             self._wait(i)
         self._resident.clear()
+        self._released.clear()
+        for flat in self._flat.values():
+            self._ops.release_host(flat)
 
 
 class _FrozenLinear(torch.autograd.Function):
