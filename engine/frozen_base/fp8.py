@@ -251,9 +251,14 @@ _ROWWISE_PROBED: dict[tuple[int, int], bool] = {}
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:
-    """FP8 tensor cores exist: CUDA compute capability 8.9 (Ada) or newer."""
+    """FP8 tensor cores we drive: an NVIDIA GPU of compute capability 8.9 (Ada) or newer.
+
+    ROCm builds report their GPUs as "cuda" devices with capabilities like (9, 4) (MI300), but their FP8 is
+    the e4m3fnuz format, which this layer does not store: they take the dequantising path (same memory)."""
     device = torch.device(device)
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def shape_fits(in_features: int, out_features: int) -> bool:

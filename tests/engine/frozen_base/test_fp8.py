@@ -333,3 +333,13 @@ def test_on_a_gpu_the_tensor_core_path_matches_the_reference(lin):
     y = layer(xq)
     y.backward(dy.to(dev, torch.bfloat16))
     assert rel(y.cpu(), y_ref) < REL_TOL and rel(xq.grad.cpu(), dx_ref) < REL_TOL
+
+
+def test_a_rocm_gpu_takes_the_dequantising_path_not_scaled_mm(monkeypatch):
+    from engine.frozen_base.fp8 import fp8_tensor_cores
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))  # an MI300 as ROCm says
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert fp8_tensor_cores(torch.device("cuda")) is True  # the same capability on CUDA: tensor cores
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert fp8_tensor_cores(torch.device("cuda")) is False
