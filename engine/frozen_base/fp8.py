@@ -173,6 +173,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x8.contiguous(), scale.contiguous()
 
 
+WEIGHT_CHUNK = 1 << 24  # elements per slice when a weight is quantised: 16M fp32 temporaries, about 200 MB
+
+
+def quantize_weight_rows(w: torch.Tensor, chunk: int = WEIGHT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows for a frozen weight, a slice of rows at a time: the same bytes, a bounded transient.
+
+    Whole, quantize_rows holds about 12 bytes per parameter at once (fp32 copy, |x|, x / s, then e4m3), a
+    few GB for one large layer on the GPU while the model loads. Row by row the result is identical."""
+    rows = max(1, chunk // max(1, w.shape[1]))
+    w8 = torch.empty(w.shape, dtype=E4M3, device=w.device)
+    scale = torch.empty((w.shape[0], 1), dtype=torch.float32, device=w.device)
+    for start in range(0, w.shape[0], rows):
+        w8[start:start + rows], scale[start:start + rows] = quantize_rows(w[start:start + rows])
+    return w8, scale
+
+
 def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor,
               out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
     """(a_scale ⊙ a8) @ (b8 ⊙ b_scale) for per-row a_scale (M,1) and per-column b_scale (1,N).
@@ -308,7 +324,7 @@ class FP8Linear(nn.Linear):
         cdt = compute_dtype or (w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device=w.device,
                     compute_dtype=cdt, compute=compute, transposed_copy=transposed_copy)
-        w8, sw = quantize_rows(w)
+        w8, sw = quantize_weight_rows(w)
         layer.weight.data = w8
         layer.weight_scale.copy_(sw)
         if linear.bias is not None:

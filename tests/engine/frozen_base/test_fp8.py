@@ -343,3 +343,19 @@ def test_a_rocm_gpu_takes_the_dequantising_path_not_scaled_mm(monkeypatch):
     assert fp8_tensor_cores(torch.device("cuda")) is True  # the same capability on CUDA: tensor cores
     monkeypatch.setattr(torch.version, "hip", "6.4.0")
     assert fp8_tensor_cores(torch.device("cuda")) is False
+
+
+def test_quantising_a_weight_slice_by_slice_gives_the_same_bytes_with_a_bounded_transient():
+    from bench.chunked_loss import cpu_peak_bytes
+    from engine.frozen_base.fp8 import quantize_rows, quantize_weight_rows
+
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, dtype=torch.bfloat16)  # 1M parameters
+    whole, sliced = quantize_rows(w), quantize_weight_rows(w, chunk=64 * 1024)
+    assert torch.equal(whole[0].view(torch.uint8), sliced[0].view(torch.uint8)) and torch.equal(whole[1], sliced[1])
+    peak_whole, _, _ = cpu_peak_bytes(quantize_rows, w)
+    peak_sliced, _, _ = cpu_peak_bytes(lambda t: quantize_weight_rows(t, chunk=64 * 1024), w)
+    n = w.numel()
+    assert peak_whole >= 9 * n  # fp32 copy, |x| and x / s alive at once, then the e4m3 result
+    # the e4m3 result (1 byte a parameter) and fp32 scales, plus one slice's temporaries (64K elements)
+    assert peak_sliced <= n + 4 * 1024 + 16 * 64 * 1024
