@@ -158,6 +158,7 @@ def test_bitsandbytes_bases_cannot_be_swapped_and_the_job_says_so(micro_model, t
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_on_gpu_the_load_peak_excludes_the_swapped_blocks(micro_model, tmp_path, precision):
     from engine.families.causal_lm import CausalLM
+    from engine.frozen_base.fp8 import WEIGHT_CHUNK
 
     dev = torch.device("cuda")
     cfg = tiny_job(micro_model, tmp_path, model={"base_precision": precision, "dtype": "bfloat16"},
@@ -170,6 +171,10 @@ def test_on_gpu_the_load_peak_excludes_the_swapped_blocks(micro_model, tmp_path,
     swapped = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters() if not p.requires_grad)
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_cuda)
     assert all(not p.is_cuda for b in blocks for p in b.parameters() if not p.requires_grad)
-    one_layer = max(m.weight.numel() * 2 for b in blocks for m in b.modules() if hasattr(m, "weight"))
-    assert torch.cuda.max_memory_allocated(dev) - start <= resident + one_layer * 2 + (1 << 20)
+    largest = max(m.weight.numel() for b in blocks for m in b.modules() if hasattr(m, "weight"))
+    one_layer = largest * 2  # bytes in bf16
+    # Quantising a layer on the device holds ~12 bytes per parameter of one slice (fp8.quantize_weight_rows):
+    # said here, not hidden in the slack, which is only the allocator's rounding of small tensors.
+    quantising = min(largest, WEIGHT_CHUNK) * 12 if precision == "fp8" else 0
+    assert torch.cuda.max_memory_allocated(dev) - start <= resident + one_layer * 2 + quantising + (1 << 20)
     assert swapped > one_layer * 2  # the bound above really excludes the swapped blocks
