@@ -303,16 +303,22 @@ def test_fp8_llama_with_lora_trains_identically_with_and_without_swapping(micro_
     assert swapper.stats.loads >= 3
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_gpu_swapped_blocks_free_their_memory_and_the_numbers_match():
-    dev = torch.device("cuda")
-    ref = make_stack(n=8, width=1024).to(dev)
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+# The body runs on the CPU too: a test that could never pass on a GPU (a CPU batch of the wrong width) went
+# unnoticed while it ran only there.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_swapped_blocks_free_their_memory_and_the_numbers_match(device):
+    dev = torch.device(device)
+    width = 1024 if dev.type == "cuda" else 128  # the memory checks below need 4 MiB blocks; the numbers do not
+    ref = make_stack(n=8, width=width).to(dev)
     ref_losses, _ = run_steps(ref)
-    model = make_stack(n=8, width=1024).to(dev)
-    before = torch.cuda.memory_allocated()
+    model = make_stack(n=8, width=width).to(dev)
+    before = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
     swapper = BlockSwapper(list(model.blocks), 6, dev)
-    assert torch.cuda.memory_allocated() < before - 4 * 1024 * 1024 * 4  # 6 base weights (4 MiB each) left
+    if dev.type == "cuda":
+        assert torch.cuda.memory_allocated() < before - 4 * 1024 * 1024 * 4  # 6 base weights (4 MiB each) left
     losses, _ = run_steps(model)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     assert swapper.stats.max_resident <= 2
