@@ -30,7 +30,12 @@ TOKENIZER_MAX_LEN = 64  # the pipeline pads to 512 and drops the padding; short 
 def build_tiny_z_image(dest: Path, seed: int = 1234) -> None:
     """Write a tiny random Z-Image pipeline directory to `dest`."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        ZImagePipeline,
+        ZImageTransformer2DModel,
+    )
     from transformers import Qwen3Config, Qwen3Model
 
     from engine.builtin.tiny_pipelines import QWEN3_CHAT_TEMPLATE, qwen_tokenizer
