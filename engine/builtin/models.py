@@ -6,7 +6,8 @@ weights) and a byte-level tokenizer into a directory with `save_pretrained`,
 then the normal loader reads it back — the real loading code runs, and
 nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
 pipeline (engine/builtin/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
-for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py).
+for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-image` for Z-Image
+(engine/builtin/tiny_z_image.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -90,6 +91,12 @@ def _build_tiny_qwen_image(dest: Path) -> None:
     build_tiny_qwen_image(dest)
 
 
+def _build_tiny_z_image(dest: Path) -> None:
+    from engine.builtin.tiny_z_image import build_tiny_z_image
+
+    build_tiny_z_image(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -103,6 +110,9 @@ BUILTIN_MODELS = {
     "tiny-qwen-image": BuiltinModel(
         "qwen_image", "A Qwen-Image-shaped pipeline (4 blocks, tiny video VAE, Qwen2.5-VL) with random weights.",
         "model_index.json", _build_tiny_qwen_image),
+    "tiny-z-image": BuiltinModel(
+        "z_image", "A Z-Image-shaped pipeline (4 layers + 2 refiner blocks, tiny FLUX.1-style VAE, Qwen3) with random "
+        "weights.", "model_index.json", _build_tiny_z_image),
 }
 
 

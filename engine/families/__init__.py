@@ -22,4 +22,8 @@ def get_family(name: str) -> Family:
         from engine.families.image.qwen_image import QwenImage
 
         return QwenImage()
+    if name == "z_image":
+        from engine.families.image.z_image import ZImage
+
+        return ZImage()
     raise ValueError(f"unknown model family {name!r}")

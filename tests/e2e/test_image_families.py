@@ -1,14 +1,15 @@
-"""FLUX.2 and Qwen-Image LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
+"""FLUX.2, Qwen-Image and Z-Image LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
 
 Each family's killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint half-written, then resumed) runs
 as real processes (the trainer's command line, engine/run.py) in the background of a module fixture while the same job trains
 uninterrupted in the test process; the other tests read the uninterrupted run's files. The processes are forked
-from a server that imported the training stack once (tests/helpers/forked.py): this file needs six of them.
+from a server that imported the training stack once (tests/helpers/forked.py): this file needs nine of them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -25,17 +26,19 @@ from tests.helpers.forked import ForkedTrainer
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 
-FAMILIES = ("flux2", "qwen_image")
+FAMILIES = ("flux2", "qwen_image", "z_image")
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
           ("square-0.png", 32, 32, "a yellow sun")]
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-COMFY = {"flux2": "flux2_lora_comfyui.safetensors", "qwen_image": "qwen_image_lora_comfyui.safetensors"}
+COMFY = {"flux2": "flux2_lora_comfyui.safetensors", "qwen_image": "qwen_image_lora_comfyui.safetensors",
+         "z_image": "z_image_lora_comfyui.safetensors"}
 
 
 def _build(family: str, dest: Path) -> Path:
     from engine.builtin.tiny_pipelines import build_tiny_flux2, build_tiny_qwen_image
+    from engine.builtin.tiny_z_image import build_tiny_z_image
 
-    (build_tiny_flux2 if family == "flux2" else build_tiny_qwen_image)(dest)
+    {"flux2": build_tiny_flux2, "qwen_image": build_tiny_qwen_image, "z_image": build_tiny_z_image}[family](dest)
     return dest
 
 
@@ -147,7 +150,10 @@ def _inputs(family: str, model) -> dict:
     """Fixed transformer inputs for a 4x6 latent and 9 text tokens, in each model's own layout."""
     g = torch.Generator().manual_seed(0)
     c = model.config.in_channels
-    text = torch.randn(1, 9, model.config.joint_attention_dim, generator=g)
+    text = torch.randn(1, 9, model.config.get("joint_attention_dim") or model.config.cap_feat_dim, generator=g)
+    if family == "z_image":  # a list of [C, 1, h, w] latents and a list of unpadded captions, the time as 1 - σ
+        lat = torch.randn(1, c, 1, 4, 6, generator=g)
+        return dict(x=list(lat), t=torch.tensor([0.4]), cap_feats=[text[0]], return_dict=False)
     if family == "flux2":
         from diffusers import Flux2Pipeline
 
@@ -163,6 +169,21 @@ def _inputs(family: str, model) -> dict:
                 img_shapes=[[(1, 2, 3)]], return_dict=False)
 
 
+def _forward(model, x: dict) -> torch.Tensor:
+    out = model(**x)[0]
+    return torch.stack(out) if isinstance(out, list) else out  # Z-Image returns one tensor per sample
+
+
+def _first_q(model):
+    """The first block's query projection (Z-Image: layers.0.attention.to_q; the others transformer_blocks.0.attn)."""
+    return model.layers[0].attention.to_q if hasattr(model, "layers") else model.transformer_blocks[0].attn.to_q
+
+
+# Families whose diffusers file carries alpha / r inside lora_B, with lora_alpha = r in its metadata, so that
+# loaders reading no metadata and no .alpha key (ComfyUI) apply the trained strength too.
+FOLDED = {"z_image"}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(family, runs):
     from diffusers import DiffusionPipeline
@@ -172,25 +193,27 @@ def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(fami
     mem, cfg = _trained_in_memory(family, job, wd)
     x = _inputs(family, mem)
     with torch.no_grad():
-        want = mem(**x)[0]
+        want = _forward(mem, x)
         pipe = DiffusionPipeline.from_pretrained(model_dir, text_encoder=None, tokenizer=None, vae=None)
-        base = pipe.transformer(**x)[0]
+        base = _forward(pipe.transformer, x)
         pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
-        got = pipe.transformer(**x)[0]
-        layer = pipe.transformer.transformer_blocks[0].attn.to_q
-        assert layer.scaling[next(iter(layer.scaling))] == cfg.lora.alpha / cfg.lora.rank == 2.0
+        got = _forward(pipe.transformer, x)
+        layer = _first_q(pipe.transformer)
+        # alpha / r = 2 is a power of two: folded into lora_B it gives bit-identical outputs too.
+        scale = 1.0 if family in FOLDED else cfg.lora.alpha / cfg.lora.rank
+        assert layer.scaling[next(iter(layer.scaling))] == scale and cfg.lora.alpha / cfg.lora.rank == 2.0
         pipe.unload_lora_weights()
-        # The ComfyUI file loads in diffusers too (kohya names for FLUX.2, diffusion_model.* for Qwen-Image);
-        # its scale is folded into the weights there, so it matches up to rounding.
+        # The ComfyUI file loads in diffusers too (kohya names for FLUX.2, diffusion_model.* for Qwen-Image and
+        # Z-Image); its scale is folded into the weights there, so it matches up to rounding.
         pipe.load_lora_weights(str(wd / "output"), weight_name=COMFY[family])
-        comfy = pipe.transformer(**x)[0]
+        comfy = _forward(pipe.transformer, x)
     assert not torch.allclose(base, want, atol=1e-4), "training changed nothing; the test would prove nothing"
     assert torch.equal(got, want), f"max diff {float((got - want).abs().max())}"
     torch.testing.assert_close(comfy, want, rtol=1e-5, atol=1e-5)
     with safe_open(str(wd / "output" / DIFFUSERS_FILE), "pt") as f:
         md = f.metadata()
     assert md["rank"] == "4" and md["steps"] == "4" and md["trigger"] == "sks" and md["lorad_version"]
-    assert json.loads(md["lora_adapter_metadata"])["transformer.lora_alpha"] == 8.0
+    assert json.loads(md["lora_adapter_metadata"])["transformer.lora_alpha"] == (4.0 if family in FOLDED else 8.0)
 
 
 def _comfyui_file_and_deltas(family: str, runs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -242,6 +265,56 @@ def test_qwen_image_comfyui_keys_are_diffusion_model_paths_with_alphas(runs):
         torch.testing.assert_close((alpha / a.shape[0]) * (b @ a), d[m], rtol=1e-5, atol=1e-7)
 
 
+def _as_comfyui_lumina2(sd: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """The weight updates ComfyUI's loader makes of a Z-Image LoRA file on its Lumina2 model (comfy/lora.py with
+    comfy/utils.py's z_image_to_diffusers): `diffusion_model.` or `transformer.` + a diffusers path; to_q/k/v
+    patch row blocks [0, d) / [d, 2d) / [2d, 3d) of the fused attention.qkv, to_out.0 patches attention.out,
+    feed_forward.w1-3 keep their names; scale alpha / rank with an `.alpha` key, 1 without."""
+    rows = {"to_q": 0, "to_k": 1, "to_v": 2}
+    out: dict[str, torch.Tensor] = {}
+    for key in (k.removesuffix(".lora_A.weight") for k in sd if k.endswith(".lora_A.weight")):
+        path = re.sub(r"^(diffusion_model|transformer)\.", "", key)
+        m = re.fullmatch(r"((?:layers|noise_refiner|context_refiner)\.\d+)\.(attention\.(to_q|to_k|to_v|to_out\.0)"
+                         r"|feed_forward\.w[123])", path)
+        assert m and path != key, f"{key}: ComfyUI's Z-Image loader maps no weight to it"
+        a, b, alpha = sd[f"{key}.lora_A.weight"], sd[f"{key}.lora_B.weight"], sd.get(f"{key}.alpha")
+        delta = (float(alpha) / a.shape[0] if alpha is not None else 1.0) * (b @ a)
+        block, part, proj = m.groups()
+        if proj in rows:
+            qkv = out.setdefault(f"{block}.attention.qkv.weight", torch.zeros(3 * width, a.shape[1]))
+            qkv[rows[proj] * width : (rows[proj] + 1) * width] += delta
+        else:
+            out[f"{block}.{'attention.out' if proj else part}.weight"] = delta
+    return out
+
+
+def test_z_image_both_files_patch_comfyuis_fused_model_at_the_trained_strength(runs):
+    """The ComfyUI file: diffusion_model.<path>.lora_A/B + .alpha; the diffusers file: transformer.<path>, alpha / r
+    folded in, no .alpha. Read by ComfyUI's rules, both give each fused weight the trained update."""
+    sd, d = _comfyui_file_and_deltas("z_image", runs)
+    blocks = [f"layers.{i}" for i in range(4)] + ["noise_refiner.0", "context_refiner.0"]
+    per_block = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0", "feed_forward.w1",
+                 "feed_forward.w2", "feed_forward.w3"]
+    modules = {f"{b}.{m}" for b in blocks for m in per_block}
+    assert set(d) == modules
+    assert set(sd) == {f"diffusion_model.{m}.{s}" for m in modules for s in ("lora_A.weight", "lora_B.weight", "alpha")}
+    assert {float(sd[f"diffusion_model.{m}.alpha"]) for m in modules} == {8.0}
+    width = d["layers.0.attention.to_q"].shape[0]
+    want = {}
+    for b in blocks:
+        want[f"{b}.attention.qkv.weight"] = torch.cat([d[f"{b}.attention.to_{x}"] for x in "qkv"])
+        want[f"{b}.attention.out.weight"] = d[f"{b}.attention.to_out.0"]
+        for w in ("w1", "w2", "w3"):
+            want[f"{b}.feed_forward.{w}.weight"] = d[f"{b}.feed_forward.{w}"]
+    diffusers_file = load_file(str(runs["z_image"][2].result(timeout=900) / "output" / DIFFUSERS_FILE))
+    assert not any(k.endswith(".alpha") for k in diffusers_file)
+    for name, patches in (("ComfyUI file", _as_comfyui_lumina2(sd, width)),
+                          ("diffusers file", _as_comfyui_lumina2(diffusers_file, width))):
+        assert sorted(patches) == sorted(want), name
+        for k, v in want.items():
+            torch.testing.assert_close(patches[k], v, rtol=1e-5, atol=1e-7, msg=f"{name}: {k}")
+
+
 # ------------------------------------------------------------------ cache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path):
@@ -288,8 +361,9 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
     dead = r"transformer\.transformer_blocks\.3\.(attn\.(add_q_proj|to_add_out)|txt_mlp\..*)\.lora_B\.weight"
     assert untrained == ({k for k in untrained if re.fullmatch(dead, k)} if family == "qwen_image" else set())
     mem, _ = _trained_in_memory(family, tmp_path / "job.yaml", tmp_path / "work")
-    assert isinstance(mem.transformer_blocks[0].attn.to_q.base_layer, FP8Linear)
-    assert type(mem.proj_out) is torch.nn.Linear  # the final layer stays in the model dtype
+    assert isinstance(_first_q(mem).base_layer, FP8Linear)
+    final = mem.all_final_layer["2-1"].linear if family == "z_image" else mem.proj_out
+    assert type(final) is torch.nn.Linear  # the final layer stays in the model dtype
 
 
 # ------------------------------------------------------------------ samples
@@ -318,6 +392,8 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("flux2", {"output": {"formats": ["peft"]}}, ["output.formats", "flux2 writes"]),
     ("qwen_image", {"train": {"dop": {"preservation_class": "woman"}}}, ["train.dop", "only for model.family flux"]),
     ("flux2", {"data": {"validation": {"fraction": 0.5}}}, ["data.validation", "only for model.family flux"]),
+    ("z_image", {"lora": {"type": "dora"}}, ["lora.type", "z_image"]),
+    ("z_image", {"model": {"path": "builtin:tiny-qwen-image"}}, ["model.path", "qwen_image model", "z_image"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job
@@ -337,3 +413,38 @@ def test_the_builtin_tiny_pipelines_are_valid_job_targets(tmp_path):
     for family in FAMILIES:
         cfg = parse_job(job_dict(family, f"builtin:tiny-{family.replace('_', '-')}", data), tmp_path)
         assert cfg.output.formats == ["diffusers", "comfyui"] and cfg.model.family == family
+
+
+def test_z_image_shift_is_the_schedulers_own_static_or_dynamic_shift():
+    """Z-Image-Turbo's scheduler shifts by a fixed 3 (σ = 3t / (1 + 2t)); a dynamic one by calculate_shift's μ."""
+    from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
+
+    from engine.families.image.z_image import ZImageModel
+
+    m = ZImageModel()
+    assert m.shift_mu({"shift": 3.0, "use_dynamic_shifting": False}, 4096) == pytest.approx(math.log(3.0))
+    dynamic = {"use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15}
+    assert m.shift_mu(dynamic, 1024) == pytest.approx(calculate_shift(1024)) != m.shift_mu(dynamic, 4096)
+
+
+def test_z_image_predicts_the_velocity_its_pipeline_integrates_and_ignores_caption_padding(runs):
+    """predict (what the loss compares with ε − x0) is the velocity ZImagePipeline hands its scheduler: the
+    transformer's output negated, at time 1 − σ, with each caption unpadded; padding values change nothing."""
+    from diffusers import ZImagePipeline
+
+    from engine.families.image.z_image import ZImageModel
+
+    pipe = ZImagePipeline.from_pretrained(runs["z_image"][0], text_encoder=None, tokenizer=None)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 4, 4, 4, generator=g)
+    caption = torch.randn(9, pipe.transformer.config.cap_feat_dim, generator=g)
+    with torch.no_grad():
+        after = pipe(prompt_embeds=[caption], guidance_scale=0.0, sigmas=[0.6], latents=x.clone(),
+                     height=32, width=32, output_type="latent").images
+        sigma = pipe.scheduler.sigmas[0]  # 0.6 moved by the scheduler's static shift
+        velocity = (after - x) / (0 - sigma)  # the Euler step x + (σ_next − σ)·v, σ_next = 0
+        padded = torch.cat([caption, torch.randn(3, caption.shape[1], generator=g)])[None]
+        mask = torch.tensor([[1] * 9 + [0] * 3])
+        pred = ZImageModel().predict(pipe.transformer, pipe.transformer, x, sigma[None], padded, mask, None)
+    assert float(sigma) == pytest.approx(3 * 0.6 / (1 + 2 * 0.6))
+    torch.testing.assert_close(pred, velocity, rtol=1e-4, atol=1e-5)

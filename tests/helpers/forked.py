@@ -24,8 +24,9 @@ from tests.helpers.processes import CHILD_ENV, WAIT_S
 
 # What every image trainer imports before its first step.
 IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
-                 "engine.families.image.qwen_image", "diffusers.pipelines.flux2.pipeline_flux2_klein",
-                 "diffusers.pipelines.qwenimage.pipeline_qwenimage", "transformers.models.qwen3.modeling_qwen3",
+                 "engine.families.image.qwen_image", "engine.families.image.z_image",
+                 "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
+                 "diffusers.pipelines.z_image.pipeline_z_image", "transformers.models.qwen3.modeling_qwen3",
                  "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
 # What a FLUX.1 trainer imports before its first step.
 FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux",

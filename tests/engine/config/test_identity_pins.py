@@ -27,6 +27,7 @@ EXAMPLE_HASHES = {
     "qwen-image-character.yaml": "e6df8589879c688b",
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
     "qwen2.5-7b-qlora.yaml": "0d230ebf9ca59387",
+    "z-image-lora.yaml": "1f9ef88b0db7e35e",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",
