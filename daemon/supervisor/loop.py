@@ -39,6 +39,7 @@ from daemon.supervisor.start_path import StartPath
 from daemon.supervisor.stuck import StuckTrainers
 from daemon.supervisor.systemd_status import SystemdReporter, status_line
 from daemon.supervisor.trainer import Child
+from daemon.supervisor.trainer_output import Refused
 from daemon.system.log import job_event
 
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
@@ -149,6 +150,12 @@ class Supervisor(ReapPath, StartPath):
                 break
             c = self.children.get(job_id)
             if c is None or c.attempt != attempt:
+                continue
+            if isinstance(ev, Refused):  # the first of its kind this attempt; the rest are only counted
+                self.log.warning("trainer_output_refused", job=job_id, kind=ev.kind, reason=ev.reason,
+                                 message="said once per kind and attempt; the line is dropped, the job goes on")
+                job_event(c.workdir, job_id, "trainer_output_refused", level="warning", kind=ev.kind,
+                          reason=ev.reason)
                 continue
             self._beat(c, ev, now)
 
