@@ -30,6 +30,7 @@ class DaemonConfig(BaseModel):
     max_request_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     client_timeout_s: float = Field(10.0, gt=0, le=3600)  # each request line must arrive whole within this long
     max_connections: int = Field(32, ge=1, le=4096)
+    max_connections_per_user: int = Field(8, ge=1, le=4096)  # of those, the most one peer uid may hold
 
     # --- inbox and job intake
     allowed_roots: list[str] = Field(default_factory=lambda: ["{home}", "~"])  # job data/model paths must lie under one

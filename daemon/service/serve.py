@@ -201,7 +201,8 @@ def start_socket(cfg: DaemonConfig, ctx: Context, log) -> SocketServer:
     sock_path = ctx.socket_path
     server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,
                           max_request_bytes=cfg.max_request_bytes, timeout_s=cfg.client_timeout_s,
-                          max_connections=cfg.max_connections)
+                          max_connections=cfg.max_connections,
+                          max_connections_per_user=cfg.max_connections_per_user)
     try:
         server.start()
     except SocketInUse as e:
