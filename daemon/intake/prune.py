@@ -3,8 +3,8 @@
 A rejection is rejected/NAME with rejected/NAME.error.txt (daemon/intake/accept.py); its time is the error
 file's mtime (the job file keeps the mtime it was dropped with, which may be old). Those older than
 `rejected_keep_days`, and all but the newest `rejected_keep`, are removed, both files together. The
-supervisor calls this from its inbox step (daemon/supervisor/loop.py), at most PRUNE_BATCH files a call,
-so a large backlog is cleared over several ticks and never stalls one.
+supervisor calls a RejectedPruner from its inbox step (daemon/supervisor/loop.py) every PRUNE_EVERY_S, at
+most PRUNE_BATCH files a call, so a large backlog is cleared over several ticks and never stalls one.
 Names are removed relative to the directory's descriptor and never followed: a symlink planted in rejected/
 is removed as a link, whatever it points at. Hidden names (a rejection being written) are left alone.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 from daemon.intake.accept import ERROR_SUFFIX
@@ -71,3 +72,23 @@ def prune_rejected(rejected: Path, now: float, keep_s: float, keep: int, batch: 
     finally:
         os.close(dfd)
     return removed
+
+
+class RejectedPruner:
+    """prune_rejected every PRUNE_EVERY_S (the first call at once), a batch per tick while a backlog lasts."""
+
+    def __init__(self, rejected: Path, keep_days: float, keep: int, log):
+        self.rejected = Path(rejected)
+        self.keep_days = keep_days
+        self.keep = keep
+        self.log = log
+        self._next = 0.0
+
+    def __call__(self, now: float) -> int:
+        if now < self._next:
+            return 0
+        n = prune_rejected(self.rejected, time.time(), self.keep_days * 86400, self.keep)
+        self._next = now + (0.0 if n >= PRUNE_BATCH else PRUNE_EVERY_S)
+        if n:
+            self.log.info("rejected_pruned", files=n, keep_days=self.keep_days, keep=self.keep)
+        return n

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
-from daemon.intake.prune import PRUNE_BATCH, PRUNE_EVERY_S, prune_rejected
 from daemon.power.run_policy import NullPolicy, Policy
 from daemon.store import states
 from daemon.store.bookkeeping import PendingWrites
@@ -48,7 +47,8 @@ PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (check
 
 class Supervisor(ReapPath, StartPath):
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
-                 intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None):
+                 intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None,
+                 prune_rejected=None):
         self.home = Path(home)
         self.cfg = cfg
         self.store = store
@@ -56,6 +56,7 @@ class Supervisor(ReapPath, StartPath):
         self.log = log
         self.intake = intake
         self.inbox = inbox
+        self.prune_rejected = prune_rejected  # daemon.intake.prune.RejectedPruner: called from the inbox step
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
         self.notifications = notifications  # daemon.supervisor.notifications.Notifications: webhook / command per event
@@ -71,7 +72,6 @@ class Supervisor(ReapPath, StartPath):
         self._checkpoint_now_prev = False
         self._outage_recorded = False
         self._next_intake_retry = 0.0
-        self._next_prune = 0.0  # the first inbox step prunes rejected/
         self._next_disk_poll = 0.0
         self.free_bytes = disk_wait.free_bytes  # path → free bytes on its filesystem (tests give their own)
         self.healthy = True
@@ -216,17 +216,8 @@ class Supervisor(ReapPath, StartPath):
         if self.intake.stuck and now >= self._next_intake_retry:
             self._next_intake_retry = now + self.cfg.inbox_rescan_s
             self.intake.recover()
-        if now >= self._next_prune:
-            self._prune_rejected(now)
-
-    def _prune_rejected(self, now: float) -> None:
-        """rejected/ kept to rejected_keep_days and rejected_keep (daemon/intake/prune.py), a batch a call."""
-        n = prune_rejected(self.intake.rejected, time.time(), self.cfg.rejected_keep_days * 86400,
-                           self.cfg.rejected_keep)
-        self._next_prune = now + (0.0 if n >= PRUNE_BATCH else PRUNE_EVERY_S)  # a backlog: on, a batch a tick
-        if n:
-            self.log.info("rejected_pruned", files=n, keep_days=self.cfg.rejected_keep_days,
-                          keep=self.cfg.rejected_keep)
+        if self.prune_rejected is not None:
+            self.prune_rejected(now)  # rejected/ kept to an age and a count (daemon/intake/prune.py)
 
     # ---------------------------------------------------------------- disk waits
     def _disk_waits(self) -> None:

@@ -16,7 +16,6 @@ The supervisor (daemon/supervisor/loop.py) decides when each happens and writes 
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal

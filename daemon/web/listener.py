@@ -23,7 +23,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from daemon.config.web import split_listen
 
-
 KEEP_ALIVE_S = 5  # uvicorn's own default, said here: an idle connection between requests is closed after it
 MAX_HEAD_BYTES = 16 << 10  # h11's default: a request line and headers larger than this are answered 400
 

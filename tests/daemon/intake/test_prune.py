@@ -11,6 +11,7 @@ import time
 
 from daemon.config.daemon import DaemonConfig
 from daemon.intake.accept import Intake, recent_rejections
+from daemon.intake.prune import RejectedPruner
 from daemon.store.db import Store
 from daemon.supervisor.loop import Supervisor
 from tests.helpers.fakes import RecLog
@@ -46,7 +47,9 @@ def test_old_rejections_and_those_past_the_count_are_removed_with_their_error_fi
         os.utime(intake.rejected / "planted.yaml.error.txt", (time.time() - 60 * DAY,) * 2, follow_symlinks=False)
         (intake.rejected / ".bad9.yaml.error.txt.tmp-1").write_text("being written\n")
 
-        sup = Supervisor(tmp_path, cfg, store, [None], RecLog(), intake=intake, inbox=NoInbox())
+        log = RecLog()
+        sup = Supervisor(tmp_path, cfg, store, [None], log, intake=intake, inbox=NoInbox(),
+                         prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
         sup._spawn = lambda: None  # the inbox step is the one under test
         sup.tick()
 
