@@ -36,7 +36,7 @@ HOSTILE = textwrap.dedent("""
         say({"event": "step", "step": 10**100, "total": 10, "loss": 1.0})
         out.write(b'{"event": "step", "step": NaN, "total": 10}\\n')
     say({"event": "checkpoint_committed", "step": 10**100, "path": "x"})
-    time.sleep(1.5)  # the daemon's ticks and `lorad status` see what it made of the bad lines
+    time.sleep(0.5)  # the daemon's ticks and `lorad status` see what it made of the bad lines
     say({"event": "step", "step": 3, "total": 10, "loss": 0.5, "s_per_step": 0.1})
     say({"event": "done", "step": 3})
 """)
