@@ -49,7 +49,9 @@ class HeaderDeadline(H11Protocol):
     def _arm(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(self.header_timeout_s, self._late)
+            self._head_deadline = None
+        if not self.transport.is_closing():
+            self._head_deadline = self.loop.call_later(self.header_timeout_s, self._late)
 
     def _late(self) -> None:
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
