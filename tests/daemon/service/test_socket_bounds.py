@@ -16,6 +16,7 @@ import pytest
 
 from daemon import protocol as p
 from daemon.service.server import SocketServer
+from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
 
 
@@ -93,11 +94,9 @@ def test_one_user_holding_its_slots_leaves_the_others_theirs(open_dir):
         assert over["ok"] is False and over["error"] == "busy" and "per user" in over["message"], over
         assert answered(ping_as(s.path, 65534))  # another user still gets in
         held.pop().close()
-        again = None
-        for _ in range(50):  # the server notices the hang-up within its next recv
-            again = ask(connect(s.path), b'{"verb": "ping"}\n')
-            if again["ok"]:
-                break
+        # The server notices the hang-up on its connection thread's next recv: soon, not at once.
+        again = wait_until(lambda: (r := ask(connect(s.path), b'{"verb": "ping"}\n'))["ok"] and r, 10,
+                           "the closed connection's slot to come back", poll=0.05)
         assert answered(again)
     finally:
         for c in held:
