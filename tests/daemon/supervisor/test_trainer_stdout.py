@@ -111,3 +111,13 @@ def test_lines_are_cut_at_the_cap_wherever_the_chunks_end():
     got = list(lines(io.BufferedReader(io.BytesIO(data), buffer_size=4), cap=8))
     assert got == [b"short", TooLong(9), b"12345678", TooLong(30), b"", b"tail"]
     assert list(lines(io.BufferedReader(io.BytesIO(b"z" * 20)), cap=8)) == [TooLong(20)]
+
+
+def test_the_step_read_back_from_events_jsonl_at_start_up_is_checked_the_same_way(tmp_path):
+    from daemon.supervisor.disk_progress import last_event_step
+
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.write(json.dumps({"event": "step", "step": 7, "total": 10, "loss": 1.0}) + "\n")
+        f.write(json.dumps({"event": "step", "step": 10**100, "total": 10}) + "\n")  # the trainer user can write it
+        f.write(json.dumps({"event": "done", "step": True}) + "\n")
+    assert last_event_step(tmp_path) == 7
