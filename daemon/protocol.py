@@ -8,12 +8,13 @@ closed, for oversize lines whose end cannot be found).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic_core import from_json
 
 VERSION = 1
+MAX_NESTING = 200  # pydantic_core's parser refuses JSON nested deeper (its recursion limit)
 JOB_REF = Field(min_length=1, max_length=200)
 
 
@@ -281,9 +282,12 @@ def parse_reply(req: BaseModel, data: dict[str, Any]) -> Any:
 def parse_request(line: bytes) -> BaseModel:
     """One request line → a typed request, or ProtocolError with a code and a message."""
     try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ProtocolError("bad_json", f"not a JSON object: {e}") from None
+        # pydantic's parser, not json.loads: nesting past MAX_NESTING is a ValueError (a 100k-deep array made
+        # json.loads raise RecursionError, which no one caught)
+        obj = from_json(line)
+    except ValueError as e:
+        why = f"nesting deeper than {MAX_NESTING} levels" if "recursion limit" in str(e) else str(e)
+        raise ProtocolError("bad_json", f"not a JSON object: {why}") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "a request must be a JSON object")
     if obj.get("v", VERSION) != VERSION:

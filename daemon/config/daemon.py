@@ -30,6 +30,7 @@ class DaemonConfig(BaseModel):
     max_request_bytes: int = Field(1 << 20, ge=1024, le=64 << 20)
     client_timeout_s: float = Field(10.0, gt=0, le=3600)  # each request line must arrive whole within this long
     max_connections: int = Field(32, ge=1, le=4096)
+    max_connections_per_user: int = Field(8, ge=1, le=4096)  # of those, the most one peer uid may hold
 
     # --- inbox and job intake
     allowed_roots: list[str] = Field(default_factory=lambda: ["{home}", "~"])  # job data/model paths must lie under one
@@ -38,6 +39,8 @@ class DaemonConfig(BaseModel):
     max_yaml_aliases: int = Field(16, ge=0, le=10_000)
     inbox_settle_s: float = Field(1.0, ge=0, le=3600)  # a file found by a rescan must be this old (mtime)
     inbox_rescan_s: float = Field(10.0, gt=0, le=3600)  # a rescan catches what the watcher missed
+    rejected_keep_days: float = Field(30.0, gt=0, le=36500)  # older rejections are removed from rejected/
+    rejected_keep: int = Field(1000, ge=1, le=1_000_000)  # and all but the newest this many
 
     # --- supervisor
     tick_s: float = Field(0.25, gt=0, le=10)

@@ -44,6 +44,10 @@ class WebSettings(BaseModel):
     allow_remote: bool = False  # needed for a listen address other machines can reach (the token is still required)
     metrics_auth: Literal["token", "loopback"] = "token"  # /metrics: the token, or any client on loopback only
     poll_s: float = Field(2.0, ge=0.2, le=600)  # how often open pages refresh their live parts
+    # names (Host headers) the dashboard answers to besides localhost, the machine's own names and IP addresses:
+    # a proxy's or a DNS alias's; others are refused (DNS rebinding). ["*"] turns the check off.
+    hosts: list[str] = Field(default_factory=list, max_length=64)
+    header_timeout_s: float = Field(10.0, gt=0, le=600)  # a request's headers must arrive whole within this long
 
     @field_validator("listen")
     @classmethod

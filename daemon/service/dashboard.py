@@ -34,7 +34,7 @@ def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
 
     dash = Dashboard(home, view, cfg.web, call, token, metrics.registry(view, health, Path(home) / "rejected"),
                      schedule=cfg.power.schedule.model_dump(), max_body_bytes=cfg.max_request_bytes)
-    listener = WebListener(build_app(dash), cfg.web.listen)
+    listener = WebListener(build_app(dash), cfg.web.listen, cfg.web.header_timeout_s)
     try:
         listener.start()
     except OSError as e:

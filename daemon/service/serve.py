@@ -28,6 +28,7 @@ from typing import Any
 from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
+from daemon.intake.prune import RejectedPruner
 from daemon.power.run_policy import NullPolicy
 from daemon.service.dashboard import start_dashboard
 from daemon.service.handlers import Context, dispatch
@@ -186,7 +187,8 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications)
+                     notifications=notifications,
+                     prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
         sup.stuck.add(st)
@@ -201,7 +203,8 @@ def start_socket(cfg: DaemonConfig, ctx: Context, log) -> SocketServer:
     sock_path = ctx.socket_path
     server = SocketServer(sock_path, lambda req: dispatch(ctx, req), log, group=cfg.socket_group,
                           max_request_bytes=cfg.max_request_bytes, timeout_s=cfg.client_timeout_s,
-                          max_connections=cfg.max_connections)
+                          max_connections=cfg.max_connections,
+                          max_connections_per_user=cfg.max_connections_per_user)
     try:
         server.start()
     except SocketInUse as e:

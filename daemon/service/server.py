@@ -8,8 +8,10 @@ the socket is open to all, and no process-wide umask is touched (other threads
 run and create files meanwhile).
 Nothing a client sends can crash or block the server: every line is capped,
 every request has one total deadline (a client trickling a byte at a time is
-dropped when it passes, not when one recv waits too long), and every failure
-becomes an error reply.
+dropped when it passes, not when one recv waits too long), JSON nesting is capped
+(daemon/protocol.py), and every failure becomes an error reply. One user (peer uid,
+SO_PEERCRED) holds at most `max_connections_per_user` of the `max_connections`
+slots, so one user's idle connections cannot lock the others out.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def peer_allowed(uid: int, gid: int, group: str | None) -> bool:
 
 class SocketServer:
     def __init__(self, path: Path, handle: Callable[[p.BaseModel], bytes], log, group: str | None = None,
-                 max_request_bytes: int = 1 << 20, timeout_s: float = 10.0, max_connections: int = 32):
+                 max_request_bytes: int = 1 << 20, timeout_s: float = 10.0, max_connections: int = 32,
+                 max_connections_per_user: int = 8):
         self.path = Path(path)
         self.handle = handle
         self.log = log
@@ -66,6 +69,9 @@ class SocketServer:
         self.max_request_bytes = max_request_bytes
         self.timeout_s = timeout_s
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.per_user = max_connections_per_user
+        self._held: dict[int, int] = {}  # peer uid → connections it holds
+        self._held_lock = threading.Lock()
         self.sock: socket.socket | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,11 +142,34 @@ class SocketServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 continue
+            try:
+                uid, gid = self._peer(conn)
+            except OSError:
+                conn.close()
+                continue
+            if not self._take(uid):
+                self._send_quietly(conn, p.error("busy", f"uid {uid} holds {self.per_user} connections already "
+                                                 f"(the most per user); try again"))
+                conn.close()
+                continue
             if not self.slots.acquire(blocking=False):
+                self._give_back(uid)
                 self._send_quietly(conn, p.error("busy", "too many connections; try again"))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="socket-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, uid, gid), name="socket-conn", daemon=True).start()
+
+    def _take(self, uid: int) -> bool:
+        with self._held_lock:
+            if self._held.get(uid, 0) >= self.per_user:
+                return False
+            self._held[uid] = self._held.get(uid, 0) + 1
+            return True
+
+    def _give_back(self, uid: int) -> None:
+        with self._held_lock:
+            if (n := self._held.pop(uid, 0) - 1) > 0:
+                self._held[uid] = n
 
     def _send_quietly(self, conn: socket.socket, data: bytes) -> None:
         try:
@@ -149,9 +178,8 @@ class SocketServer:
         except OSError:
             pass
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, uid: int, gid: int) -> None:
         try:
-            uid, gid = self._peer(conn)
             if not peer_allowed(uid, gid, self.group):
                 self.log.warning("peer_refused", uid=uid, gid=gid)
                 self._send_quietly(conn, p.error("refused", f"uid {uid} may not use this daemon "
@@ -191,6 +219,7 @@ class SocketServer:
         finally:
             conn.close()
             self.slots.release()
+            self._give_back(uid)
 
     def _answer(self, line: bytes) -> bytes:
         if len(line) > self.max_request_bytes:

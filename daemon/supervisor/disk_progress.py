@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from daemon.supervisor.trainer_output import Refused, parse
 from daemon.system.file_tail import tail_lines
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")  # engine/checkpoint/store.py's layout (the daemon must not import torch)
@@ -59,9 +60,9 @@ def last_event_step(workdir: Path) -> int | None:
         if b'"step"' not in raw:
             continue
         try:
-            ev = json.loads(raw)
-        except ValueError:
-            continue  # a line torn by a kill
-        if isinstance(ev, dict) and ev.get("event") in ("step", "done") and isinstance(ev.get("step"), int):
+            ev = parse(raw)  # the trainer writes this file: its step is checked as on stdout
+        except Refused:
+            continue  # a line torn by a kill, or one the daemon would not have believed on stdout either
+        if ev is not None and ev.get("event") in ("step", "done") and "step" in ev:
             return ev["step"]
     return None

@@ -39,6 +39,7 @@ from daemon.supervisor.start_path import StartPath
 from daemon.supervisor.stuck import StuckTrainers
 from daemon.supervisor.systemd_status import SystemdReporter, status_line
 from daemon.supervisor.trainer import Child
+from daemon.supervisor.trainer_output import Refused
 from daemon.system.log import job_event
 
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
@@ -46,7 +47,8 @@ PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (check
 
 class Supervisor(ReapPath, StartPath):
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
-                 intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None):
+                 intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None,
+                 prune_rejected=None):
         self.home = Path(home)
         self.cfg = cfg
         self.store = store
@@ -54,6 +56,7 @@ class Supervisor(ReapPath, StartPath):
         self.log = log
         self.intake = intake
         self.inbox = inbox
+        self.prune_rejected = prune_rejected  # daemon.intake.prune.RejectedPruner: called from the inbox step
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
         self.notifications = notifications  # daemon.supervisor.notifications.Notifications: webhook / command per event
@@ -150,6 +153,12 @@ class Supervisor(ReapPath, StartPath):
             c = self.children.get(job_id)
             if c is None or c.attempt != attempt:
                 continue
+            if isinstance(ev, Refused):  # the first of its kind this attempt; the rest are only counted
+                self.log.warning("trainer_output_refused", job=job_id, kind=ev.kind, reason=ev.reason,
+                                 message="said once per kind and attempt; the line is dropped, the job goes on")
+                job_event(c.workdir, job_id, "trainer_output_refused", level="warning", kind=ev.kind,
+                          reason=ev.reason)
+                continue
             self._beat(c, ev, now)
 
     def _beat(self, c: Child, ev: dict[str, Any], now: float) -> None:
@@ -207,6 +216,8 @@ class Supervisor(ReapPath, StartPath):
         if self.intake.stuck and now >= self._next_intake_retry:
             self._next_intake_retry = now + self.cfg.inbox_rescan_s
             self.intake.recover()
+        if self.prune_rejected is not None:
+            self.prune_rejected(now)  # rejected/ kept to an age and a count (daemon/intake/prune.py)
 
     # ---------------------------------------------------------------- disk waits
     def _disk_waits(self) -> None:

@@ -67,8 +67,9 @@ class ReapPath:
 
         d = self.store.end_run(c.job_id, code, c.step, error, plan)
         level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
+        refused = {"refused_lines": n} if (n := c.refusals.total()) else {}  # each kind was said once already
         getattr(self.log, level)("trainer_exited", job=c.job_id, exit=describe_exit(code),
-                     state=d.state, reason=d.reason)
+                     state=d.state, reason=d.reason, **refused)
         job_event(c.workdir, c.job_id, "trainer_exited", level=level, exit_code=code, state=d.state, reason=d.reason,
                   retry_in_s=d.retry_in)
         if (what := event_of_exit(d.state, d.reason)) is not None:

@@ -3,7 +3,8 @@
     spawn       `python -m engine.run --job jobs/ID/job.yaml --workdir jobs/ID --progress json` in a session
                 (and process group) of its own, with jobs/ID/trainer.lock passed in as an open file (so the
                 lock outlives a killed daemon) and SIGUSR1 blocked until the engine's handler is in place
-    reader      a thread turns its stdout JSON lines into (job id, attempt, event) on the heartbeat queue
+    reader      a thread turns its stdout JSON lines into (job id, attempt, event) on the heartbeat queue,
+                each line bounded and each event checked first (daemon/supervisor/trainer_output.py)
     heartbeats  step, phase, resumed, checkpoint_committed, ... update what the daemon knows of it
     hang check  no heartbeat for too long (longer while it loads or saves) → SIGKILL to its group
     stop        SIGTERM to its group (it checkpoints and exits 75), SIGKILL once the grace is over
@@ -15,7 +16,6 @@ The supervisor (daemon/supervisor/loop.py) decides when each happens and writes 
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -31,7 +31,7 @@ import yaml
 
 from daemon.config.daemon import ConfigInvalid
 from daemon.power.run_policy import RunningJob
-from daemon.supervisor import gang
+from daemon.supervisor import gang, trainer_output
 from daemon.supervisor.exit_policy import describe_exit
 from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
@@ -163,6 +163,7 @@ class Child:
     flushed_at: float = 0.0
     reader: threading.Thread | None = None
     devices: list[int | None] = field(default_factory=list)  # every device the job's processes use (a gang)
+    refusals: trainer_output.Refusals = field(default_factory=trainer_output.Refusals)  # stdout lines dropped
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -179,17 +180,18 @@ class Child:
         self.reader.start()
 
     def _read(self, beats: queue.Queue, wake: threading.Event) -> None:
-        """Reader thread: the trainer's stdout, JSON lines → the heartbeat queue; other lines are tolerated."""
+        """Reader thread: the trainer's stdout, bounded lines of checked JSON events → the heartbeat queue; other
+        lines are tolerated, bad events dropped (trainer_output.py) and the first of each kind queued as Refused."""
         assert self.popen.stdout is not None
-        for raw in self.popen.stdout:
-            line = raw.strip()
-            if not line.startswith(b"{"):
-                continue
+        for item in trainer_output.lines(self.popen.stdout):
             try:
-                ev = json.loads(line)
-            except ValueError:
+                ev = trainer_output.parse(item)
+            except trainer_output.Refused as r:
+                if self.refusals.first(r):
+                    beats.put((self.job_id, self.attempt, r))
+                    wake.set()
                 continue
-            if isinstance(ev, dict):
+            if ev is not None:
                 beats.put((self.job_id, self.attempt, ev))
                 wake.set()
         self.popen.stdout.close()

@@ -22,6 +22,7 @@ from prometheus_client.core import CollectorRegistry
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -31,6 +32,7 @@ from daemon.config.web import WebSettings, is_loopback
 from daemon.web import auth, pages
 from daemon.web import submit as submit_help
 from daemon.web.charts import Line, line_chart, thin
+from daemon.web.guard import BodyLimit, HostCheck, allowed_hosts
 from daemon.web.storeview import StoreView
 
 Caller = Callable[[BaseModel], dict[str, Any]]
@@ -201,9 +203,9 @@ class Dashboard:
         return FileResponse(path, media_type="image/png")
 
     async def action(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+        if (denied := self.check(request)) is not None:
+            return denied  # before a byte of the body is read
+        form = await request.form(max_files=1, max_fields=10)  # at most max_body_bytes (guard.BodyLimit)
         if (denied := self.check_post(request, form)) is not None:
             return denied
         job_id, verb = request.path_params["job"], request.path_params["verb"]
@@ -222,21 +224,15 @@ class Dashboard:
         said = p.parse_reply(req, reply["data"]).message if reply.get("ok") else f"refused: {reply.get('message')}"
         return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote(said)}", status_code=303)
 
-    async def _form(self, request: Request) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return PlainTextResponse(f"request larger than {self.max_body_bytes} bytes", status_code=413)
-        return await request.form(max_files=1, max_fields=10)
-
     def submit_page(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:
             return denied
         return self._page(request, "Submit", pages.submit_form(self.csrf(request)), live=False)
 
     async def submit(self, request: Request) -> Response:
-        form = await self._form(request)
-        if isinstance(form, Response):
-            return form
+        if (denied := self.check(request)) is not None:
+            return denied  # an upload from someone without the token is never read, let alone spooled
+        form = await request.form(max_files=1, max_fields=10)  # at most max_body_bytes (guard.BodyLimit)
         if (denied := self.check_post(request, form)) is not None:
             return denied
         upload = form.get("file")
@@ -301,7 +297,10 @@ class Dashboard:
 
 
 def build_app(dash: Dashboard) -> Starlette:
-    return Starlette(routes=[
+    # Outermost first: a request for another Host is refused before anything else looks at it.
+    middleware = [Middleware(HostCheck, allowed_hosts=allowed_hosts(dash.s), www_redirect=False),
+                  Middleware(BodyLimit, max_bytes=dash.max_body_bytes)]
+    return Starlette(middleware=middleware, routes=[
         Route("/", dash.index),
         Route("/jobs", dash.jobs),
         Route("/jobs/{job}", dash.job),

@@ -67,7 +67,8 @@ class StoreCollector:
             g = GaugeMetricFamily(name, help_)
             g.add_metric([], 1.0 if key is None else float(h.get(key) or 0))
             yield g
-        c = CounterMetricFamily("lorad_inbox_rejected_files", "job files in HOME/rejected (never deleted)")
+        # A gauge: rejected/ is pruned by age and count (rejected_keep_days, rejected_keep), and by hand.
+        c = GaugeMetricFamily("lorad_inbox_rejected_files", "rejections kept in HOME/rejected")
         try:
             c.add_metric([], float(sum(1 for _ in self.rejected_dir.glob("*.error.txt"))))
         except OSError:

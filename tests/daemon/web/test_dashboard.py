@@ -309,7 +309,7 @@ def test_metrics_reads_the_store_at_scrape_time(tmp_path):
                  f"lorad_job_power_watts{{{lab}}} 222.0", f"lorad_job_joules_per_step{{{lab}}} 360.0",
                  f"lorad_job_energy_kwh{{{lab}}} 0.001", 'lorad_gpu_power_watts{gpu="0"} 222.0',
                  'lorad_gpu_power_limit_watts{gpu="0"} 280.0', 'lorad_gpu_throttle{gpu="0",reason="sw_power_cap"} 1.0',
-                 "lorad_inbox_rejected_files_total 1.0", "lorad_inbox_stuck_files 2.0", "lorad_up 1.0",
+                 "lorad_inbox_rejected_files 1.0", "lorad_inbox_stuck_files 2.0", "lorad_up 1.0",
                  "lorad_store_readable 1.0"]:
         assert line in text, line
     age = float(re.search(rf"lorad_job_seconds_since_checkpoint{{{lab}}} ([\d.]+)", text).group(1))
