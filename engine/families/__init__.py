@@ -22,4 +22,8 @@ def get_family(name: str) -> Family:
         from engine.families.image.qwen_image import QwenImage
 
         return QwenImage()
+    if name == "chroma":
+        from engine.families.image.chroma import Chroma
+
+        return Chroma()
     raise ValueError(f"unknown model family {name!r}")
