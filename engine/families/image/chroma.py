@@ -36,7 +36,8 @@ ChromaPipeline is a `FluxLoraLoaderMixin`, and ComfyUI's Chroma model subclasses
   `.alpha`, which ComfyUI maps by its generic rule to `diffusion_model.<BFL name>.weight` of its Chroma model.
   The BFL names are FLUX.1's table (q, k, v fused into rank-3r LoRAs with alpha 3·alpha, exact; the single
   blocks' q, k, v, proj_mlp into linear1 at 4r) less the modulation and embedder linears Chroma has not got.
-  diffusers' kohya Flux converter reads it too, so it also loads with `load_lora_weights`.
+  diffusers' kohya Flux converter reads it too (`load_lora_weights`), splitting linear1 at FLUX.1's 3072 width,
+  which Chroma has (tiny test models have not).
 """
 
 from __future__ import annotations
