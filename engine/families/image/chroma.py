@@ -1,10 +1,10 @@
 """Chroma LoRA (Chroma1-HD and its flash variants): diffusers `ChromaTransformer2DModel`, trained by flow matching
 (engine/families/image/base.py).
 
-Chroma is derived from FLUX.1-schnell (19 double + 38 single blocks, 3072 wide; 8.9 B parameters) with T5 as its only text
-encoder, no CLIP pooled vector and no guidance embedding: a small MLP (`distilled_guidance_layer`) turns the
-timestep into every block's modulation, replacing FLUX.1's per-block modulation linears. What is Chroma's own,
-all through diffusers' `ChromaPipeline`:
+Chroma is derived from FLUX.1-schnell (19 double + 38 single blocks, 3072 wide; 8.9 B parameters) with T5 as
+its only text encoder, no CLIP pooled vector and no guidance embedding: a small MLP (`distilled_guidance_layer`)
+turns the timestep into every block's modulation, replacing FLUX.1's per-block modulation linears. What is
+Chroma's own, all through diffusers' `ChromaPipeline`:
 
 - Latents: FLUX.1's VAE (16 channels), the posterior mean shifted and scaled by the VAE config
   (flux_encode.vae_latent, shared with FLUX.1) — the inverse of what the pipeline decodes.
