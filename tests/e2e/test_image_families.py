@@ -291,31 +291,6 @@ def test_chroma_files_have_the_keys_and_alphas_comfyuis_flux_rules_map(runs):
         torch.testing.assert_close((alpha / a.shape[0]) * (b @ a), delta, rtol=1e-5, atol=1e-7)
 
 
-def test_chroma_attends_to_each_caption_and_one_padding_token_whatever_the_batch(runs):
-    """The cache keeps the tokens ChromaPipeline's mask keeps (the caption's and the first padding token); a batch
-    padded to its longest caption predicts for each sample what that sample predicts alone, unpadded."""
-    from diffusers import ChromaPipeline
-
-    from engine.families.image.chroma import ChromaModel
-    from engine.families.image.dataset import pad_texts
-
-    model_dir = runs["chroma"][0]
-    pipe = ChromaPipeline.from_pretrained(model_dir, transformer=None, vae=None)
-    chroma, cfg = ChromaModel(), load_job(runs["chroma"][1])
-    texts = [chroma.encode_text(pipe, t, 32, torch.device("cpu")) for t in ("a green tower", "a red square on grass")]
-    assert [t.shape[0] for t in texts] == [len(pipe.tokenizer(t).input_ids) + 1
-                                           for t in ("a green tower", "a red square on grass")]
-    transformer = pipe.transformer = ChromaPipeline.from_pretrained(model_dir, text_encoder=None, vae=None).transformer
-    g = torch.Generator().manual_seed(0)
-    x_t, sigma = torch.randn(2, 4, 4, 6, generator=g), torch.tensor([0.3, 0.8])
-    embeds, mask = pad_texts(texts, 30)  # padded beyond the longest too, as a batch with the empty caption is
-    with torch.no_grad():
-        batch = chroma.predict(transformer, transformer, x_t, sigma, embeds, mask, cfg)
-        alone = [chroma.predict(transformer, transformer, x_t[i:i + 1], sigma[i:i + 1], texts[i][None],
-                                torch.ones(1, texts[i].shape[0]), cfg) for i in range(2)]
-    torch.testing.assert_close(batch, torch.cat(alone), rtol=1e-5, atol=1e-6)
-
-
 # ------------------------------------------------------------------ cache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path):
