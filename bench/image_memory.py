@@ -1,11 +1,14 @@
-"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image and Z-Image families at their published shapes.
+"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image and Chroma families at their published
+shapes.
 
     .venv/bin/python bench/image_memory.py
 
 Builds each transformer on the `meta` device (no weights, no download) with
 diffusers' class defaults — FLUX.2-dev's transformer config (8 double + 48
 single blocks, 48 heads × 128), Qwen-Image's (60 blocks, 24 heads × 128) and
-Z-Image's (30 layers + 2 + 2 refiner blocks, 3840 wide; Turbo and Base share it) —
+Z-Image's (30 layers + 2 + 2 refiner blocks, 3840 wide; Turbo and Base share it),
+
+Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator) —
 and prints: parameters and weight bytes in bf16 and fp8 (e4m3, 1 byte, plus
 one fp32 scale per output channel), the per-block sizes that decide
 `train.blocks_to_swap`, and the LoRA parameters of the family's default
@@ -67,19 +70,23 @@ def report(label: str, model: torch.nn.Module, targets: str, skip: str, block_li
 
 
 def main() -> None:
-    from diffusers import Flux2Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel
+    from diffusers import (ChromaTransformer2DModel, Flux2Transformer2DModel, QwenImageTransformer2DModel,
+                           ZImageTransformer2DModel)
 
-    from engine.families.image import flux2, qwen_image, z_image
+    from engine.families.image import chroma, flux2, qwen_image, z_image
 
     with torch.device("meta"):
         f2 = Flux2Transformer2DModel()
         qi = QwenImageTransformer2DModel()
         zi = ZImageTransformer2DModel()
+        ch = ChromaTransformer2DModel()
     report("FLUX.2-dev transformer", f2, flux2.DEFAULT_TARGETS, flux2.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
     report("Qwen-Image transformer", qi, qwen_image.DEFAULT_TARGETS, qwen_image.FP8_SKIP, ["transformer_blocks"])
     report("Z-Image transformer", zi, z_image.DEFAULT_TARGETS, z_image.FP8_SKIP,
            ["layers", "noise_refiner", "context_refiner"])
+    report("Chroma1-HD transformer", ch, chroma.DEFAULT_TARGETS, chroma.FP8_SKIP,
+           ["transformer_blocks", "single_transformer_blocks"])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ then the normal loader reads it back — the real loading code runs, and
 nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
 pipeline (engine/builtin/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
 for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-image` for Z-Image
-(engine/builtin/tiny_z_image.py).
+(engine/builtin/tiny_z_image.py), `builtin:tiny-chroma`
+for Chroma (engine/builtin/tiny_chroma.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -85,6 +86,12 @@ def _build_tiny_flux2(dest: Path) -> None:
     build_tiny_flux2(dest)
 
 
+def _build_tiny_chroma(dest: Path) -> None:
+    from engine.builtin.tiny_chroma import build_tiny_chroma
+
+    build_tiny_chroma(dest)
+
+
 def _build_tiny_qwen_image(dest: Path) -> None:
     from engine.builtin.tiny_pipelines import build_tiny_qwen_image
 
@@ -113,6 +120,9 @@ BUILTIN_MODELS = {
     "tiny-z-image": BuiltinModel(
         "z_image", "A Z-Image-shaped pipeline (4 layers + 2 refiner blocks, tiny FLUX.1-style VAE, Qwen3) with random "
         "weights.", "model_index.json", _build_tiny_z_image),
+    "tiny-chroma": BuiltinModel(
+        "chroma", "A Chroma-shaped pipeline (2 double + 2 single blocks, approximator, tiny VAE, T5) with random weights.",
+        "model_index.json", _build_tiny_chroma),
 }
 
 

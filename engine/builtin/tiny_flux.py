@@ -32,7 +32,8 @@ def _clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
 
 
-def _t5_tokenizer():
+def t5_tokenizer():
+    """A character-level T5 (sentencepiece-style unigram) tokenizer with no data behind it (tiny-chroma's too)."""
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
@@ -41,13 +42,44 @@ def _t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LEN)
 
 
+def tiny_vae():
+    """FLUX.1's VAE layout (AutoencoderKL, shift and scaling factors), 4 latent channels, 8x down (tiny-chroma too)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=LATENT_CHANNELS,
+        norm_num_groups=4,
+        sample_size=32,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1159,
+        scaling_factor=0.3611,
+    )
+
+
+def tiny_t5(tok):
+    """A 2-layer T5 encoder TEXT_DIM wide over `tok`'s vocabulary (tiny-chroma's too)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tok), d_model=TEXT_DIM, d_ff=37, d_kv=8, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    ))
+
+
 def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True) -> None:
     """Write a tiny random FLUX.1 pipeline directory to `dest` (guidance_embeds=True is dev-like)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    clip_tok, t5_tok = _clip_tokenizer(), t5_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         transformer = FluxTransformer2DModel(
@@ -62,30 +94,13 @@ def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True) 
             guidance_embeds=guidance_embeds,
             axes_dims_rope=(4, 6, 6),
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(8, 8, 8, 8),
-            layers_per_block=1,
-            latent_channels=LATENT_CHANNELS,
-            norm_num_groups=4,
-            sample_size=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,
-            scaling_factor=0.3611,
-        )
+        vae = tiny_vae()
         clip = CLIPTextModel(CLIPTextConfig(
             vocab_size=len(clip_tok), hidden_size=POOLED_DIM, intermediate_size=37, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=77, projection_dim=POOLED_DIM,
             bos_token_id=0, eos_token_id=1, pad_token_id=1,
         ))
-        t5 = T5EncoderModel(T5Config(
-            vocab_size=len(t5_tok), d_model=TEXT_DIM, d_ff=37, d_kv=8, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        ))
+        t5 = tiny_t5(t5_tok)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,

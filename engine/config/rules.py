@@ -118,6 +118,18 @@ def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
     return out
 
 
+def chroma_batches_keep_their_mask(cfg: JobConfig) -> list[Problem]:
+    t = cfg.train
+    if cfg.model.family == "chroma" and t.gradient_checkpointing and t.batch_size > 1:
+        # A batch pads captions to its longest with a mask; diffusers' ChromaTransformer2DModel does not pass the
+        # mask to its single blocks when checkpointing, so padding would be attended to (batch 1 has no padding).
+        return [Problem("train.batch_size, train.gradient_checkpointing",
+                        "train.batch_size, train.gradient_checkpointing: diffusers' Chroma drops the caption "
+                        "mask in its single blocks under gradient checkpointing; use train.batch_size: 1 with "
+                        "train.grad_accum for a larger batch, or turn gradient_checkpointing off")]
+    return []
+
+
 def dop_needs_trigger(cfg: JobConfig) -> list[Problem]:
     if cfg.model.family in IMAGE_FAMILIES and cfg.train.dop is not None and not cfg.data.trigger:
         return [Problem("train.dop", "train.dop: differential output preservation replaces data.trigger with the "
@@ -219,7 +231,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     warmup_within_steps, quantize_agrees_with_base_precision, block_swap_needs_unquantized_base,
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
-    fsdp_can_shard_it, min_nodes_keep_the_batch,
+    fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask,
 )
 
 

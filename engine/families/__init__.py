@@ -26,4 +26,8 @@ def get_family(name: str) -> Family:
         from engine.families.image.z_image import ZImage
 
         return ZImage()
+    if name == "chroma":
+        from engine.families.image.chroma import Chroma
+
+        return Chroma()
     raise ValueError(f"unknown model family {name!r}")

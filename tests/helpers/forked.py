@@ -27,7 +27,8 @@ IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families
                  "engine.families.image.qwen_image", "engine.families.image.z_image",
                  "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
                  "diffusers.pipelines.z_image.pipeline_z_image", "transformers.models.qwen3.modeling_qwen3",
-                 "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "peft"]
+                 "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "engine.families.image.chroma",
+                 "diffusers.pipelines.chroma.pipeline_chroma", "transformers.models.t5.modeling_t5", "peft"]
 # What a FLUX.1 trainer imports before its first step.
 FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux",
                 "diffusers.models.transformers.transformer_flux", "transformers.models.clip.modeling_clip",

@@ -25,11 +25,13 @@ from engine.storage.fsio import FileLayer
 from engine.training.dtypes import pick_device, torch_dtype
 
 
-def t5_length(model_path: str, revision: str | None) -> int:
-    """T5 tokens per caption: what the pipeline uses (512 for dev), capped by the tokenizer's own limit."""
+def t5_length(model_path: str, revision: str | None, subfolder: str = "tokenizer_2") -> int:
+    """T5 tokens per caption: what the pipeline uses (512 for dev), capped by the tokenizer's own limit.
+
+    FLUX.1 keeps T5's tokenizer in tokenizer_2 (CLIP's is tokenizer); Chroma, T5 only, in tokenizer."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer_2", revision=revision)
+    tok = AutoTokenizer.from_pretrained(model_path, subfolder=subfolder, revision=revision)
     limit = getattr(tok, "model_max_length", 512) or 512
     return int(min(512, limit))
 
@@ -40,8 +42,13 @@ def open_vae(model_path: str, revision: str | None, dtype: torch.dtype):
 
     device = pick_device()
     vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae", revision=revision, dtype=dtype).to(device).eval()
+    return lambda x: vae_latent(vae, x.to(device, vae.dtype))
+
+
+def vae_latent(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """[1, 3, H, W] in [-1, 1] → the FLUX.1 VAE's posterior mean, shifted and scaled, [C, h, w] (Chroma's too)."""
     shift, scale = vae.config.shift_factor or 0.0, vae.config.scaling_factor
-    return lambda x: ((vae.encode(x.to(device, vae.dtype)).latent_dist.mean - shift) * scale)[0]
+    return ((vae.encode(pixels).latent_dist.mean - shift) * scale)[0]
 
 
 def open_text_encoders(model_path: str, revision: str | None, dtype: torch.dtype, max_len: int):

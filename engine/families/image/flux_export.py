@@ -178,8 +178,12 @@ def diffusers_state_dict(mods, alpha: float, magnitudes: dict[str, torch.Tensor]
     return sd
 
 
-def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-    """Write the formats in cfg.output.formats into out_dir; return the file names."""
+def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any], comfyui_file: str = COMFYUI_FILE,
+           base_version: str = "flux1") -> list[str]:
+    """Write the formats in cfg.output.formats into out_dir; return the file names.
+
+    Chroma (engine/families/image/chroma.py) writes the same two layouts under its own ComfyUI file name and
+    kohya base-model version: its modules are a subset of FLUX.1's, by the same names in diffusers and ComfyUI."""
     mods = lora_modules(model)
     md = metadata(cfg, meta)
     names = []
@@ -191,11 +195,11 @@ def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any]) -> 
     if "comfyui" in cfg.output.formats:  # lora, lokr or loha
         kohya = {"ss_network_module": "lycoris.kohya" if lycoris else "networks.lora_flux",
                  "ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.alpha),
-                 "ss_base_model_version": "flux1", "ss_output_name": cfg.name}
+                 "ss_base_model_version": base_version, "ss_output_name": cfg.name}
         if lycoris:
             kohya["ss_network_args"] = json.dumps({"algo": cfg.lora.type})
         sd = lycoris_state_dict(model) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha,
                                                                           bfl_target, _SWAP_HALVES)
-        save_file(sd, str(out_dir / COMFYUI_FILE), metadata={**md, **kohya})
-        names.append(COMFYUI_FILE)
+        save_file(sd, str(out_dir / comfyui_file), metadata={**md, **kohya})
+        names.append(comfyui_file)
     return names

@@ -19,6 +19,7 @@ EXAMPLES = REPO / "configs" / "examples"
 
 EXAMPLE_HASHES = {
     "chat-lora.yaml": "aaadb9714759cdd0",
+    "chroma-lora.yaml": "e7fb0c1b34303553",
     "flux-lora-tiny.yaml": "5545cf09deba204d",
     "flux-lora.yaml": "dc52e1d425b3102c",
     "flux2-dev-lora.yaml": "da5a18da217c511e",
