@@ -191,7 +191,7 @@ def _first_q(model):
 
 # Families whose diffusers file carries alpha / r inside lora_B, with lora_alpha = r in its metadata, so that
 # loaders reading no metadata and no .alpha key (ComfyUI) apply the trained strength too.
-FOLDED = {"z_image"}
+FOLDED = {"flux2", "qwen_image", "z_image"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -242,6 +242,19 @@ def _comfyui_file_and_deltas(family: str, runs) -> tuple[dict[str, torch.Tensor]
     mem, _ = _trained_in_memory(family, job, wd)
     deltas = {n: m.get_delta_weight("default").detach() for n, m in mem.named_modules() if hasattr(m, "lora_A")}
     return load_file(str(wd / "output" / COMFY[family])), deltas
+
+
+@pytest.mark.parametrize("family", sorted(FOLDED))
+def test_the_diffusers_file_gives_the_trained_update_to_a_loader_that_reads_no_alpha(family, runs):
+    """A loader reading plain A/B at scale 1 (ComfyUI has no alpha for these keys and reads no metadata) applies
+    exactly the trained (alpha / r)·B·A: the scale is folded into lora_B."""
+    _, d = _comfyui_file_and_deltas(family, runs)
+    sd = load_file(str(runs[family][2].result(timeout=900) / "output" / DIFFUSERS_FILE))
+    assert not any(k.endswith(".alpha") for k in sd)
+    assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in sd} == set(d)
+    for m, delta in d.items():
+        b, a = sd[f"transformer.{m}.lora_B.weight"], sd[f"transformer.{m}.lora_A.weight"]
+        torch.testing.assert_close(b @ a, delta, rtol=1e-5, atol=1e-7, msg=m)
 
 
 def test_flux2_comfyui_keys_are_bfl_names_with_fused_qkv_and_the_same_update(runs):

@@ -7,18 +7,21 @@ FLUX.2 and Qwen-Image families.
 the pipelines' `save_lora_weights` writes and `load_lora_weights` reads:
 
     transformer.<module path>.lora_A.weight   [r, in]
-    transformer.<module path>.lora_B.weight   [out, r]
-    metadata "lora_adapter_metadata"          JSON of the peft LoraConfig, keys prefixed "transformer."
+    transformer.<module path>.lora_B.weight   [out, r]   × alpha / r (folded)
+    metadata "lora_adapter_metadata"          JSON of the peft LoraConfig with lora_alpha = r, keys prefixed "transformer."
 
-Unlike FLUX.1's loader, the FLUX.2 and Qwen-Image loaders pass no network
-alphas: `.alpha` tensors would be refused (FLUX.2) or folded into the weights
-with rounding (Qwen-Image). The scale alpha / r travels in the adapter
-metadata instead, where diffusers rebuilds the exact LoraConfig (r,
-lora_alpha, target modules; dropout written as 0, a training-only setting
-that would otherwise stay active in the loaded pipeline) — so the loaded
-adapter computes bit for bit what the trained one did in eval mode. The file is written here rather than through
-`save_lora_weights` only so that lorad's own metadata (base model, steps,
-trigger, dataset hash) sits beside diffusers' key.
+The FLUX.2, Qwen-Image and Z-Image loaders pass no network alphas (`.alpha`
+tensors would be refused by FLUX.2's), and ComfyUI reads no adapter metadata:
+it applied an unfolded file at scale 1 instead of alpha / r. So the scale is
+folded into lora_B and the metadata says lora_alpha = r: diffusers (scale 1
+on the folded weights), ComfyUI (scale 1 for a key without `.alpha`) and
+anything reading plain A/B apply the trained strength. B'·A equals
+(alpha / r)·B·A; for a power-of-two alpha / r the loaded layer's output is
+bit-identical to the trained one's, otherwise equal up to one rounding. The
+metadata also writes dropout as 0, a training-only setting that would
+otherwise stay active in the loaded pipeline. The file is written here rather
+than through `save_lora_weights` only so that lorad's own metadata (base
+model, steps, trigger, dataset hash) sits beside diffusers' key.
 """
 
 from __future__ import annotations
@@ -62,17 +65,20 @@ def save(sd: dict[str, torch.Tensor], path: Path, md: dict[str, str]) -> str:
 
 
 def diffusers_lora_file(transformer: torch.nn.Module, out_dir: Path, md: dict[str, str]) -> str:
-    """pytorch_lora_weights.safetensors with the adapter's LoraConfig in diffusers' metadata key (see docstring)."""
+    """pytorch_lora_weights.safetensors: alpha / r folded into lora_B, lora_alpha = r in diffusers' metadata key
+    (see the module docstring)."""
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from peft.utils import get_peft_model_state_dict
 
-    sd = {f"transformer.{k}": v for k, v in get_peft_model_state_dict(transformer, adapter_name="default").items()}
     conf = transformer.peft_config["default"].to_dict()
+    scale = conf["lora_alpha"] / conf["r"]
+    sd = {f"transformer.{k}": v * scale if k.endswith(".lora_B.weight") else v
+          for k, v in get_peft_model_state_dict(transformer, adapter_name="default").items()}
     # Dropout is a training setting. diffusers builds the loaded adapter's dropout modules in training mode and
     # pipelines never call eval(), so a trained lora.dropout would randomly drop activations at inference.
-    conf["lora_dropout"] = 0.0
+    conf.update(lora_alpha=conf["r"], lora_dropout=0.0)
     conf = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in conf.items()}
-    md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(conf, indent=2, sort_keys=True)}
+    md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(conf, indent=2, sort_keys=True), "lorad_alpha_folded": "true"}
     return save(sd, Path(out_dir) / DIFFUSERS_FILE, md)
 
 

@@ -39,7 +39,8 @@ sibling's `retrieve_latents`):
 
 Export (both formats keep diffusers' module paths; alpha / r is the scale):
 
-`pytorch_lora_weights.safetensors` (diffusers):
+`pytorch_lora_weights.safetensors` (diffusers; written by export.py's diffusers_lora_file, as for FLUX.2 and
+Qwen-Image):
 
     transformer.<module path>.lora_A.weight   [r, in]
     transformer.<module path>.lora_B.weight   [out, r]   × alpha / r (folded)
@@ -77,7 +78,6 @@ and reads `<key>.lora_A.weight` / `.lora_B.weight` with `<key>.alpha`
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -85,7 +85,7 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import DIFFUSERS_FILE, lora_modules, metadata, save
+from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
 
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+\."
 DEFAULT_TARGETS = rf"^{_BLOCK}(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3))$"
@@ -156,7 +156,7 @@ class ZImageModel:
         md = metadata(cfg, meta)
         names = []
         if "diffusers" in cfg.output.formats:
-            names.append(folded_diffusers_file(model, out_dir, md))
+            names.append(diffusers_lora_file(model, out_dir, md))
         if "comfyui" in cfg.output.formats:
             sd = {}
             for name, (a, b, _base) in lora_modules(model).items():
@@ -167,23 +167,6 @@ class ZImageModel:
                                                            "ss_network_alpha": str(cfg.lora.alpha),
                                                            "ss_base_model_version": "z_image"}))
         return names
-
-
-def folded_diffusers_file(transformer: torch.nn.Module, out_dir: Path, md: dict[str, str]) -> str:
-    """pytorch_lora_weights.safetensors with alpha / r folded into lora_B and lora_alpha = r (module docstring)."""
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
-    from peft.utils import get_peft_model_state_dict
-
-    conf = transformer.peft_config["default"].to_dict()
-    scale = conf["lora_alpha"] / conf["r"]
-    sd = {}
-    for k, v in get_peft_model_state_dict(transformer, adapter_name="default").items():
-        sd[f"transformer.{k}"] = v * scale if k.endswith(".lora_B.weight") else v
-    # Dropout is a training setting that diffusers would leave active at inference (export.py says why).
-    conf.update(lora_alpha=conf["r"], lora_dropout=0.0)
-    conf = {f"transformer.{k}": sorted(v) if isinstance(v, set) else v for k, v in conf.items()}
-    md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(conf, indent=2, sort_keys=True), "lorad_alpha_folded": "true"}
-    return save(sd, Path(out_dir) / DIFFUSERS_FILE, md)
 
 
 def ZImage():  # noqa: N802 - reads as the family's class at get_family's call site
