@@ -280,3 +280,31 @@ def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says
     monkeypatch.undo()
     wait_until(lambda: (sup.tick(), intake.store.jobs())[1], 5, "the file to be taken on a later tick")
     assert sup.healthy and intake.stuck == [] and "inbox stuck" not in sup.status_line()
+
+
+# ---------------------------------------------------------------- directories others can write (issue 23, finding 1)
+def test_a_symlink_planted_at_the_rejection_temp_name_is_never_written_through(intake, tmp_path):
+    victim = tmp_path / "state.db"  # what the attack replaced: the daemon's own database
+    victim.write_bytes(b"SQLite format 3\x00 precious")
+    # The temp name an older lorad used (its pid comes from `lorad ping`), and guesses at any other.
+    for guess in (f".broken.yaml.error.txt.tmp-{os.getpid()}", ".broken.yaml.error.txt.tmp"):
+        (intake.rejected / guess).symlink_to(victim)
+    out = intake.take(drop(intake, "broken.yaml", "name: [unclosed\n"))
+    assert victim.read_bytes() == b"SQLite format 3\x00 precious"
+    assert "not valid YAML" in out.error  # rejected all the same, with its reason: nothing lost
+    assert (intake.rejected / "broken.yaml.error.txt").read_text().startswith(intake_mod.REJECTED_HEADER)
+    assert (intake.rejected / "broken.yaml").read_text() == "name: [unclosed\n"
+
+
+def test_only_the_daemon_writes_in_incoming_and_rejected_and_the_shared_inbox_is_sticky(tmp_path):
+    old = os.umask(0o007)  # the unit's UMask: group-writable directories unless the daemon sets modes itself
+    try:
+        it = Intake(tmp_path, DaemonConfig(), Store(tmp_path / "state.db"), RecLog())
+    finally:
+        os.umask(old)
+
+    def mode(p: Path) -> int:
+        return os.stat(p).st_mode & 0o7777
+
+    assert mode(it.inbox) == 0o1770  # the socket group drops files; none may rename or remove another's
+    assert mode(it.incoming) == 0o750 and mode(it.rejected) == 0o750
