@@ -15,6 +15,7 @@ until it goes through.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -30,11 +31,12 @@ from daemon.config.daemon import DaemonConfig
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
-from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
+from daemon.system.paths import INBOX_MODE, JOB_DIR_MODE, JOB_FILE_MODE
+from daemon.system.safe_files import NotRegularFile, open_at, opened_dir, read_fd, write_durable
 from engine.config.job import JobConfig, dump_job, parse_job
 from engine.config.reading import decode_job_bytes, load_yaml_text
 from engine.errors import JobInvalid
-from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
+from engine.storage.fsio import RealFs, ensure_dir_durable
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JOB_SUFFIXES = (".yaml", ".yml")
@@ -81,28 +83,26 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
 
 
 def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:
-    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        real = Path(os.path.realpath(path))
-        if not cfg.job_policy(home).allows_path(real):
-            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
+    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8.
+
+    By descriptor (daemon/system/safe_files.py): incoming/ is the daemon's, but what was claimed from the inbox
+    may be a symlink; it is opened once, and what was opened is what is checked (its real path against the
+    allowed roots, its type, its size), so a link swapped between a check and the open reads nothing else.
+    """
+    with opened_dir(path.parent) as d:
+        try:
+            fd = open_at(d, path.name, single_link=False)  # a file linked into the inbox (ln) is fine
+        except NotRegularFile as e:
+            if e.errno != errno.ELOOP:
+                raise JobInvalid(f"{display}: not a regular file") from None
+            fd = _open_link_target(d, path.name, display, cfg, home)
+        except OSError as e:
+            raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
     try:
-        st = os.stat(path)
-    except OSError as e:
-        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise JobInvalid(f"{display}: not a regular file")
-    if st.st_size > cfg.max_job_file_bytes:
-        raise JobInvalid(f"{display}: job file is {st.st_size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        data = b""
-        while len(data) <= cfg.max_job_file_bytes:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            data += chunk
+        size = os.fstat(fd).st_size
+        if size > cfg.max_job_file_bytes:
+            raise JobInvalid(f"{display}: job file is {size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
+        data = read_fd(fd, cfg.max_job_file_bytes + 1)
     finally:
         os.close(fd)
     if len(data) > cfg.max_job_file_bytes:
@@ -110,7 +110,26 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
     return decode_job_bytes(data, display)
 
 
+def _open_link_target(dir_fd: int, name: str, display: str, cfg: DaemonConfig, home: Path) -> int:
+    """An inbox symlink's target, opened (never blocking), then checked: inside the allowed roots, a regular file."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
+    try:
+        real = Path(os.readlink(f"/proc/self/fd/{fd}"))  # what was opened, not what the link says now
+        if not cfg.job_policy(home).allows_path(real):
+            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JobInvalid(f"{display}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 REJECTED_HEADER = "lorad rejected "
+REJECTED_FILE_MODE = 0o640  # rejected/NAME.error.txt: the socket group reads why
 ERROR_SUFFIX = ".error.txt"
 
 
@@ -179,8 +198,13 @@ class Intake:
         self.rejected = self.home / "rejected"
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
-        # jobs/ holds what trainers run: the socket group may look, not rename or create (see _accept).
-        os.chmod(self.home / "jobs", JOB_DIR_MODE)
+        # Modes set explicitly, whatever the umask (the unit's 0007 makes directories group-writable). The inbox is
+        # where the socket group drops files: sticky, so no one renames or removes another's file. Only the daemon
+        # writes in incoming/ and rejected/ (a group-writable rejected/ let a member plant a symlink the daemon
+        # wrote through); the group may read them. jobs/ holds what trainers run: look, not rename or create.
+        for d, mode in ((self.inbox, INBOX_MODE), (self.incoming, JOB_DIR_MODE), (self.rejected, JOB_DIR_MODE),
+                        (self.home / "jobs", JOB_DIR_MODE)):
+            os.chmod(d, mode)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
 
@@ -298,20 +322,20 @@ class Intake:
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
         dest = self.rejected / display
         n = 1
-        while dest.exists() or dest.with_name(dest.name + ERROR_SUFFIX).exists():
+        while os.path.lexists(dest) or os.path.lexists(dest.with_name(dest.name + ERROR_SUFFIX)):
             n += 1
             dest = self.rejected / f"{display}.{n}"
         err = dest.with_name(dest.name + ERROR_SUFFIX)
         try:
-            write_file_durable(self.fs, err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
+            # An O_EXCL temp file of unpredictable name, renamed over err: nothing planted in rejected/ is followed.
+            write_durable(err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode(), REJECTED_FILE_MODE)
             os.rename(claimed, dest)
         except OSError:
             # Leave nothing half-done in rejected/: the claimed file is still in incoming/ and is retried.
-            for leftover in [err, *self.rejected.glob(f".{err.name}.tmp-*")]:
-                try:
-                    leftover.unlink()
-                except OSError:
-                    pass
+            try:
+                err.unlink()
+            except OSError:
+                pass
             raise
         self.fs.fsync_dir(self.rejected)
         self.fs.fsync_dir(self.incoming)
@@ -340,11 +364,12 @@ class Intake:
             # the group. What decides what a trainer does is the daemon's to write.
             os.mkdir(workdir, 0o700)
             self.fs.fsync_dir(workdir.parent)
-            for name, data in (("submitted.yaml", original), ("job.yaml", dump_job(job))):
-                write_file_durable(self.fs, workdir / name, data.encode())
-                os.chmod(workdir / name, JOB_FILE_MODE)
+            text = dump_job(job)
+            for name, data in (("submitted.yaml", original), ("job.yaml", text)):
+                write_durable(workdir / name, data.encode(), JOB_FILE_MODE)
             os.chmod(workdir, JOB_DIR_MODE)
-            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+            # The job the daemon acts on from now on is state.db's copy: the trainer user may replace job.yaml.
+            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source, text=text)
         except BaseException:
             self._discard_partial(job_id, workdir)
             raise

@@ -22,6 +22,7 @@ from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
 from daemon.supervisor.scheduling import status_order
+from daemon.system.safe_files import NotRegularFile, open_file
 from engine.errors import JobInvalid
 from engine.version import lorad_version
 
@@ -123,17 +124,18 @@ def queue(ctx: Context) -> p.QueueReply:
 
 def logs(ctx: Context, req: p.Logs) -> p.LogsReply:
     job = _job(ctx, req.job)
-    path = Path(job["workdir"]) / "events.jsonl"
+    # By descriptor, never through a symlink: the trainer user may replace events.jsonl (safe_files.py).
     try:
-        size = path.stat().st_size
+        fd = open_file(Path(job["workdir"]) / "events.jsonl")
     except FileNotFoundError:
         return p.LogsReply(job=job["id"], lines=[], offset=0, state=job["state"])
-    with open(path, "rb") as f:
+    except NotRegularFile as e:
+        raise p.ProtocolError("unreadable", f"job {job['id']}: {e}; not read") from None
+    try:
+        size = os.fstat(fd).st_size
         if req.offset < 0:
             start = max(0, size - LOG_CHUNK_BYTES)
-            f.seek(start)
-            data = f.read(size - start)
-            lines = data.split(b"\n")
+            lines = os.pread(fd, size - start, start).split(b"\n")
             if start > 0:
                 lines = lines[1:]  # a partial first line
             complete = lines[:-1]
@@ -141,11 +143,12 @@ def logs(ctx: Context, req: p.Logs) -> p.LogsReply:
             end = size - len(lines[-1])
         else:
             start = min(req.offset, size)
-            f.seek(start)
-            data = f.read(LOG_CHUNK_BYTES)
+            data = os.pread(fd, LOG_CHUNK_BYTES, start)
             cut = data.rfind(b"\n") + 1  # only whole lines; the rest comes next time
             chosen = data[:cut].split(b"\n")[:-1]
             end = start + cut
+    finally:
+        os.close(fd)
     out = []
     for ln in chosen:
         try:

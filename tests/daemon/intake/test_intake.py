@@ -197,15 +197,15 @@ def test_submit_over_the_socket_is_validated_by_the_daemon_too(intake):
 
 # ---------------------------------------------------------------- a full disk is not a verdict on the file
 def disk_full_for(monkeypatch, *names: str) -> None:
-    """write_file_durable fails with ENOSPC for files of these names (all files if none is given)."""
-    real = intake_mod.write_file_durable
+    """write_durable fails with ENOSPC for files of these names (all files if none is given)."""
+    real = intake_mod.write_durable
 
-    def write(fs, path, data):
+    def write(path, data, mode):
         if not names or Path(path).name in names:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fs, path, data)
+        return real(path, data, mode)
 
-    monkeypatch.setattr(intake_mod, "write_file_durable", write)
+    monkeypatch.setattr(intake_mod, "write_durable", write)
 
 
 @pytest.fixture

@@ -120,7 +120,14 @@ def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_
         pytest.skip("no user `nobody` here")
     monkeypatch.setattr(os, "geteuid", lambda: 0)  # the drop itself is subprocess's; here we see it asked for
     chowned = []
-    monkeypatch.setattr(os, "lchown", lambda p, uid, gid: chowned.append((Path(p).name, uid, gid)))
+
+    def record(p, uid, gid, *, dir_fd=None, follow_symlinks=True):
+        assert isinstance(p, int) or not follow_symlinks, "a path re-owned through a symlink"
+        name = os.readlink(f"/proc/self/fd/{p}") if isinstance(p, int) else p  # fchown: the directory itself
+        chowned.append((Path(name).name, uid, gid))
+
+    monkeypatch.setattr(os, "chown", record)
+    monkeypatch.setattr(os, "fchown", lambda fd, uid, gid: record(fd, uid, gid))
     (accepted.workdir / "events.jsonl").write_text("{}\n")  # written by the daemon (root) before the start
     trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY),
                   cfg=DaemonConfig(trainer_user=me.pw_name))
