@@ -72,21 +72,29 @@ def until_no_child(sup: Supervisor, seconds: float = 10.0) -> None:
     assert not sup.children, "the fake trainer never exited"
 
 
-def test_links_at_events_and_trainer_log_are_never_followed_and_logs_never_shows_the_victim(accepted, tmp_path):
-    events_victim, log_victim = tmp_path / "events-victim", tmp_path / "log-victim"
-    before = {events_victim: plant(accepted.workdir, "events.jsonl", events_victim),
-              log_victim: plant(accepted.workdir, "trainer.log", log_victim)}
-    until_no_child(accepted.sup)
-    for victim, content in before.items():
-        assert victim.read_bytes() == content, f"{victim.name} was written through the planted link"
+def test_a_link_at_events_jsonl_is_never_appended_to_or_shown_by_logs(accepted, tmp_path):
+    victim = tmp_path / "events-victim"
+    before = plant(accepted.workdir, "events.jsonl", victim)
+    until_no_child(accepted.sup)  # attempt_started, trainer_exited: the daemon's lines for events.jsonl
+    assert victim.read_bytes() == before, "the daemon appended through the planted link"
     job = accepted.store.get(accepted.job_id)
-    assert job["state"] in (states.QUEUED, states.FAILED) and "trainer.log" in (job["last_error"] or ""), job
+    assert "boom: the fake trainer failed" in job["last_error"], job  # it ran; its trainer.log was read
     reply = dispatch(accepted.ctx, p.Logs(job=accepted.job_id, tail=50)).decode()
     assert "secret" not in reply and "root-only" not in reply, reply
     assert "events.jsonl" in reply  # refused with a reason that names the file
     status = json.loads(dispatch(accepted.ctx, p.Status()))  # the daemon answers; the job is not lost
     assert status["ok"] and [j["id"] for j in status["data"]["jobs"]] == [accepted.job_id]
     assert accepted.sup.healthy
+
+
+def test_a_link_at_trainer_log_is_never_appended_to_and_the_start_is_refused_saying_why(accepted, tmp_path):
+    victim = tmp_path / "log-victim"
+    before = plant(accepted.workdir, "trainer.log", victim)
+    until_no_child(accepted.sup)
+    assert victim.read_bytes() == before, "the trainer's stderr went through the planted link"
+    job = accepted.store.get(accepted.job_id)
+    assert job["state"] == states.QUEUED and "trainer.log is a symlink" in job["last_error"], job
+    assert accepted.sup.healthy and json.loads(dispatch(accepted.ctx, p.Status()))["ok"]
 
 
 def test_a_link_at_trainer_lock_is_never_locked_or_truncated_and_the_job_fails_saying_why(accepted, tmp_path):
