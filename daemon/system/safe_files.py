@@ -44,6 +44,16 @@ def opened_dir(path: Path) -> Iterator[int]:
         os.close(fd)
 
 
+@contextmanager
+def opened_dir_at(dir_fd: int, name: str) -> Iterator[int]:
+    """A descriptor of the directory `name` in `dir_fd`, never through a symlink, closed on leaving."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def open_at(dir_fd: int, name: str, flags: int = os.O_RDONLY, mode: int = 0o600, single_link: bool = True) -> int:
     """Open `name` in the directory `dir_fd`: never through a symlink, never blocking, a regular file only.
 
