@@ -15,7 +15,6 @@ until it goes through.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import shutil
@@ -28,13 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.intake.job_file import read_job_file
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
-from daemon.system.paths import INBOX_MODE, JOB_DIR_MODE, JOB_FILE_MODE
-from daemon.system.safe_files import NotRegularFile, open_at, opened_dir, read_fd, write_durable
+from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
+from daemon.system.safe_files import write_durable
 from engine.config.job import JobConfig, dump_job, parse_job
-from engine.config.reading import decode_job_bytes, load_yaml_text
+from engine.config.reading import load_yaml_text
 from engine.errors import JobInvalid
 from engine.storage.fsio import RealFs, ensure_dir_durable
 
@@ -80,52 +80,6 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     job = parse_job(raw, base_dir, source=source)
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
     return job
-
-
-def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:
-    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8.
-
-    By descriptor (daemon/system/safe_files.py): incoming/ is the daemon's, but what was claimed from the inbox
-    may be a symlink; it is opened once, and what was opened is what is checked (its real path against the
-    allowed roots, its type, its size), so a link swapped between a check and the open reads nothing else.
-    """
-    with opened_dir(path.parent) as d:
-        try:
-            fd = open_at(d, path.name, single_link=False)  # a file linked into the inbox (ln) is fine
-        except NotRegularFile as e:
-            if e.errno != errno.ELOOP:
-                raise JobInvalid(f"{display}: not a regular file") from None
-            fd = _open_link_target(d, path.name, display, cfg, home)
-        except OSError as e:
-            raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size > cfg.max_job_file_bytes:
-            raise JobInvalid(f"{display}: job file is {size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
-        data = read_fd(fd, cfg.max_job_file_bytes + 1)
-    finally:
-        os.close(fd)
-    if len(data) > cfg.max_job_file_bytes:
-        raise JobInvalid(f"{display}: job file grew past the {cfg.max_job_file_bytes}-byte limit while being read")
-    return decode_job_bytes(data, display)
-
-
-def _open_link_target(dir_fd: int, name: str, display: str, cfg: DaemonConfig, home: Path) -> int:
-    """An inbox symlink's target, opened (never blocking), then checked: inside the allowed roots, a regular file."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError as e:
-        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
-    try:
-        real = Path(os.readlink(f"/proc/self/fd/{fd}"))  # what was opened, not what the link says now
-        if not cfg.job_policy(home).allows_path(real):
-            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JobInvalid(f"{display}: not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 REJECTED_HEADER = "lorad rejected "
@@ -199,12 +153,14 @@ class Intake:
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
         # Modes set explicitly, whatever the umask (the unit's 0007 makes directories group-writable). The inbox is
-        # where the socket group drops files: sticky, so no one renames or removes another's file. Only the daemon
+        # where the socket group drops files: sticky, so none renames or removes another's file. Only the daemon
         # writes in incoming/ and rejected/ (a group-writable rejected/ let a member plant a symlink the daemon
         # wrote through); the group may read them. jobs/ holds what trainers run: look, not rename or create.
-        for d, mode in ((self.inbox, INBOX_MODE), (self.incoming, JOB_DIR_MODE), (self.rejected, JOB_DIR_MODE),
-                        (self.home / "jobs", JOB_DIR_MODE)):
-            os.chmod(d, mode)
+        # The inbox keeps the access its umask gave (group-writable under the unit's, not on a personal install),
+        # never for others, and always sticky.
+        os.chmod(self.inbox, (stat.S_IMODE(os.stat(self.inbox).st_mode) & 0o775) | stat.S_ISVTX)
+        for d in (self.incoming, self.rejected, self.home / "jobs"):
+            os.chmod(d, JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
 

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from daemon.store import states
-from daemon.supervisor.accepted_job import accepted_doc
 from daemon.supervisor import cluster, gang, scheduling, trainer
+from daemon.supervisor.accepted_job import accepted_doc
 from daemon.supervisor.trainer import Child
 from daemon.system import proc
 from daemon.system.lock import write_pid

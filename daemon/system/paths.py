@@ -7,7 +7,6 @@ from pathlib import Path
 
 SYSTEM_HOME = Path("/var/lib/lorad")
 JOB_DIR_MODE = 0o750  # jobs/ and jobs/ID/: explicit, whatever the daemon's umask
-INBOX_MODE = 0o1770  # inbox/: the socket group drops files; sticky, so none renames or removes another's
 JOB_FILE_MODE = 0o644  # job.yaml, submitted.yaml: the trainer (another user under root) reads them
 
 

@@ -154,6 +154,16 @@ def test_a_fifo_is_rejected_without_blocking(intake):
     assert "not a regular file" in out.error
 
 
+def test_a_symlink_to_a_fifo_or_to_a_good_file_inside_the_roots(intake, tmp_path):
+    os.mkfifo(tmp_path / "allowed" / "fifo.yaml")
+    (intake.inbox / "to-fifo.yaml").symlink_to(tmp_path / "allowed" / "fifo.yaml")
+    assert "not a regular file" in intake.take(intake.inbox / "to-fifo.yaml").error  # never opened: no wait
+    (tmp_path / "allowed" / "mine.yaml").write_text(yaml.safe_dump(good_job("linked")))
+    (intake.inbox / "linked.yaml").symlink_to(tmp_path / "allowed" / "mine.yaml")
+    out = intake.take(intake.inbox / "linked.yaml")
+    assert out.error is None and intake.store.get(out.job_id)["name"] == "linked"
+
+
 def test_a_good_file_becomes_a_queued_job_with_a_normalised_job_yaml(intake):
     out = intake.take(drop(intake, "good.yaml", yaml.safe_dump(good_job(data={"path": "data.jsonl", "seq_len": 32}))
                            .replace("data.jsonl", os.path.relpath(QUICKSTART_DATA, intake.inbox))))
