@@ -152,13 +152,13 @@ class Intake:
         self.rejected = self.home / "rejected"
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
-        # Modes set explicitly, whatever the umask (the unit's 0007 makes directories group-writable). The inbox is
-        # where the socket group drops files: sticky, so none renames or removes another's file. Only the daemon
-        # writes in incoming/ and rejected/ (a group-writable rejected/ let a member plant a symlink the daemon
-        # wrote through); the group may read them. jobs/ holds what trainers run: look, not rename or create.
-        # The inbox keeps the access its umask gave (group-writable under the unit's, not on a personal install),
-        # never for others, and always sticky.
-        os.chmod(self.inbox, (stat.S_IMODE(os.stat(self.inbox).st_mode) & 0o775) | stat.S_ISVTX)
+        # Modes set explicitly, whatever the umask (the unit's 0007 makes directories group-writable). Only the
+        # daemon writes in incoming/ and rejected/ (a group-writable rejected/ let a member plant a symlink the
+        # daemon wrote through); the group may read them. jobs/ holds what trainers run: look, not rename or
+        # create. The inbox, where the socket group drops files, keeps the group access its umask gave (none on a
+        # personal install) and a setgid bit, never any access for others, and is sticky: none renames or
+        # removes another's file.
+        os.chmod(self.inbox, (stat.S_IMODE(os.stat(self.inbox).st_mode) & 0o2775) | stat.S_ISVTX)
         for d in (self.incoming, self.rejected, self.home / "jobs"):
             os.chmod(d, JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}

@@ -22,8 +22,8 @@ def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> st
     """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8.
 
     By descriptor (daemon/system/safe_files.py): incoming/ is the daemon's, but what was claimed from the inbox
-    may be a symlink; it is opened once, and what was opened is what is checked (its real path against the
-    allowed roots, its type, its size), so a link swapped between a check and the open reads nothing else.
+    may be a symlink; its target is checked before it is opened, and what was opened is checked again (its real
+    path against the allowed roots, its type, its size), so a link swapped in between reads nothing else.
     """
     with opened_dir(path.parent) as d:
         try:
