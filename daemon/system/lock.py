@@ -34,7 +34,9 @@ class PidLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        fd = open_or_create(self.path, os.O_RDWR, LOCK_MODE)
+        # Its directory is the home or a `lorad run` workdir, either of which may be reached through a symlink; the
+        # daemon takes its trainers' jobs/ID/trainer.lock in daemon/supervisor/lock_contention.py.
+        fd = open_or_create(self.path, os.O_RDWR, LOCK_MODE, follow_dir=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

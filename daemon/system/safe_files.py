@@ -35,9 +35,10 @@ class NotRegularFile(OSError):
 
 
 @contextmanager
-def opened_dir(path: Path) -> Iterator[int]:
-    """A descriptor of the directory `path` (itself never a symlink), closed on leaving."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def opened_dir(path: Path, follow: bool = False) -> Iterator[int]:
+    """A descriptor of the directory `path`, closed on leaving. Never a symlink itself unless `follow` (a directory
+    no one else can swap: the home, a `lorad run` workdir of one's own, which may be reached through a link)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     try:
         yield fd
     finally:
@@ -87,13 +88,14 @@ def open_file(path: Path, flags: int = os.O_RDONLY, single_link: bool = True) ->
         return open_at(d, path.name, flags, single_link=single_link)
 
 
-def open_or_create(path: Path, flags: int, mode: int) -> int:
+def open_or_create(path: Path, flags: int, mode: int, follow_dir: bool = False) -> int:
     """Open `path` with `flags` (O_WRONLY | O_APPEND, O_RDWR), creating it with `mode` if it is not there.
 
     A new file is made with O_EXCL and given `mode` by fchmod; an existing one must be a regular file with one link.
+    follow_dir: its directory may be reached through a symlink (opened_dir's `follow`).
     """
     path = Path(path)
-    with opened_dir(path.parent) as d:
+    with opened_dir(path.parent, follow=follow_dir) as d:
         for _ in range(3):  # created and removed by someone else in between: try again, a few times
             try:
                 fd = open_at(d, path.name, flags | os.O_CREAT | os.O_EXCL, mode)

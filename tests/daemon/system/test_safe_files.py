@@ -148,3 +148,17 @@ def test_the_daemon_acts_on_the_job_it_accepted_not_on_what_is_at_job_yaml_now(t
         os.close(os.open(wd / "job.yaml", os.O_WRONLY | os.O_NONBLOCK))
     assert out == [{}]  # a FIFO reads as no job (defaults), at once
     store.close()
+
+
+def test_the_home_and_a_lorad_run_workdir_may_be_reached_through_a_symlink(tmp_path):
+    from daemon.system.lock import HomeLock, TrainerLock
+
+    real = tmp_path / "real-home"
+    real.mkdir()
+    (tmp_path / "home").symlink_to(real)
+    for lock in (HomeLock(tmp_path / "home"), TrainerLock(tmp_path / "home", "job")):
+        lock.acquire()
+        lock.release()
+    assert (real / "lorad.lock").is_file() and (real / "trainer.lock").is_file()
+    with pytest.raises(OSError):  # jobs/ID/ as a symlink: the daemon's own opens refuse it
+        sf.open_or_create(tmp_path / "home" / "trainer.lock", os.O_RDWR, 0o644)
