@@ -27,14 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.intake.job_file import read_job_file
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
+from daemon.system.safe_files import write_durable
 from engine.config.job import JobConfig, dump_job, parse_job
-from engine.config.reading import decode_job_bytes, load_yaml_text
+from engine.config.reading import load_yaml_text
 from engine.errors import JobInvalid
-from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
+from engine.storage.fsio import RealFs, ensure_dir_durable
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 JOB_SUFFIXES = (".yaml", ".yml")
@@ -80,37 +82,8 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     return job
 
 
-def read_job_file(path: Path, display: str, cfg: DaemonConfig, home: Path) -> str:
-    """The text of a job file: only a regular file, inside the allowed roots, under the size cap, UTF-8."""
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        real = Path(os.path.realpath(path))
-        if not cfg.job_policy(home).allows_path(real):
-            raise JobInvalid(f"{display}: is a symlink to {real}, outside the allowed roots; not read")
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise JobInvalid(f"{display}: cannot read: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise JobInvalid(f"{display}: not a regular file")
-    if st.st_size > cfg.max_job_file_bytes:
-        raise JobInvalid(f"{display}: job file is {st.st_size} bytes, larger than the {cfg.max_job_file_bytes}-byte limit")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        data = b""
-        while len(data) <= cfg.max_job_file_bytes:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > cfg.max_job_file_bytes:
-        raise JobInvalid(f"{display}: job file grew past the {cfg.max_job_file_bytes}-byte limit while being read")
-    return decode_job_bytes(data, display)
-
-
 REJECTED_HEADER = "lorad rejected "
+REJECTED_FILE_MODE = 0o640  # rejected/NAME.error.txt: the socket group reads why
 ERROR_SUFFIX = ".error.txt"
 
 
@@ -179,8 +152,15 @@ class Intake:
         self.rejected = self.home / "rejected"
         for d in (self.inbox, self.incoming, self.rejected, self.home / "jobs"):
             ensure_dir_durable(self.fs, d)
-        # jobs/ holds what trainers run: the socket group may look, not rename or create (see _accept).
-        os.chmod(self.home / "jobs", JOB_DIR_MODE)
+        # Modes set explicitly, whatever the umask (the unit's 0007 makes directories group-writable). Only the
+        # daemon writes in incoming/ and rejected/ (a group-writable rejected/ let a member plant a symlink the
+        # daemon wrote through); the group may read them. jobs/ holds what trainers run: look, not rename or
+        # create. The inbox, where the socket group drops files, keeps the group access its umask gave (none on a
+        # personal install) and a setgid bit, never any access for others, and is sticky: none renames or
+        # removes another's file.
+        os.chmod(self.inbox, (stat.S_IMODE(os.stat(self.inbox).st_mode) & 0o2775) | stat.S_ISVTX)
+        for d in (self.incoming, self.rejected, self.home / "jobs"):
+            os.chmod(d, JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
 
@@ -298,20 +278,20 @@ class Intake:
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
         dest = self.rejected / display
         n = 1
-        while dest.exists() or dest.with_name(dest.name + ERROR_SUFFIX).exists():
+        while os.path.lexists(dest) or os.path.lexists(dest.with_name(dest.name + ERROR_SUFFIX)):
             n += 1
             dest = self.rejected / f"{display}.{n}"
         err = dest.with_name(dest.name + ERROR_SUFFIX)
         try:
-            write_file_durable(self.fs, err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode())
+            # An O_EXCL temp file of unpredictable name, renamed over err: nothing planted in rejected/ is followed.
+            write_durable(err, f"{REJECTED_HEADER}{display}:\n{reason}\n".encode(), REJECTED_FILE_MODE)
             os.rename(claimed, dest)
         except OSError:
             # Leave nothing half-done in rejected/: the claimed file is still in incoming/ and is retried.
-            for leftover in [err, *self.rejected.glob(f".{err.name}.tmp-*")]:
-                try:
-                    leftover.unlink()
-                except OSError:
-                    pass
+            try:
+                err.unlink()
+            except OSError:
+                pass
             raise
         self.fs.fsync_dir(self.rejected)
         self.fs.fsync_dir(self.incoming)
@@ -340,11 +320,12 @@ class Intake:
             # the group. What decides what a trainer does is the daemon's to write.
             os.mkdir(workdir, 0o700)
             self.fs.fsync_dir(workdir.parent)
-            for name, data in (("submitted.yaml", original), ("job.yaml", dump_job(job))):
-                write_file_durable(self.fs, workdir / name, data.encode())
-                os.chmod(workdir / name, JOB_FILE_MODE)
+            text = dump_job(job)
+            for name, data in (("submitted.yaml", original), ("job.yaml", text)):
+                write_durable(workdir / name, data.encode(), JOB_FILE_MODE)
             os.chmod(workdir, JOB_DIR_MODE)
-            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source)
+            # The job the daemon acts on from now on is state.db's copy: the trainer user may replace job.yaml.
+            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source, text=text)
         except BaseException:
             self._discard_partial(job_id, workdir)
             raise

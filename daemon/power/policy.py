@@ -21,8 +21,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from daemon.config.power import PowerSettings
 from daemon.power.caps import CapManager
 from daemon.power.gpu import Device
@@ -83,14 +81,10 @@ class PowerPolicy(JobEnergy):
         return job.gpu
 
     def _shape_key(self, job: RunningJob) -> str:
-        p = self.home / "jobs" / job.job_id / "job.yaml"
-        try:
-            doc = yaml.safe_load(p.read_text())
-            if isinstance(doc, dict):
-                return job_shape_key(doc)
-        except (OSError, yaml.YAMLError):
-            pass
-        return "name:" + job.name  # no job file to read: at least jobs of one name share a profile
+        # The job as accepted (state.db's copy), never jobs/ID/job.yaml: the trainer user may replace that file.
+        if job.doc:
+            return job_shape_key(job.doc)
+        return "name:" + job.name  # no job to read: at least jobs of one name share a profile
 
     # --- the Policy protocol -------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class RunningJob:
     total: int = 0
     s_per_step: float | None = None
     power: dict[str, Any] = field(default_factory=dict)  # the job's `power` section (limit_w, max_slowdown)
+    doc: dict[str, Any] = field(default_factory=dict)  # the whole job as accepted (state.db's copy; {}: unknown)
 
 
 @dataclass

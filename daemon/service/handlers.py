@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
 from daemon.supervisor.scheduling import status_order
+from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at
 from engine.errors import JobInvalid
 from engine.version import lorad_version
 
@@ -79,13 +81,30 @@ def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
     return p.SubmitReply(job=out.job_id, same_name=[p.SameName(id=j["id"], state=j["state"]) for j in out.same_name])
 
 
+SAMPLE_STEP = re.compile(r"^step-(\d{1,12})$")
+
+
 def latest_samples(workdir: Path) -> tuple[int | None, list[str]]:
-    """The newest samples/step-N/ the trainer rendered, and its PNGs (read from disk: it outlives restarts)."""
-    steps = sorted(workdir.glob("samples/step-*"), reverse=True)
-    for d in steps:
-        pngs = sorted(str(f) for f in d.glob("*.png"))
-        if pngs:
-            return int(d.name.split("-")[1]), pngs
+    """The newest samples/step-N/ the trainer rendered, and its PNGs (read from disk: it outlives restarts).
+
+    The trainer user writes jobs/ID/: the listing goes through directory descriptors that never follow a symlink
+    (a `samples` or step-N that is a link lists nothing), and a name that is not step-N is left out.
+    """
+    try:
+        with opened_dir(workdir / "samples") as root:
+            steps = sorted(((int(m.group(1)), e.name) for e in os.scandir(root)
+                            if (m := SAMPLE_STEP.match(e.name)) and e.is_dir(follow_symlinks=False)), reverse=True)
+            for step, name in steps:
+                try:
+                    with opened_dir_at(root, name) as d:
+                        pngs = sorted(e.name for e in os.scandir(d)
+                                      if e.name.endswith(".png") and e.is_file(follow_symlinks=False))
+                except OSError:
+                    continue
+                if pngs:
+                    return step, [str(workdir / "samples" / name / f) for f in pngs]
+    except OSError:
+        pass
     return None, []
 
 
@@ -123,17 +142,18 @@ def queue(ctx: Context) -> p.QueueReply:
 
 def logs(ctx: Context, req: p.Logs) -> p.LogsReply:
     job = _job(ctx, req.job)
-    path = Path(job["workdir"]) / "events.jsonl"
+    # By descriptor, never through a symlink: the trainer user may replace events.jsonl (safe_files.py).
     try:
-        size = path.stat().st_size
+        fd = open_file(Path(job["workdir"]) / "events.jsonl")
     except FileNotFoundError:
         return p.LogsReply(job=job["id"], lines=[], offset=0, state=job["state"])
-    with open(path, "rb") as f:
+    except NotRegularFile as e:
+        raise p.ProtocolError("unreadable", f"job {job['id']}: {e}; not read") from None
+    try:
+        size = os.fstat(fd).st_size
         if req.offset < 0:
             start = max(0, size - LOG_CHUNK_BYTES)
-            f.seek(start)
-            data = f.read(size - start)
-            lines = data.split(b"\n")
+            lines = os.pread(fd, size - start, start).split(b"\n")
             if start > 0:
                 lines = lines[1:]  # a partial first line
             complete = lines[:-1]
@@ -141,11 +161,12 @@ def logs(ctx: Context, req: p.Logs) -> p.LogsReply:
             end = size - len(lines[-1])
         else:
             start = min(req.offset, size)
-            f.seek(start)
-            data = f.read(LOG_CHUNK_BYTES)
+            data = os.pread(fd, LOG_CHUNK_BYTES, start)
             cut = data.rfind(b"\n") + 1  # only whole lines; the rest comes next time
             chosen = data[:cut].split(b"\n")[:-1]
             end = start + cut
+    finally:
+        os.close(fd)
     out = []
     for ln in chosen:
         try:

@@ -63,7 +63,9 @@ class Store:
                     return jid
 
     # ------------------------------------------------------------ jobs
-    def add_job(self, job_id: str, name: str, workdir: Path, priority: int, total: int, source: str | None) -> None:
+    def add_job(self, job_id: str, name: str, workdir: Path, priority: int, total: int, source: str | None,
+                text: str | None = None) -> None:
+        """A new queued job; `text`: the job as accepted (normalised YAML), kept for accepted_text()."""
         now = time.time()
         with self._tx() as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
@@ -72,7 +74,15 @@ class Store:
                 " VALUES (?,?,?,?,?,?,?,?,?,?)",
                 (job_id, name, states.QUEUED, priority, seq, now, now, source, str(workdir), total),
             )
+            if text is not None:
+                db.execute("INSERT INTO accepted_jobs (job_id, text) VALUES (?,?)", (job_id, text))
             sql.add_event(db, job_id, "accepted", {"source": source})
+
+    def accepted_text(self, job_id: str) -> str | None:
+        """The job as the daemon accepted it (None: accepted by a lorad that did not keep it here)."""
+        with self._lock:
+            row = self.db.execute("SELECT text FROM accepted_jobs WHERE job_id=?", (job_id,)).fetchone()
+        return None if row is None else row["text"]
 
     def get(self, job_id: str) -> dict[str, Any]:
         with self._lock:

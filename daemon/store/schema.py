@@ -54,6 +54,9 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+-- The job as accepted (the normalised YAML written to jobs/ID/job.yaml): what the daemon acts on, since the
+-- trainer user may replace jobs/ID/job.yaml (added later: a job accepted before it has no row here).
+CREATE TABLE IF NOT EXISTS accepted_jobs (job_id TEXT PRIMARY KEY REFERENCES jobs(id), text TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs(state, priority, seq);
 CREATE INDEX IF NOT EXISTS attempts_by_job ON attempts(job_id, n);
 -- The dashboard's events tail of one job (added later: IF NOT EXISTS builds it once on an older state.db).

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from daemon.config.cluster import ClusterSettings
-from engine.config.job import JobConfig, load_job
+from engine.config.job import JobConfig, parse_job
 from engine.errors import JobInvalid
 
 # Filesystem types (as /proc/self/mountinfo names them) that other machines can mount too. Any fuse.* counts
@@ -103,31 +104,36 @@ def node_command(trainer_cmd: list[str], job: JobConfig, cluster: ClusterSetting
             "--rdzv-conf", conf, "--", *args]
 
 
-def spanning_job(workdir: Path) -> JobConfig | None:
-    """The job in `workdir` if it spans machines (resources.nodes > 1), else None (also when unreadable: the
-    trainer then reports the job file itself, exit 65)."""
+def spanning_job(doc: dict[str, Any], workdir: Path) -> JobConfig | None:
+    """The job (as accepted: daemon/supervisor/accepted_job.py) if it spans machines (resources.nodes > 1), else
+    None (also when it does not validate: the trainer then reports the job file itself, exit 65)."""
+    resources = doc.get("resources")
+    nodes = resources.get("nodes") if isinstance(resources, dict) else None
+    if not isinstance(nodes, int) or nodes <= 1:
+        return None  # one machine: no need to validate the whole job here
     try:
-        job = load_job(Path(workdir) / "job.yaml", check_paths=False)
+        job = parse_job(doc, Path(workdir), source="job.yaml", check_paths=False)
     except JobInvalid:
         return None
     return job if job.resources.nodes > 1 else None
 
 
-def unrunnable(workdir: Path, cluster: ClusterSettings | None) -> str | None:
-    """Why this machine cannot run its part of the job in `workdir` (the cluster section was removed from the
-    config after the job was accepted), or None."""
-    job = spanning_job(workdir)
+def unrunnable(doc: dict[str, Any], workdir: Path, cluster: ClusterSettings | None) -> str | None:
+    """Why this machine cannot run its part of the job (the cluster section was removed from the config after
+    the job was accepted), or None."""
+    job = spanning_job(doc, workdir)
     if job is None or cluster is not None:
         return None
     return (f"resources.nodes: {job.resources.nodes} machines, but this daemon's config has no `cluster` section "
             "any more")
 
 
-def launch_command(trainer_cmd: list[str], workdir: Path, processes: int, cluster: ClusterSettings | None) -> list[str]:
+def launch_command(trainer_cmd: list[str], doc: dict[str, Any], workdir: Path, processes: int,
+                   cluster: ClusterSettings | None) -> list[str]:
     """How this machine starts the job in `workdir`: its part of a job that spans machines, or the whole job."""
     from daemon.supervisor.gang import launcher_command
 
-    job = spanning_job(workdir)
+    job = spanning_job(doc, workdir)
     if job is None or cluster is None:  # cluster None: `unrunnable` failed such a job before its start
         return launcher_command(trainer_cmd, processes)
     return node_command(trainer_cmd, job, cluster)

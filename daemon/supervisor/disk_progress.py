@@ -5,6 +5,9 @@ daemon may have left behind; a full disk's wait is sized by the newest checkpoin
 
 The sha256 of each file is not checked here (that is a full read of every checkpoint at every start); the
 trainer verifies what it resumes from, and walks back past a checkpoint that does not verify.
+
+The trainer user writes this directory: a manifest is read by descriptor (no symlink, no FIFO, size-capped;
+daemon/system/safe_files.py), and the files it names are looked at with lstat, inside the checkpoint only.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from pathlib import Path
 
 from daemon.supervisor.trainer_output import Refused, parse
 from daemon.system.file_tail import tail_lines
+from daemon.system.safe_files import read_bytes
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")  # engine/checkpoint/store.py's layout (the daemon must not import torch)
 EVENTS_TAIL_BYTES = 1 << 20  # the last step is near the end of events.jsonl
+MANIFEST_MAX_BYTES = 16 << 20  # a manifest lists a checkpoint's files: far below this
 
 
 @dataclass(frozen=True)
@@ -41,17 +46,27 @@ def committed_checkpoints(workdir: Path) -> list[Committed]:
         if not m or not e.is_dir(follow_symlinks=False):
             continue
         try:
-            manifest = json.loads((Path(e.path) / "manifest.json").read_bytes())
+            raw = read_bytes(Path(e.path) / "manifest.json", MANIFEST_MAX_BYTES)
+            if len(raw) > MANIFEST_MAX_BYTES:
+                continue
+            manifest = json.loads(raw)
             files = manifest["files"]
             if int(manifest["step"]) != int(m.group(1)):
                 continue
-            if any(os.stat(Path(e.path) / name).st_size != meta["size"] for name, meta in files.items()):
+            if any(not _inside(name) or os.lstat(Path(e.path) / name).st_size != meta["size"]
+                   for name, meta in files.items()):
                 continue
             size = sum(int(meta["size"]) for meta in files.values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # not committed (a save cut short), or unreadable: not a checkpoint
         out.append(Committed(int(m.group(1)), Path(e.path), size))
     return sorted(out, key=lambda c: c.step, reverse=True)
+
+
+def _inside(name: str) -> bool:
+    """A manifest's file name that stays inside its checkpoint (no absolute path, no '..')."""
+    p = Path(name)
+    return not p.is_absolute() and ".." not in p.parts
 
 
 def last_event_step(workdir: Path) -> int | None:

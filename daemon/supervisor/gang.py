@@ -16,9 +16,6 @@ Pure: no store, no processes; the supervisor's spawn step asks it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-import yaml
 
 Device = int | None
 
@@ -57,17 +54,15 @@ def visible_devices(devs: list[Device]) -> str | None:
     return None if devs == [None] else ",".join(str(d) for d in devs)
 
 
-def job_gpus(workdir: Path) -> int:
-    """The job's `resources.gpus` (1 if absent or unreadable: the trainer validates the job itself, exit 65).
+def job_gpus(doc: dict) -> int:
+    """The job's `resources.gpus` (1 if absent or not a positive int: the trainer validates the job itself, exit 65).
 
-    Read without the engine's validation, which would import torch into the daemon.
+    `doc`: the job as accepted (daemon/supervisor/accepted_job.py), without the engine's validation, which would
+    import torch into the daemon.
     """
-    try:
-        raw = yaml.safe_load((Path(workdir) / "job.yaml").read_text(encoding="utf-8"))
-        gpus = raw.get("resources", {}).get("gpus", 1)
-    except (OSError, yaml.YAMLError, AttributeError):
-        return 1
-    return gpus if isinstance(gpus, int) and gpus >= 1 else 1
+    resources = doc.get("resources")
+    gpus = resources.get("gpus", 1) if isinstance(resources, dict) else 1
+    return gpus if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1 else 1
 
 
 def launcher_command(trainer_cmd: list[str], processes: int) -> list[str]:

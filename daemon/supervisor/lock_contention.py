@@ -17,6 +17,8 @@ from pathlib import Path
 
 from daemon.store.db import Store
 from daemon.system import proc
+from daemon.system.lock import LOCK_MODE
+from daemon.system.safe_files import open_or_create
 
 LOCK_BUSY_RETRY_S = 5.0  # a job whose trainer.lock is held by an earlier trainer waits this long between tries
 
@@ -31,9 +33,10 @@ class TrainerLockContention:
     def take(self, job_id: str, workdir: Path) -> int | None:
         """The open, locked trainer.lock of a job (the caller closes it), or None while another process holds it.
 
-        Raises OSError when the job's directory cannot hold the lock at all (gone, unreadable).
+        Raises OSError when the job's directory cannot hold the lock at all (gone, unreadable, or trainer.lock is
+        not a regular file of its own: a symlink planted there is never followed, locked or truncated).
         """
-        fd = os.open(workdir / "trainer.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_or_create(workdir / "trainer.lock", os.O_RDWR, LOCK_MODE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -15,6 +15,7 @@ from typing import Any
 
 from daemon.store import states
 from daemon.supervisor import cluster, gang, scheduling, trainer
+from daemon.supervisor.accepted_job import accepted_doc
 from daemon.supervisor.trainer import Child
 from daemon.system import proc
 from daemon.system.lock import write_pid
@@ -34,13 +35,14 @@ class StartPath:
             if job is None or job["id"] in tried:
                 return
             tried.add(job["id"])
-            gpus = gang.job_gpus(Path(job["workdir"]))
+            doc = accepted_doc(self.store, job)  # never jobs/ID/job.yaml: the trainer user may replace it
+            gpus = gang.job_gpus(doc)
             plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
             if plan.impossible:
                 self._fail_unstartable(job, f"resources.gpus: the job needs {gpus} devices at once and this machine "
                                             f"has {len(self.devices)} (daemon devices: {self.devices})")
                 continue
-            if (why := cluster.unrunnable(Path(job["workdir"]), self.cfg.cluster)) is not None:
+            if (why := cluster.unrunnable(doc, Path(job["workdir"]), self.cfg.cluster)) is not None:
                 self._fail_unstartable(job, why)
                 continue
             if not plan.starts:
@@ -50,7 +52,7 @@ class StartPath:
                     self._preempt_for(job, gpus, busy)
                 return
             devs = plan.starts[0][1]
-            if self.start(job, devs, gpus):
+            if self.start(job, devs, gpus, doc):
                 busy |= set(devs)
             # Not started (its directory is unusable, an earlier trainer holds it, ...): the next in line
             # may use these devices; start() left that job out of next_queued's answer.
@@ -72,9 +74,10 @@ class StartPath:
         self.log.error("job_unstartable", job=job["id"], error=msg)
         self._tell("failed", job["id"], job["name"], state=states.FAILED, reason=msg, workdir=str(job["workdir"]))
 
-    def start(self, job: dict[str, Any], devs: list[int | None], processes: int = 1) -> bool:
+    def start(self, job: dict[str, Any], devs: list[int | None], processes: int = 1,
+              doc: dict[str, Any] | None = None) -> bool:
         """Start a trainer for a queued job on `devs` (its gang) with `processes` ranks. True if one runs now (and
-        is tracked in self.children)."""
+        is tracked in self.children). `doc`: the job as accepted (read from the store when not given)."""
         job_id, workdir = job["id"], Path(job["workdir"])
         try:
             lock_fd = self.locks.take(job_id, workdir)
@@ -87,14 +90,16 @@ class StartPath:
         if lock_fd is None:
             return False  # an earlier trainer holds it: the job waits (lock_contention)
         try:
-            return self._start_locked(job, devs, processes, lock_fd)
+            return self._start_locked(job, devs, processes, lock_fd,
+                                      accepted_doc(self.store, job) if doc is None else doc)
         finally:
             os.close(lock_fd)  # a started child has its own copy: it keeps the lock for as long as it lives
 
     def trainer_command(self, workdir: Path) -> list[str]:
         return trainer.trainer_command(workdir, self.cfg.job_policy(self.home))
 
-    def _start_locked(self, job: dict[str, Any], devs: list[int | None], processes: int, lock_fd: int) -> bool:
+    def _start_locked(self, job: dict[str, Any], devs: list[int | None], processes: int, lock_fd: int,
+                      doc: dict[str, Any]) -> bool:
         job_id, workdir = job["id"], Path(job["workdir"])
         dev = devs[0]
         try:
@@ -105,11 +110,11 @@ class StartPath:
         self.locks.started(job_id)
         env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
         shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
-        power = trainer.power_section(workdir)
+        power = trainer.power_section(doc)
         try:
             # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
             # forwarded to every rank, no rank outliving it).
-            cmd = cluster.launch_command(self.trainer_command(workdir), workdir, processes, self.cfg.cluster)
+            cmd = cluster.launch_command(self.trainer_command(workdir), doc, workdir, processes, self.cfg.cluster)
             popen = trainer.spawn(cmd, workdir, env, lock_fd, self.cfg)
         except OSError as e:
             msg = f"could not start the trainer: {e}"
@@ -121,7 +126,7 @@ class StartPath:
         c = Child(job_id=job_id, name=job["name"], workdir=workdir, popen=popen, pid=popen.pid,
                   pid_start=proc.start_time(popen.pid), gpu=dev, attempt=n, start_step=job["step"],
                   total=job["total"], power=power, step=job["step"], checkpoint_step=job["checkpoint_step"],
-                  devices=devs)
+                  devices=devs, doc=doc)
         self.children[job_id] = c
         c.start_reader(self.beats, self.wake)
         try:

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from daemon.config.daemon import ConfigInvalid
 from daemon.power.run_policy import RunningJob
 from daemon.supervisor import gang, trainer_output
@@ -37,6 +35,7 @@ from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.file_tail import tail_lines
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
+from daemon.system.safe_files import open_or_create
 from engine.config.policy import JobPolicy
 from engine.distributed.liveness import LIVENESS_DIR, silent_ranks
 from engine.training.stop import EXIT_OK, EXIT_STOPPED
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from daemon.config.daemon import DaemonConfig
 
 TRAINER_UMASK = 0o027  # the trainer's files: the group may read them, no one else may write them
+TRAINER_LOG_MODE = 0o640  # its stderr, likewise
 SLOW_PHASES = {"prepare", "load_model", "final_checkpoint", "urgent_checkpoint"}
 STDERR_TAIL_BYTES = 4000
 READER_JOIN_S = 2.0  # at reap: the last lines (done, invalid_job, stopped) come before EOF
@@ -74,16 +74,14 @@ def trainer_env(extra: dict[str, str], devs: list[int | None], workdir: Path | N
     return env
 
 
-def power_section(workdir: Path) -> dict[str, Any]:
-    """The job's `power` section, for the power policy; {} if unreadable.
+def power_section(doc: dict[str, Any]) -> dict[str, Any]:
+    """The `power` section of the job as accepted (state.db's copy, daemon/supervisor/accepted_job.py), for the
+    power policy; {} if it has none.
 
     No full validation here: it would import torch, and the trainer validates the job itself (exit 65).
     """
-    try:
-        raw = yaml.safe_load((workdir / "job.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return {}
-    return dict(raw.get("power") or {}) if isinstance(raw, dict) else {}
+    power = doc.get("power")
+    return dict(power) if isinstance(power, dict) else {}
 
 
 def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
@@ -110,7 +108,8 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
     # pending, until the trainer's handler is in place (engine.training.stop.StopFlag.install unblocks it).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
-        fd = os.open(workdir / "trainer.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        # By descriptor: the trainer user may have put a symlink at trainer.log (never followed, the start fails).
+        fd = open_or_create(workdir / "trainer.log", os.O_WRONLY | os.O_APPEND, TRAINER_LOG_MODE)
         with open(fd, "ab") as err:
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, cwd=workdir,
                                     env=env, start_new_session=True, pass_fds=(lock_fd,), umask=TRAINER_UMASK,
@@ -164,6 +163,7 @@ class Child:
     reader: threading.Thread | None = None
     devices: list[int | None] = field(default_factory=list)  # every device the job's processes use (a gang)
     refusals: trainer_output.Refusals = field(default_factory=trainer_output.Refusals)  # stdout lines dropped
+    doc: dict[str, Any] = field(default_factory=dict)  # the job as accepted (daemon/supervisor/accepted_job.py)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -171,7 +171,8 @@ class Child:
 
     def running_job(self) -> RunningJob:
         return RunningJob(job_id=self.job_id, name=self.name, pid=self.pid, gpu=self.gpu, started_at=self.started_at,
-                          step=self.step, total=self.total, s_per_step=self.s_per_step, power=self.power)
+                          step=self.step, total=self.total, s_per_step=self.s_per_step, power=self.power,
+                          doc=self.doc)
 
     # ------------------------------------------------------------ stdout → heartbeats
     def start_reader(self, beats: queue.Queue, wake: threading.Event) -> None:

@@ -6,7 +6,9 @@
 
 The kernel drops the lock when the process dies, however it dies, so a
 SIGKILL or a power cut never leaves a stale lock behind. The holder writes
-its pid into the file so that a refusal can say who holds it.
+its pid into the file so that a refusal can say who holds it. A trainer.lock is in jobs/ID/, which the trainer
+user may change: it is opened by descriptor, never through a symlink (daemon/system/safe_files.py), so locking
+and truncating it never reach another file.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+
+from daemon.system.safe_files import open_or_create
+
+LOCK_MODE = 0o644  # the holder's pid, readable by whoever is refused
 
 
 class AlreadyRunning(Exception):
@@ -28,7 +34,9 @@ class PidLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Its directory is the home or a `lorad run` workdir, either of which may be reached through a symlink; the
+        # daemon takes its trainers' jobs/ID/trainer.lock in daemon/supervisor/lock_contention.py.
+        fd = open_or_create(self.path, os.O_RDWR, LOCK_MODE, follow_dir=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,5 +1,6 @@
 """The daemon's structured log: structlog JSON lines to stdout (journald under systemd), and per-job lines
-appended to jobs/ID/events.jsonl next to the trainer's own events (same schema: event, level, ts, job)."""
+appended to jobs/ID/events.jsonl next to the trainer's own events (same schema: event, level, ts, job). The trainer
+user may replace events.jsonl: it is appended to by descriptor, never through a symlink (daemon/system/safe_files.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+from daemon.system.safe_files import append
+
+EVENTS_MODE = 0o640  # what the trainer's umask (0027) gives the events it writes: the group reads, never writes
 
 
 def setup(stream=None) -> Any:
@@ -31,7 +36,6 @@ def job_event(workdir: Path, job_id: str, event: str, level: str = "info", **kw:
     line = {"job": job_id, **kw, "event": event, "level": level, "source": "daemon",
             "ts": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
     try:
-        with open(Path(workdir) / "events.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(line, default=str) + "\n")
+        append(Path(workdir) / "events.jsonl", (json.dumps(line, default=str) + "\n").encode(), EVENTS_MODE)
     except OSError:
-        pass  # the job's directory is on a full disk: the daemon log and the DB still have it
+        pass  # a full disk, or not a regular file of its own (a planted symlink): the daemon log and the DB have it

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import pwd
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from daemon.config.daemon import ConfigInvalid
+from daemon.system.safe_files import fchmod_at, opened_dir
 from engine.storage.home import cache_dir
 
 DAEMON_OWNED = ("job.yaml", "submitted.yaml")  # what decides what the trainer does: not the trainer user's
@@ -67,31 +67,40 @@ def check_at_start(trainer_user: str | None, euid: int, allow_root: bool) -> Run
 
 def protect_job_files(workdir: Path, dir_mode: int, file_mode: int) -> None:
     """Before every start: the job's directory and the files that decide what its trainer does are not writable
-    by the group, whatever made them (jobs accepted by an older lorad under the unit's UMask=0007 were)."""
-    workdir = Path(workdir)
-    os.chmod(workdir, dir_mode)
-    for name in DAEMON_OWNED:
-        try:
-            if stat.S_ISREG(os.lstat(workdir / name).st_mode):  # a symlink in its place is never followed
-                os.chmod(workdir / name, file_mode)
-        except FileNotFoundError:
-            pass
+    by the group, whatever made them (jobs accepted by an older lorad under the unit's UMask=0007 were).
+
+    Through descriptors: the trainer user may swap a file for a symlink at any moment, and a mode is only ever
+    set on the file that was opened (never through a symlink; safe_files.fchmod_at).
+    """
+    with opened_dir(Path(workdir)) as d:
+        os.fchmod(d, dir_mode)
+        for name in DAEMON_OWNED:
+            fchmod_at(d, name, file_mode)
 
 
 def hand_over(workdir: Path, who: RunAs) -> None:
     """Give the job's directory and what is in it to the trainer user, except the files the daemon decides.
 
-    lchown: a symlink in the directory is re-owned itself, never what it points to.
+    The trainer user owns the tree from its first start and may swap a directory for a symlink while it is
+    walked: os.fwalk holds each directory by a descriptor (and skips one that is not what was listed), and every
+    entry is re-owned relative to its directory's descriptor without following a symlink (fchownat with
+    AT_SYMLINK_NOFOLLOW), so the walk never leaves the tree. A hard link to someone else's file cannot be made
+    there where fs.protected_hardlinks is on (every current distribution's default).
     """
     workdir = Path(workdir)
-    os.lchown(workdir, who.uid, who.gid)
+    with opened_dir(workdir) as d:
+        os.fchown(d, who.uid, who.gid)
     # The home's shared content-keyed cache (engine/storage/home.py): the trainer user writes its entries there too.
     shared = cache_dir(workdir)
     if shared.parent != workdir.resolve():
         shared.mkdir(mode=0o750, exist_ok=True)
-        os.lchown(shared, who.uid, who.gid)
-    for root, dirs, files in os.walk(workdir):
+        os.chown(shared, who.uid, who.gid, follow_symlinks=False)  # HOME/cache: in the daemon's home
+    for root, dirs, files, root_fd in os.fwalk(workdir, follow_symlinks=False):
+        top = Path(root) == workdir
         for name in dirs + files:
-            if Path(root) == workdir and name in DAEMON_OWNED:
+            if top and name in DAEMON_OWNED:
                 continue
-            os.lchown(os.path.join(root, name), who.uid, who.gid)
+            try:
+                os.chown(name, who.uid, who.gid, dir_fd=root_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                pass  # removed by the trainer user meanwhile

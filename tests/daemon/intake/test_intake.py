@@ -154,6 +154,16 @@ def test_a_fifo_is_rejected_without_blocking(intake):
     assert "not a regular file" in out.error
 
 
+def test_a_symlink_to_a_fifo_or_to_a_good_file_inside_the_roots(intake, tmp_path):
+    os.mkfifo(tmp_path / "allowed" / "fifo.yaml")
+    (intake.inbox / "to-fifo.yaml").symlink_to(tmp_path / "allowed" / "fifo.yaml")
+    assert "not a regular file" in intake.take(intake.inbox / "to-fifo.yaml").error  # never opened: no wait
+    (tmp_path / "allowed" / "mine.yaml").write_text(yaml.safe_dump(good_job("linked")))
+    (intake.inbox / "linked.yaml").symlink_to(tmp_path / "allowed" / "mine.yaml")
+    out = intake.take(intake.inbox / "linked.yaml")
+    assert out.error is None and intake.store.get(out.job_id)["name"] == "linked"
+
+
 def test_a_good_file_becomes_a_queued_job_with_a_normalised_job_yaml(intake):
     out = intake.take(drop(intake, "good.yaml", yaml.safe_dump(good_job(data={"path": "data.jsonl", "seq_len": 32}))
                            .replace("data.jsonl", os.path.relpath(QUICKSTART_DATA, intake.inbox))))
@@ -197,15 +207,15 @@ def test_submit_over_the_socket_is_validated_by_the_daemon_too(intake):
 
 # ---------------------------------------------------------------- a full disk is not a verdict on the file
 def disk_full_for(monkeypatch, *names: str) -> None:
-    """write_file_durable fails with ENOSPC for files of these names (all files if none is given)."""
-    real = intake_mod.write_file_durable
+    """write_durable fails with ENOSPC for files of these names (all files if none is given)."""
+    real = intake_mod.write_durable
 
-    def write(fs, path, data):
+    def write(path, data, mode):
         if not names or Path(path).name in names:
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fs, path, data)
+        return real(path, data, mode)
 
-    monkeypatch.setattr(intake_mod, "write_file_durable", write)
+    monkeypatch.setattr(intake_mod, "write_durable", write)
 
 
 @pytest.fixture
@@ -280,3 +290,31 @@ def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says
     monkeypatch.undo()
     wait_until(lambda: (sup.tick(), intake.store.jobs())[1], 5, "the file to be taken on a later tick")
     assert sup.healthy and intake.stuck == [] and "inbox stuck" not in sup.status_line()
+
+
+# ---------------------------------------------------------------- directories others can write (issue 23, finding 1)
+def test_a_symlink_planted_at_the_rejection_temp_name_is_never_written_through(intake, tmp_path):
+    victim = tmp_path / "state.db"  # what the attack replaced: the daemon's own database
+    victim.write_bytes(b"SQLite format 3\x00 precious")
+    # The temp name an older lorad used (its pid comes from `lorad ping`), and guesses at any other.
+    for guess in (f".broken.yaml.error.txt.tmp-{os.getpid()}", ".broken.yaml.error.txt.tmp"):
+        (intake.rejected / guess).symlink_to(victim)
+    out = intake.take(drop(intake, "broken.yaml", "name: [unclosed\n"))
+    assert victim.read_bytes() == b"SQLite format 3\x00 precious"
+    assert "not valid YAML" in out.error  # rejected all the same, with its reason: nothing lost
+    assert (intake.rejected / "broken.yaml.error.txt").read_text().startswith(intake_mod.REJECTED_HEADER)
+    assert (intake.rejected / "broken.yaml").read_text() == "name: [unclosed\n"
+
+
+def test_only_the_daemon_writes_in_incoming_and_rejected_and_the_shared_inbox_is_sticky(tmp_path):
+    old = os.umask(0o007)  # the unit's UMask: group-writable directories unless the daemon sets modes itself
+    try:
+        it = Intake(tmp_path, DaemonConfig(), Store(tmp_path / "state.db"), RecLog())
+    finally:
+        os.umask(old)
+
+    def mode(p: Path) -> int:
+        return os.stat(p).st_mode & 0o7777
+
+    assert mode(it.inbox) == 0o1770  # the socket group drops files; none may rename or remove another's
+    assert mode(it.incoming) == 0o750 and mode(it.rejected) == 0o750

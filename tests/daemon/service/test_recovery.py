@@ -180,10 +180,10 @@ def test_an_inbox_file_that_cannot_be_taken_never_stops_start_up(store, tmp_path
     intake = Intake(tmp_path, DaemonConfig(allowed_roots=["{home}", "/"]), store, setup())
     (intake.incoming / "1-full.yaml").write_text(yaml.safe_dump(good_job("full")))  # claimed before a crash
 
-    def disk_full(fs, path, data):
+    def disk_full(path, data, mode):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(intake_mod, "write_file_durable", disk_full)
+    monkeypatch.setattr(intake_mod, "write_durable", disk_full)
     r = reconcile(tmp_path, DaemonConfig(), store, setup(), intake)  # no exception: the daemon starts
     assert r.intake_finished == 0 and (intake.incoming / "1-full.yaml").exists()
     assert list((tmp_path / "jobs").iterdir()) == [] and store.jobs() == []  # no half-made job directory

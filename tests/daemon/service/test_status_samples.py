@@ -22,6 +22,20 @@ def test_the_newest_step_with_images_is_reported(tmp_path):
     assert [p.rsplit("/", 2)[-2:] for p in paths] == [["step-00000008", "00.png"], ["step-00000008", "01.png"]]
 
 
+def test_links_and_odd_names_the_trainer_user_put_in_samples_are_never_listed(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    _png(elsewhere / "step-00000099" / "secret.png")
+    wd = tmp_path / "job"
+    _png(wd / "samples" / "step-00000004" / "00.png")
+    (wd / "samples" / "step-00000009").symlink_to(elsewhere / "step-00000099")  # a linked step: not listed
+    _png(wd / "samples" / "step-x" / "01.png")  # not a step: left out (its int() raised ValueError)
+    assert latest_samples(wd) == (4, [str(wd / "samples" / "step-00000004" / "00.png")])
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "samples").symlink_to(elsewhere)
+    assert latest_samples(other) == (None, [])
+
+
 def test_a_job_without_samples_reports_none(tmp_path):
     assert latest_samples(tmp_path) == (None, [])
 

@@ -92,7 +92,8 @@ def test_each_machine_launches_its_part_to_meet_the_others_by_the_jobs_identity_
         workdir = tmp_path / local_id
         workdir.mkdir()
         (workdir / "job.yaml").write_text(dump_job(job))
-        commands.append(launch_command(trainer_command(workdir), workdir, 2, cluster))
+        doc = yaml.safe_load(dump_job(job))  # the job as each daemon accepted it (state.db's copy)
+        commands.append(launch_command(trainer_command(workdir), doc, workdir, 2, cluster))
     a, b = commands
     i = a.index("--")
     assert a[1:i] == ["-m", "engine.launch", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "2",
@@ -106,10 +107,10 @@ def test_each_machine_launches_its_part_to_meet_the_others_by_the_jobs_identity_
     # A job on one machine keeps the plain command, and a daemon whose cluster section was removed fails the job.
     single = tmp_path / "single"
     single.mkdir()
-    (single / "job.yaml").write_text(dump_job(tiny_job(micro_model, tmp_path)))
-    assert launch_command(trainer_command(single), single, 1, cluster) == trainer_command(single)
-    assert "resources.nodes: 2 machines" in unrunnable(tmp_path / "tiny-1", None)
-    assert unrunnable(tmp_path / "tiny-1", cluster) is None
+    one = yaml.safe_load(dump_job(tiny_job(micro_model, tmp_path)))
+    assert launch_command(trainer_command(single), one, single, 1, cluster) == trainer_command(single)
+    assert "resources.nodes: 2 machines" in unrunnable(doc, tmp_path / "tiny-1", None)
+    assert unrunnable(doc, tmp_path / "tiny-1", cluster) is None
 
 
 def test_the_cluster_section_is_validated_by_name(tmp_path):

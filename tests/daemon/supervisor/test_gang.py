@@ -33,17 +33,16 @@ def test_on_a_cpu_only_machine_a_multi_process_job_takes_the_cpu_whole():
     assert visible_devices([None]) is None
 
 
-def test_a_multi_process_job_is_started_through_the_launcher_and_a_single_one_as_before(tmp_path):
+def test_a_multi_process_job_is_started_through_the_launcher_and_a_single_one_as_before():
     from daemon.supervisor.gang import job_gpus, launcher_command
 
     cmd = ["py", "-m", "engine.run", "--job", "J", "--workdir", "W"]
     assert launcher_command(cmd, 1) == cmd
     assert launcher_command(cmd, 2) == ["py", "-m", "engine.launch", "--standalone", "--nproc-per-node", "2", "--",
                                         "--job", "J", "--workdir", "W"]
-    (tmp_path / "job.yaml").write_text("name: x\nresources: {gpus: 2}\n")
-    assert job_gpus(tmp_path) == 2
-    (tmp_path / "job.yaml").write_text("name: x\n")
-    assert job_gpus(tmp_path) == 1
+    assert job_gpus({"name": "x", "resources": {"gpus": 2}}) == 2
+    assert job_gpus({"name": "x"}) == 1
+    assert job_gpus({"resources": {"gpus": "2"}}) == job_gpus({"resources": {"gpus": True}}) == 1  # not an int
 
 
 # ----------------------------------------------------------------- in the supervisor (fake trainers, no torch)

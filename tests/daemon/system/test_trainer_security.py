@@ -120,7 +120,14 @@ def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_
         pytest.skip("no user `nobody` here")
     monkeypatch.setattr(os, "geteuid", lambda: 0)  # the drop itself is subprocess's; here we see it asked for
     chowned = []
-    monkeypatch.setattr(os, "lchown", lambda p, uid, gid: chowned.append((Path(p).name, uid, gid)))
+
+    def record(p, uid, gid, *, dir_fd=None, follow_symlinks=True):
+        assert isinstance(p, int) or not follow_symlinks, "a path re-owned through a symlink"
+        name = os.readlink(f"/proc/self/fd/{p}") if isinstance(p, int) else p  # fchown: the directory itself
+        chowned.append((Path(name).name, uid, gid))
+
+    monkeypatch.setattr(os, "chown", record)
+    monkeypatch.setattr(os, "fchown", lambda fd, uid, gid: record(fd, uid, gid))
     (accepted.workdir / "events.jsonl").write_text("{}\n")  # written by the daemon (root) before the start
     trainer.spawn(["true"], accepted.workdir, {}, lock_fd=os.open(os.devnull, os.O_RDONLY),
                   cfg=DaemonConfig(trainer_user=me.pw_name))
@@ -192,3 +199,66 @@ def test_every_path_the_trainer_reads_must_lie_under_an_allowed_root(keys, tmp_p
     policy.check(job(inside), tmp_path)
     with pytest.raises(JobInvalid, match=rf"^{re.escape('.'.join(keys))}: .*outside the allowed roots"):
         policy.check(job(outside), tmp_path)
+
+
+# ---------------------------------------------------------------- a tree the trainer user can change (issue 23, finding 3)
+def other_group() -> int:
+    """A group this process may chown its files to that is not their group now (root: any)."""
+    if os.geteuid() == 0:
+        return 65534
+    others = [g for g in os.getgroups() if g != os.getegid()]
+    if not others:
+        pytest.skip("needs root or a second group to see a chown happen")
+    return others[0]
+
+
+def test_a_directory_swapped_for_a_symlink_during_hand_over_never_takes_the_walk_outside(accepted, tmp_path,
+                                                                                        monkeypatch):
+    victims = tmp_path / "root-files"
+    victims.mkdir()
+    for i in range(5):
+        (victims / f"secret{i}").write_text("root's")
+    before = {p.name: (p.stat().st_uid, p.stat().st_gid) for p in victims.iterdir()}
+    sub = accepted.workdir / "checkpoints"
+    (sub / "step-1").mkdir(parents=True)
+    (sub / "step-1" / "adapter.safetensors").write_bytes(b"x")
+    real_scandir = os.scandir
+
+    def swap_when_listed(arg=None):
+        # The trainer user's move, timed to land between the walk seeing `checkpoints` and reading it.
+        listed = os.readlink(f"/proc/self/fd/{arg}") if isinstance(arg, int) else os.fspath(arg)
+        if Path(listed) == sub and not sub.is_symlink():
+            os.rename(sub, accepted.workdir / "moved")
+            sub.symlink_to(victims)
+        return real_scandir(arg)
+
+    monkeypatch.setattr(os, "scandir", swap_when_listed)
+    gid = other_group()
+    who = trainer_user_mod.RunAs("trainer", os.geteuid(), gid, (gid,), str(tmp_path))
+    trainer_user_mod.hand_over(accepted.workdir, who)
+    monkeypatch.undo()
+    assert sub.is_symlink()  # the swap happened during the walk
+    assert {p.name: (p.stat().st_uid, p.stat().st_gid) for p in victims.iterdir()} == before
+    assert os.stat(accepted.workdir / "moved" / "step-1" / "adapter.safetensors").st_gid == gid  # the tree: handed over
+    assert os.stat(accepted.workdir / "job.yaml").st_gid != gid  # the daemon's files: not
+
+
+def test_a_file_swapped_for_a_symlink_while_job_files_are_protected_keeps_the_victims_mode(accepted, tmp_path,
+                                                                                          monkeypatch):
+    victim = tmp_path / "root-only"
+    victim.write_text("root's")
+    victim.chmod(0o600)
+    job_yaml = accepted.workdir / "job.yaml"
+    real_lstat = os.lstat
+
+    def swap_after_check(path, *a, **kw):
+        st = real_lstat(path, *a, **kw)
+        if Path(path) == job_yaml and not job_yaml.is_symlink():  # checked: a file; then swapped
+            job_yaml.unlink()
+            job_yaml.symlink_to(victim)
+        return st
+
+    monkeypatch.setattr(os, "lstat", swap_after_check)
+    trainer_user_mod.protect_job_files(accepted.workdir, 0o750, 0o644)
+    monkeypatch.undo()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600
