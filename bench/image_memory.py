@@ -70,8 +70,12 @@ def report(label: str, model: torch.nn.Module, targets: str, skip: str, block_li
 
 
 def main() -> None:
-    from diffusers import (ChromaTransformer2DModel, Flux2Transformer2DModel, QwenImageTransformer2DModel,
-                           ZImageTransformer2DModel)
+    from diffusers import (
+        ChromaTransformer2DModel,
+        Flux2Transformer2DModel,
+        QwenImageTransformer2DModel,
+        ZImageTransformer2DModel,
+    )
 
     from engine.families.image import chroma, flux2, qwen_image, z_image
 

@@ -49,6 +49,7 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.families.image.flux import DEFAULT_TARGETS
+from engine.families.image.model import pipeline_shift_mu
 
 # Kept in the model dtype under fp8: the embedders, the approximator (it makes every modulation) and the final
 # layers — small, run once per step, and they set the scale of everything else.
@@ -86,9 +87,7 @@ class ChromaModel:
     def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float:
         from diffusers.pipelines.chroma.pipeline_chroma import calculate_shift
 
-        return calculate_shift(image_seq_len, sched.get("base_image_seq_len", 256),
-                               sched.get("max_image_seq_len", 4096), sched.get("base_shift", 0.5),
-                               sched.get("max_shift", 1.15))
+        return pipeline_shift_mu(calculate_shift, sched, image_seq_len)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         from diffusers import ChromaPipeline

@@ -82,6 +82,20 @@ def diffusers_lora_file(transformer: torch.nn.Module, out_dir: Path, md: dict[st
     return save(sd, Path(out_dir) / DIFFUSERS_FILE, md)
 
 
+def diffusion_model_comfyui_file(model: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str], file_name: str,
+                                 base_version: str) -> str:
+    """A ComfyUI file that keeps diffusers' module paths (Qwen-Image, Z-Image; the key rules are in each family's
+    docstring): diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha, scale alpha / r."""
+    sd = {}
+    for name, (a, b, _base) in lora_modules(model).items():
+        sd[f"diffusion_model.{name}.lora_A.weight"] = a
+        sd[f"diffusion_model.{name}.lora_B.weight"] = b
+        sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
+    return save(sd, Path(out_dir) / file_name, {**md, "ss_network_dim": str(cfg.lora.rank),
+                                                "ss_network_alpha": str(cfg.lora.alpha),
+                                                "ss_base_model_version": base_version})
+
+
 def bfl_target(module: str, block_rules: dict, top_rules: dict) -> tuple[str, tuple[str, ...] | None]:
     """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module, by a
     family's rules (flux_export.py's for FLUX.1, flux2.py's for FLUX.2)."""

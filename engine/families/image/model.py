@@ -10,6 +10,13 @@ import torch
 from engine.config.job import JobConfig
 
 
+def pipeline_shift_mu(calculate_shift, sched: dict[str, Any], image_seq_len: int) -> float:
+    """μ from a pipeline's own `calculate_shift`, with the scheduler config's settings (the pipelines' defaults
+    where the config has none)."""
+    return calculate_shift(image_seq_len, sched.get("base_image_seq_len", 256), sched.get("max_image_seq_len", 4096),
+                           sched.get("base_shift", 0.5), sched.get("max_shift", 1.15))
+
+
 class ImageModel(Protocol):
     """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py)."""
 

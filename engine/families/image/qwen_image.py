@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusers_lora_file, metadata, save
+from engine.families.image.export import diffusers_lora_file, diffusion_model_comfyui_file, metadata
+from engine.families.image.model import pipeline_shift_mu
 
 DEFAULT_TARGETS = (
     r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -86,9 +87,7 @@ class QwenImageModel:
     def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-        return calculate_shift(image_seq_len, sched.get("base_image_seq_len", 256),
-                               sched.get("max_image_seq_len", 4096), sched.get("base_shift", 0.5),
-                               sched.get("max_shift", 1.15))
+        return pipeline_shift_mu(calculate_shift, sched, image_seq_len)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         from diffusers import QwenImagePipeline
@@ -115,21 +114,12 @@ class QwenImageModel:
                 "true_cfg_scale": cfg.sample.guidance}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        from engine.families.image.export import lora_modules
-
         md = metadata(cfg, meta)
         names = []
         if "diffusers" in cfg.output.formats:
             names.append(diffusers_lora_file(model, out_dir, md))
         if "comfyui" in cfg.output.formats:
-            sd = {}
-            for name, (a, b, _base) in lora_modules(model).items():
-                sd[f"diffusion_model.{name}.lora_A.weight"] = a
-                sd[f"diffusion_model.{name}.lora_B.weight"] = b
-                sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
-            names.append(save(sd, out_dir / COMFYUI_FILE, {**md, "ss_network_dim": str(cfg.lora.rank),
-                                                           "ss_network_alpha": str(cfg.lora.alpha),
-                                                           "ss_base_model_version": "qwen_image"}))
+            names.append(diffusion_model_comfyui_file(model, cfg, out_dir, md, COMFYUI_FILE, "qwen_image"))
         return names
 
 

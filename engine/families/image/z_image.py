@@ -85,7 +85,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
+from engine.families.image.export import diffusers_lora_file, diffusion_model_comfyui_file, metadata
+from engine.families.image.model import pipeline_shift_mu
 
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+\."
 DEFAULT_TARGETS = rf"^{_BLOCK}(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3))$"
@@ -133,9 +134,7 @@ class ZImageModel:
 
         if not sched.get("use_dynamic_shifting", False):
             return math.log(sched.get("shift", 1.0))
-        return calculate_shift(image_seq_len, sched.get("base_image_seq_len", 256),
-                               sched.get("max_image_seq_len", 4096), sched.get("base_shift", 0.5),
-                               sched.get("max_shift", 1.15))
+        return pipeline_shift_mu(calculate_shift, sched, image_seq_len)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         return x  # the transformer patchifies inside its forward
@@ -158,14 +157,7 @@ class ZImageModel:
         if "diffusers" in cfg.output.formats:
             names.append(diffusers_lora_file(model, out_dir, md))
         if "comfyui" in cfg.output.formats:
-            sd = {}
-            for name, (a, b, _base) in lora_modules(model).items():
-                sd[f"diffusion_model.{name}.lora_A.weight"] = a
-                sd[f"diffusion_model.{name}.lora_B.weight"] = b
-                sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
-            names.append(save(sd, out_dir / COMFYUI_FILE, {**md, "ss_network_dim": str(cfg.lora.rank),
-                                                           "ss_network_alpha": str(cfg.lora.alpha),
-                                                           "ss_base_model_version": "z_image"}))
+            names.append(diffusion_model_comfyui_file(model, cfg, out_dir, md, COMFYUI_FILE, "z_image"))
         return names
 
 
