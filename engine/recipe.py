@@ -385,7 +385,7 @@ def finish(run: Run, at: Position, cfg: JobConfig, workdir: Path, fs: FileLayer,
         run.ranks.barrier()  # while rank 0 exports
         return EXIT_OK
     meta = {"steps": at.step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
-            "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash()}
+            "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash(), "dataset_size": len(run.dataset)}
     use_eval_weights(run.optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
         with adapter_swapped_in(run.model, whole):  # fsdp: the whole adapter, not rank 0's shard

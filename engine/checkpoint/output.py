@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config.job import JobConfig
+from engine.report import model_card as card
 from engine.storage.fsio import FileLayer, normal_file_mode
 from engine.training.ema import AdapterEMA
 
@@ -45,9 +46,12 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
         raw = [f"raw/{n}" for n in family.export(model, cfg, tmp / "raw", meta)]
     with ema.swapped_in() if ema is not None else nullcontext():  # train.ema: the average is the output
         names = family.export(model, cfg, tmp, meta)
-    fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(),
-                                              "files": sorted(names)}).encode()])
-    names = [*names, *raw, OUTPUT_STAMP]
+    samples = _copy_samples(workdir, tmp, meta["steps"], fs)
+    about = card.facts(cfg, meta, names, samples, meta.get("dataset_size"))
+    fs.write(tmp / "README.md", [card.model_card(cfg, about).encode()])  # over peft's empty template
+    fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(), **about},
+                                             indent=1).encode()])
+    names = [*names, *raw, *samples, "README.md", OUTPUT_STAMP]
     mode = normal_file_mode()
     for name in names:
         log.info("heartbeat", phase="export", file=name)  # fsyncing a large file on a slow disk takes a while
@@ -56,11 +60,23 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
             # writes (the service's group shares job directories through its umask).
             os.chmod(tmp / name, mode)
             fs.fsync(tmp / name)
-    if raw:
-        fs.fsync_dir(tmp / "raw")
+    for sub in ("raw", "samples"):
+        if (tmp / sub).is_dir():
+            fs.fsync_dir(tmp / sub)
     fs.fsync_dir(tmp)
     if out.exists():
         shutil.rmtree(out)
     fs.rename(tmp, out)
     fs.fsync_dir(workdir)
     return out
+
+
+def _copy_samples(workdir: Path, tmp: Path, step: int, fs: FileLayer) -> list[str]:
+    """The newest samples (at most the card's four) into output/samples/, so the card shows them; their names."""
+    found = card.newest_samples(workdir, step)
+    if not found:
+        return []
+    fs.mkdir(tmp / "samples")
+    for p in found:
+        fs.write(tmp / "samples" / p.name, [p.read_bytes()])
+    return [f"samples/{p.name}" for p in found]

@@ -446,6 +446,10 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
     for step in (2, 4):
         assert (tmp_path / "work" / "samples" / f"step-{step:08d}" / "00.png").stat().st_size > 0
+    # The model card shows the last step's samples, copied into output/ with it.
+    out = tmp_path / "work" / "output"
+    assert (out / "samples" / "00.png").read_bytes() == (tmp_path / "work" / "samples" / "step-00000004" / "00.png").read_bytes()
+    assert "![sample 0](samples/00.png)" in (out / "README.md").read_text()
     # The renders ran on their own generators: the adapter trained is the one the run without samples trained.
     assert tensor_bytes(ref / "output" / DIFFUSERS_FILE) == tensor_bytes(tmp_path / "work" / "output" / DIFFUSERS_FILE)
 
