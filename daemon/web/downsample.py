@@ -6,7 +6,7 @@ most `capacity` of them are kept. `width` starts at 1, so a short series is exac
 When one more bucket would be one too many, `width` doubles and neighbours merge pairwise (and again, until
 they fit). Merging is exact: a bucket keeps its count and sum (the mean) and the step and value of its minimum
 and of its maximum, so `points()` — min and max of each bucket, in step order — keeps every spike at its step,
-and up to 2·capacity steps are still drawn exactly.
+and a series of up to about 2·capacity steps is still drawn exactly.
 
 A step at or below the last one kept (a resumed run reporting again from its checkpoint) drops the buckets that
 hold steps at or after it, so the last report of a step wins, as with one point per step; with buckets wider
@@ -61,8 +61,13 @@ class Downsampled:
     def add(self, step: int, value: float) -> None:
         """One report; `value` must be finite (a chart cannot place NaN or inf, so the caller leaves them out)."""
         b = self.buckets
-        if b and step <= b[-1].last_step:
-            self.rewind(step)
+        if b:
+            last = b[-1]
+            if step <= last.last_step:
+                self.rewind(step)
+            elif step - last.start < self.width:  # the common case: the next step, in the newest bucket
+                last.take(step, value)
+                return
         start = step - step % self.width
         if b and b[-1].start == start:
             b[-1].take(step, value)

@@ -24,6 +24,7 @@ from engine.report.events import decode_lines
 READ_CHUNK = 1 << 20  # bytes decoded at a time
 MAX_LINE = 1 << 20  # a longer line is skipped (the engine's are a few hundred bytes)
 MAX_STEP = 10**12  # beyond any real job (train.steps is capped far below): a larger step is not drawn
+MAX_VALUE = 10**300  # an int value beyond a float's range is not drawn
 CAPACITY = 500  # buckets per series: ≤ 1000 points, the chart's MAX_POINTS
 CHECKPOINTS_KEPT = 20  # the job page lists the newest 20
 SAMPLES_KEPT = 8  # the sample grid shows the newest 8 steps
@@ -31,24 +32,22 @@ SAMPLES_KEPT = 8  # the sample grid shows the newest 8 steps
 
 def _ts(v: Any) -> float | None:
     """An event's `ts` (ISO 8601 from structlog) as epoch seconds."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    try:
-        return datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
+    if type(v) is str:
+        try:
+            return datetime.fromisoformat(v).timestamp()  # Python ≥ 3.11 reads a trailing Z itself
+        except ValueError:
+            return None
+    return _number(v)
 
 
 def _number(v: Any) -> float | None:
-    """v as a finite float, or None (a string loss, a bool, NaN: nothing a chart can place)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    f = float(v)
-    return f if f - f == 0.0 else None  # inf - inf and NaN - NaN are NaN
-
-
-def _step(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_STEP else None
+    """v as a finite float, or None (a string loss, a bool, NaN: nothing a chart can place). Type checks by `type`:
+    this runs for every field of every step line."""
+    if type(v) is float:
+        return v if v - v == 0.0 else None  # inf - inf and NaN - NaN are NaN
+    if type(v) is int and -MAX_VALUE <= v <= MAX_VALUE:
+        return float(v)
+    return None
 
 
 def open_events(workdir: Path) -> int | None:
@@ -124,16 +123,16 @@ class Series:
         return dict(self.val_loss.points())
 
     def add(self, ev: dict[str, Any]) -> None:
-        kind, step = ev.get("event"), _step(ev.get("step"))
-        if step is None:
+        step = ev.get("step")
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
             return
+        kind = ev.get("event")
         if kind == "step":
-            for series, v in ((self.loss, ev.get("loss")), (self.lr, ev.get("lr")),
-                              (self.speed, ev.get("s_per_step")), (self.times, _ts(ev.get("ts")))):
-                if (x := _number(v)) is not None:
-                    series.add(step, x)
-            if (x := _number(ev.get("val_loss"))) is not None:  # a validation loss carried on a step line
-                self.val_loss.add(step, x)
+            for series, v in ((self.loss, _number(ev.get("loss"))), (self.lr, _number(ev.get("lr"))),
+                              (self.speed, _number(ev.get("s_per_step"))), (self.times, _ts(ev.get("ts"))),
+                              (self.val_loss, _number(ev.get("val_loss")))):  # val_loss: carried on a step line
+                if v is not None:
+                    series.add(step, v)
         elif kind in ("eval", "validation"):
             if (x := _number(ev.get("val_loss", ev.get("loss")))) is not None:
                 self.val_loss.add(step, x)

@@ -134,10 +134,11 @@ class StoreView:
                 self.query("SELECT job_id, energy_j, active_s, steps FROM power_jobs")}
 
     # ---------------------------------------------------------------- the trainer's events.jsonl
-    def series(self, job_id: str, workdir: Path, most_bytes: int = PAGE_READ_BYTES) -> History:
-        """The job's history, brought up to date by reading at most `most_bytes` of what was appended since the last
-        call; a longer backlog goes on being read on a thread (History.behind says how much is left)."""
-        snap = self._read(job_id, Path(workdir), most_bytes)
+    def series(self, job_id: str, workdir: Path, most_bytes: int | None = None) -> History:
+        """The job's history, brought up to date by reading at most `most_bytes` (PAGE_READ_BYTES) of what was
+        appended since the last call; a longer backlog goes on being read on a thread (History.behind says how
+        much is left)."""
+        snap = self._read(job_id, Path(workdir), PAGE_READ_BYTES if most_bytes is None else most_bytes)
         if snap.behind:
             with self._series_lock:
                 if job_id in self._catching:

@@ -262,6 +262,24 @@ def test_warming_reads_a_history_so_the_first_view_reads_nothing_more(site):
     assert warmed.reported == 50 and warmed.read == (wd / "events.jsonl").stat().st_size
 
 
+def test_a_long_backlog_is_read_on_a_thread_while_the_page_shows_what_is_read(site, client, monkeypatch):
+    from daemon.web import storeview
+
+    monkeypatch.setattr(storeview, "PAGE_READ_BYTES", 4096)
+    monkeypatch.setattr(storeview, "CATCH_UP_BYTES", 4096)
+    jid = site.add_job("backlog", total=2000)
+    wd = site.workdir(jid)
+    (wd / "events.jsonl").write_text("".join(step_line(i, 1.0 / i, float(i), total=2000) for i in range(1, 2001)))
+    signed_in(client, site.token)
+    page = client.get(f"/jobs/{jid}").text
+    assert "Reading this job's history" in page and 'data-reported="2000"' not in page
+    deadline = time.monotonic() + 20
+    while "Reading this job's history" in page and time.monotonic() < deadline:
+        time.sleep(0.05)
+        page = client.get(f"/jobs/{jid}?live=1").text
+    assert 'data-reported="2000"' in page and "Reading this job's history" not in page
+
+
 def test_power_page_and_schedule(tmp_path):
     site = Site(tmp_path)
     site.dash.schedule = {"timezone": "UTC", "run_windows": [{"days": "mon-fri", "start": "22:00", "end": "06:00"}],
