@@ -152,6 +152,7 @@ def main() -> int:
             t = time.perf_counter()
             view.warm([(job, home / "jobs" / job)])
             warm = time.perf_counter() - t
+            conn.close()  # idle past uvicorn's keep-alive while the history was read: the server has closed it
             first = get(f"/jobs/{job}")
             print(f"\nreading a running job's {steps} step lines (on a thread at daemon start): {warm * 1000:.0f} ms")
             print(f"its page, first view after that: {first * 1000:.0f} ms")

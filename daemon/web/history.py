@@ -138,7 +138,9 @@ class Series:
                 self.val_loss.add(step, x)
         elif kind == "checkpoint_committed":
             ts = _ts(ev.get("ts"))
-            self.checkpoints[step] = {"step": step, "ts": ts, "path": ev.get("path"), "seconds": ev.get("seconds")}
+            path = ev.get("path")
+            self.checkpoints[step] = {"step": step, "ts": ts, "path": path if isinstance(path, str) else None,
+                                      "seconds": _number(ev.get("seconds"))}
             _keep_newest(self.checkpoints, CHECKPOINTS_KEPT)
             if ts is not None:
                 self.last_checkpoint_ts = max(self.last_checkpoint_ts or 0.0, ts)

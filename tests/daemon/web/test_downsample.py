@@ -71,12 +71,14 @@ def test_what_a_trainer_writes_is_checked_before_it_is_drawn(tmp_path):
     lines = [step_line(1, 1.0, 1.0), '{"event": "step", "step": 2, "loss": "nan please", "lr": true}\n',
              '{"event": "step", "step": 10000000000000000000000, "loss": 1.0}\n',
              '{"event": "step", "step": true, "loss": 1.0}\n', '{"event": "step", "step": 3, "loss": NaN}\n',
-             '{"event": "step", "step": 4, "lo' + "o" * (MAX_LINE + 10) + '\n', step_line(5, 0.5, 5.0), "[1, 2]\n"]
+             '{"event": "step", "step": 4, "lo' + "o" * (MAX_LINE + 10) + '\n', step_line(5, 0.5, 5.0), "[1, 2]\n",
+             '{"event": "checkpoint_committed", "step": 5, "path": ["x"], "seconds": "slow"}\n']
     (tmp_path / "events.jsonl").write_text("".join(lines))
     s = Series()
     s.catch_up(tmp_path, 1 << 30)
     assert s.loss.points() == [(1, 1.0), (5, 0.5)] and s.lr.points() == [(1, 0.001), (5, 0.005)]
     assert s.offset == (tmp_path / "events.jsonl").stat().st_size and not s._partial  # the long line was dropped
+    assert s.checkpoints == {5: {"step": 5, "ts": None, "path": None, "seconds": None}}
 
 
 def test_the_history_reader_follows_no_link_and_waits_on_no_fifo(tmp_path):
