@@ -21,7 +21,7 @@ from typing import Any
 from daemon.web.downsample import Downsampled
 from engine.report.events import decode_lines
 
-READ_CHUNK = 1 << 20  # bytes decoded at a time
+READ_CHUNK = 1 << 18  # bytes decoded at a time: what one decode holds is ~10× this for short lines
 MAX_LINE = 1 << 20  # a longer line is skipped (the engine's are a few hundred bytes)
 MAX_STEP = 10**12  # beyond any real job (train.steps is capped far below): a larger step is not drawn
 MAX_VALUE = 10**300  # an int value beyond a float's range is not drawn

@@ -18,7 +18,7 @@ from pathlib import Path
 from tests.helpers.processes import REPO, child_env
 
 STEPS = 1_000_000
-RSS_GROWTH_MB = 64  # the read of the whole history, the page and everything they left behind
+RSS_GROWTH_MB = 32  # the read of the whole history, the page and everything they left behind
 PAGE_CPU_MS = 200  # the target for the page, as CPU time (wall-clock waits for a core on a busy machine)
 
 
