@@ -24,7 +24,7 @@ __all__ = ["History", "Series", "StoreView", "energy_figures"]
 EVENTS_TAIL_BYTES = 64 * 1024
 MAX_SERIES_JOBS = 64  # job histories kept in memory (least recently used dropped); each is bounded (history.py)
 PAGE_READ_BYTES = 1 << 20  # a page reads at most this much of a job's new events (~5000 step lines) itself
-CATCH_UP_BYTES = 4 << 20  # a backlog is read on a thread this much at a time, the series' lock freed in between
+CATCH_UP_BYTES = 1 << 20  # a backlog is read on a thread this much at a time, the lock freed in between
 
 
 class StoreView:
