@@ -1,14 +1,18 @@
-"""How fast the dashboard answers on a big store: 1000 jobs and 1,000,000 event rows (target: ≤ 200 ms a page).
+"""How fast the dashboard answers on a big store: 1000 jobs and 1,000,000 event rows (target: ≤ 200 ms a page),
+and how much memory it holds for a job of 1,000,000 steps (target: ≤ 300 MB RSS; issue 23).
 
-    .venv/bin/python bench/web_pages.py [--jobs 1000] [--events 1000000] [--steps 20000] [--n 30]
+    .venv/bin/python bench/web_pages.py [--jobs 1000] [--events 1000000] [--steps 20000] [--long-steps 1000000]
+                                        [--n 30]
 
-Builds a temp home: state.db with the jobs (one running), their attempts, 1,000,000 rows in the events
-table, an hour of 1 Hz telemetry for one GPU and energy rows; the running job's events.jsonl with --steps
-step lines. Serves it with the daemon's own listener (uvicorn on a thread, real HTTP on loopback) and times
-each page N times over one keep-alive connection: wall-clock median and p95, and the CPU time this process
-spent per request (server and client together; unlike wall-clock it does not grow when other processes
-load the machine), plus the one-time read of the running job's whole events.jsonl (the daemon does it on a
-thread when it starts) and the first view after it (later views read only what was appended).
+Builds a temp home in a child process (so this process's peak RSS is the dashboard's, not the builder's):
+state.db with the jobs (two running), their attempts, 1,000,000 rows in the events table, an hour of 1 Hz
+telemetry for one GPU and energy rows; one running job's events.jsonl with --steps step lines, the other's
+with --long-steps. Serves it with the daemon's own listener (uvicorn on a thread, real HTTP on loopback) and
+times each page N times over one keep-alive connection: wall-clock median and p95, and the CPU time this
+process spent per request (server and client together; unlike wall-clock it does not grow when other
+processes load the machine), plus the one-time read of each running job's whole events.jsonl (the daemon
+does it on a thread when it starts) and the first view after it (later views read only what was appended).
+Last, this process's RSS: now and at its peak (VmHWM), the dashboard, its store view and the HTTP client.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -41,7 +46,7 @@ from daemon.web.storeview import StoreView  # noqa: E402
 STATES = ["succeeded"] * 6 + ["failed", "cancelled", "queued", "paused"]
 
 
-def build(home: Path, n_jobs: int, n_events: int, n_steps: int) -> str:
+def build(home: Path, n_jobs: int, n_events: int, n_steps: int, long_steps: int) -> None:
     store = Store(home / "state.db")
     TelemetryStore(home / "state.db").close()  # the power tables
     now = time.time()
@@ -52,7 +57,7 @@ def build(home: Path, n_jobs: int, n_events: int, n_steps: int) -> str:
     for i in range(n_jobs):
         jid = f"job{i:04d}-{i:04x}"
         ids.append(jid)
-        st = "running" if i == n_jobs - 1 else rnd.choice(STATES)
+        st = "running" if i >= n_jobs - 2 else rnd.choice(STATES)
         (home / "jobs" / jid).mkdir(parents=True)
         db.execute("INSERT INTO jobs (id, name, state, priority, seq, submitted_at, updated_at, workdir, step, total,"
                    " loss, s_per_step, eta_s, gpu) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -73,18 +78,27 @@ def build(home: Path, n_jobs: int, n_events: int, n_steps: int) -> str:
                      70.0, 99.0, 40.0, 300.0, "sw_power_cap" if s % 7 == 0 else "", 1) for s in range(3600)))
     db.execute("COMMIT")
     store.close()
-    running = home / "jobs" / ids[-1]
+    write_steps(home / "jobs" / ids[-1], ids[-1], n_steps, now, rnd)
+    write_steps(home / "jobs" / ids[-2], ids[-2], long_steps, now, rnd)
+
+
+def write_steps(workdir: Path, job: str, n_steps: int, now: float, rnd: random.Random) -> None:
+    """A trainer's events.jsonl: n_steps step lines as the engine writes them, a checkpoint every 500 steps."""
     t0 = now - n_steps * 0.4
-    with open(running / "events.jsonl", "w") as f:
+    with open(workdir / "events.jsonl", "w") as f:
         for s in range(1, n_steps + 1):
             ts = datetime.fromtimestamp(t0 + s * 0.4, timezone.utc).isoformat()
-            f.write(json.dumps({"job": ids[-1], "event": "step", "step": s, "total": n_steps * 2,
+            f.write(json.dumps({"job": job, "event": "step", "step": s, "total": n_steps * 2,
                                 "loss": 2.0 / (1 + s / 500) + rnd.random() * 0.05, "lr": 1e-4, "s_per_step": 0.4,
                                 "eta_s": 100.0, "samples": s * 4, "level": "info", "ts": ts}) + "\n")
             if s % 500 == 0:
                 f.write(json.dumps({"event": "checkpoint_committed", "step": s, "path": f"/x/step-{s:08d}",
                                     "seconds": 0.5, "ts": ts}) + "\n")
-    return ids[-1]
+
+
+def rss_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field + ":")) / 1024
 
 
 def main() -> int:
@@ -92,14 +106,21 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--events", type=int, default=1_000_000)
     ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--long-steps", type=int, default=1_000_000)
     ap.add_argument("--n", type=int, default=30)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
         t = time.perf_counter()
-        running = build(home, args.jobs, args.events, args.steps)
+        builder = multiprocessing.get_context("fork").Process(
+            target=build, args=(home, args.jobs, args.events, args.steps, args.long_steps))
+        builder.start()
+        builder.join()
+        assert builder.exitcode == 0, builder.exitcode
+        n = args.jobs
+        running, long_job = f"job{n - 1:04d}-{n - 1:04x}", f"job{n - 2:04d}-{n - 2:04x}"
         print(f"store built in {time.perf_counter() - t:.1f} s: {args.jobs} jobs, {args.events} event rows, "
-              f"{args.steps} step lines in the running job's events.jsonl")
+              f"{args.steps} and {args.long_steps} step lines in the running jobs' events.jsonl")
         store = Store(home / "state.db")  # as the daemon opens it (indexes created on an older file)
         cfg = DaemonConfig()
         ctx = handlers.Context(home=home, store=store, intake=None, supervisor=None, started_at=time.time(),
@@ -123,16 +144,21 @@ def main() -> int:
             assert r.status == 200, (path, r.status, body[:300])
             return dt
 
+        get("/submit")
+        rss_before = rss_mb("VmRSS")
         # The daemon reads the histories of the jobs that are training on a thread when it starts
         # (daemon/service/dashboard.py); timed here on its own, then the first view of the page.
-        t = time.perf_counter()
-        view.warm([(running, home / "jobs" / running)])
-        warm = time.perf_counter() - t
-        first = get(f"/jobs/{running}")
-        pages = ["/jobs", "/jobs?live=1", f"/jobs/{running}", f"/jobs/{running}?live=1", "/jobs/job0001-0001",
-                 "/power", "/submit", "/metrics"]
-        print(f"\nreading the running job's {args.steps} step lines (on a thread at daemon start): {warm * 1000:.0f} ms")
-        print(f"job page, first view after that: {first * 1000:.0f} ms\n")
+        for job, steps in ((running, args.steps), (long_job, args.long_steps)):
+            t = time.perf_counter()
+            view.warm([(job, home / "jobs" / job)])
+            warm = time.perf_counter() - t
+            conn.close()  # idle past uvicorn's keep-alive while the history was read: the server has closed it
+            first = get(f"/jobs/{job}")
+            print(f"\nreading a running job's {steps} step lines (on a thread at daemon start): {warm * 1000:.0f} ms")
+            print(f"its page, first view after that: {first * 1000:.0f} ms")
+        print()
+        pages = ["/jobs", "/jobs?live=1", f"/jobs/{running}", f"/jobs/{running}?live=1", f"/jobs/{long_job}",
+                 f"/jobs/{long_job}?live=1", "/jobs/job0001-0001", "/power", "/submit", "/metrics"]
         print(f"{'page':<34} {'median ms':>10} {'p95 ms':>8} {'CPU ms':>8}  (n={args.n}, target ≤ 200 ms)")
         worst = 0.0
         for path in pages:
@@ -143,13 +169,16 @@ def main() -> int:
             med, p95 = statistics.median(times) * 1000, times[min(len(times) - 1, int(0.95 * len(times)))] * 1000
             worst = max(worst, p95)
             print(f"{path:<34} {med:>10.1f} {p95:>8.1f} {cpu:>8.1f}")
+        rss_now, rss_peak = rss_mb("VmRSS"), rss_mb("VmHWM")
         conn.close()
         web.close()
         view.close()
         store.close()
         with open("/proc/loadavg") as f:
             load = f.read().split()[0]
-        print(f"\nslowest p95: {worst:.1f} ms — {'within' if worst <= 200 else 'OVER'} the 200 ms target "
+        print(f"\nRSS of this process (dashboard, store view, HTTP client): {rss_before:.0f} MB before the histories "
+              f"were read, {rss_now:.0f} MB after every page, peak {rss_peak:.0f} MB (target ≤ 300 MB)")
+        print(f"slowest p95: {worst:.1f} ms — {'within' if worst <= 200 else 'OVER'} the 200 ms target "
               f"(load average {load} on {os.cpu_count()} CPUs while measuring)")
         return 0
 

@@ -31,9 +31,10 @@ from daemon import protocol as p
 from daemon.config.web import WebSettings, is_loopback
 from daemon.web import auth, pages
 from daemon.web import submit as submit_help
-from daemon.web.charts import Line, line_chart, thin
+from daemon.web.charts import Line, line_chart
+from daemon.web.downsample import mean_near
 from daemon.web.guard import BodyLimit, HostCheck, allowed_hosts
-from daemon.web.storeview import StoreView
+from daemon.web.storeview import History, StoreView
 
 Caller = Callable[[BaseModel], dict[str, Any]]
 SAMPLE_NAME = re.compile(r"^[\w.-]+\.png$")
@@ -139,11 +140,12 @@ class Dashboard:
         if j is None:
             return HTMLResponse(pages.layout("No such job", f"<p>No job {pages.e(job_id)}.</p>"), status_code=404)
         workdir = Path(j["workdir"])
-        series = self.view.series(job_id, workdir)
+        h = self.view.series(job_id, workdir)
         inner = "".join([
             pages.job_summary(j), pages.actions(j, self.csrf(request)),
-            "<section><h2>Training</h2><div class=charts>", self.job_charts(job_id, series), "</div></section>",
-            pages.samples_grid(job_id, series.samples), pages.checkpoints_table(series.checkpoints.values()),
+            "<section><h2>Training</h2>", pages.history_note(h.read, h.size),
+            "<div class=charts>", self.job_charts(job_id, h), "</div></section>",
+            pages.samples_grid(job_id, h.samples), pages.checkpoints_table(h.checkpoints),
             pages.attempts_table(self.view.attempts(job_id)),
             pages.events_list("Events (events.jsonl, newest last)", self.view.events_tail(workdir), "events"),
             pages.events_list("State changes", [{"ts": pages.when(r["ts"]), "event": r["kind"], **r["data"]}
@@ -151,42 +153,39 @@ class Dashboard:
         ])
         return self._page(request, job_id, inner, extra=f"<h2>{pages.e(j['name'])} <small>{pages.e(job_id)}</small></h2>")
 
-    def job_charts(self, job_id: str, series) -> str:
-        steps = series.sorted_steps()
-        # Only the steps a chart can draw are looked at: the cost stays flat however long the job.
-        pts = [(s, series.steps[s]) for s in thin(steps)]
-
-        def col(key: str) -> list[tuple[float, float]]:
-            return [(s, float(v[key])) for s, v in pts if isinstance(v.get(key), (int, float))]
-
-        loss_lines = [Line("loss", col("loss"), "s0", reported=len(steps))]
-        if series.val:
-            loss_lines.append(Line("validation loss", sorted(series.val.items()), "s1"))
-        watts = self._watts_by_step(job_id, pts)
-        jps = [(s, w * v["s_per_step"]) for (s, w), (_, v) in zip(watts, pts, strict=True)
-               if w is not None and isinstance(v.get("s_per_step"), (int, float))]
+    def job_charts(self, job_id: str, h: History) -> str:
+        """The history's curves: each is at most 2 points per bucket of the downsampled series (history.py), so
+        the cost stays flat however long the job."""
+        loss_lines = [Line("loss", h.loss, "s0", reported=h.reported)]
+        if h.val:
+            loss_lines.append(Line("validation loss", h.val, "s1"))
+        watts = self._watts_by_step(job_id, h.times)
+        jps = [(s, w * v) for s, w in watts if (v := mean_near(h.speed_means, s)) is not None]
         return "".join([
-            line_chart("loss" if not series.val else "loss and validation loss", loss_lines, chart_id="chart-loss"),
-            line_chart("learning rate", [Line("lr", col("lr"), "s2")], chart_id="chart-lr"),
-            line_chart("seconds per step", [Line("s/step", col("s_per_step"), "s0")], unit="s", chart_id="chart-speed"),
-            line_chart("power", [Line("W", [(s, w) for s, w in watts if w is not None], "s1")], unit="W",
-                       chart_id="chart-watts"),
+            line_chart("loss" if not h.val else "loss and validation loss", loss_lines, chart_id="chart-loss"),
+            line_chart("learning rate", [Line("lr", h.lr, "s2")], chart_id="chart-lr"),
+            line_chart("seconds per step", [Line("s/step", h.speed, "s0")], unit="s", chart_id="chart-speed"),
+            line_chart("power", [Line("W", watts, "s1")], unit="W", chart_id="chart-watts"),
             line_chart("energy per step", [Line("J/step", jps, "s2")], unit="J", chart_id="chart-jps"),
         ])
 
-    def _watts_by_step(self, job_id: str, pts: list[tuple[int, dict[str, Any]]]) -> list[tuple[int, float | None]]:
-        samples = self.view.job_power_samples(job_id)
-        times = [t for t, _ in samples]
-        out: list[tuple[int, float | None]] = []
-        for s, v in pts:
-            ts, w = v.get("ts"), None
-            if ts is not None and times:
-                i = bisect.bisect_left(times, ts)
-                if i > 0 and (i == len(times) or ts - times[i - 1] < times[i] - ts):
-                    i -= 1
-                if abs(times[i] - ts) <= NEAREST_SAMPLE_S:
-                    w = samples[i][1]
-            out.append((s, w))
+    def _watts_by_step(self, job_id: str, times: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """(step, W) where a telemetry sample lies near the step's time. The job's telemetry is averaged in SQL over
+        spans of a 2000th of the job's time (1 s at least), so a week-long job's rows are not all fetched."""
+        if not times:
+            return []
+        t0, t1 = min(t for _, t in times), max(t for _, t in times)
+        bucket_s = max(1.0, (t1 - t0) / 2000)
+        samples = self.view.job_power_samples(job_id, t0 - NEAREST_SAMPLE_S, t1 + NEAREST_SAMPLE_S, bucket_s)
+        near = max(NEAREST_SAMPLE_S, bucket_s)
+        at = [t for t, _ in samples]
+        out: list[tuple[int, float]] = []
+        for s, ts in times:
+            i = bisect.bisect_left(at, ts)
+            if i > 0 and (i == len(at) or ts - at[i - 1] < at[i] - ts):
+                i -= 1
+            if at and abs(at[i] - ts) <= near:
+                out.append((s, samples[i][1]))
         return out
 
     def sample_image(self, request: Request) -> Response:

@@ -1,9 +1,9 @@
 """Line charts drawn as SVG on the server: no chart library, no script, no third-party code in the page.
 
 One function: `line_chart(title, series)`. Each series becomes one <polyline>
-whose `points` hold one x,y pair per data point (down-sampled evenly past
-MAX_POINTS, so a 100k-step job still draws fast; `data-reported` keeps the
-true count).
+whose `points` hold one x,y pair per data point. A job's curves come already
+downsampled to at most MAX_POINTS (min and max per bucket, daemon/web/history.py);
+anything longer is thinned evenly here. `data-reported` keeps the true count.
 """
 
 from __future__ import annotations

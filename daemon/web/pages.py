@@ -166,6 +166,14 @@ def actions(j: dict[str, Any], csrf: str) -> str:
     return "<section class=actions><h2>Actions</h2>" + "".join(buttons) + "</section>"
 
 
+def history_note(read: int, size: int) -> str:
+    """Said while a long events.jsonl is still being read on a thread (the live part refreshes as it goes)."""
+    if read >= size:
+        return ""
+    return (f"<p class=said id=history-reading>Reading this job's history: {read / size:.0%} of "
+            f"{size / 1e6:.0f} MB so far; the charts fill in as it goes.</p>")
+
+
 def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: int = 8) -> str:
     """Prompts down, steps across (the newest `most_steps`); a click shows the image full size."""
     if not samples:

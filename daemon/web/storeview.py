@@ -2,8 +2,9 @@
 
 The daemon stays the only writer: this connection is opened with mode=ro, so
 no page can change the store (actions go through the socket handlers). A
-trainer's events.jsonl is read incrementally: each job keeps the byte offset
-it has parsed up to, and a page view reads only what was appended since.
+trainer's events.jsonl is read incrementally into a bounded, downsampled
+history (daemon/web/history.py): a page view reads at most PAGE_READ_BYTES of
+what was appended since, and a longer backlog is read on a thread.
 """
 
 from __future__ import annotations
@@ -13,67 +14,17 @@ import os
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.system.file_tail import tail_lines
-from engine.report.events import decode_lines
+from daemon.web.history import History, Series, open_events
+
+__all__ = ["History", "Series", "StoreView", "energy_figures"]
 
 EVENTS_TAIL_BYTES = 64 * 1024
-MAX_SERIES_JOBS = 64  # parsed step series kept in memory (least recently used dropped)
-
-
-def _ts(v: Any) -> float | None:
-    """An event's `ts` (ISO 8601 from structlog) as epoch seconds."""
-    if isinstance(v, (int, float)):
-        return float(v)
-    try:
-        return datetime.fromisoformat(str(v).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
-@dataclass
-class Series:
-    """A job's history as its trainer reported it: one point per step (the last report of a step wins, so a
-    resumed run's curve shows the steps that survived), plus checkpoints and sample images."""
-
-    offset: int = 0
-    inode: int | None = None
-    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
-    val: dict[int, float] = field(default_factory=dict)
-    checkpoints: dict[int, dict[str, Any]] = field(default_factory=dict)
-    samples: dict[int, dict[str, Any]] = field(default_factory=dict)
-    last_checkpoint_ts: float | None = None
-    used: float = 0.0
-    _order: list[int] = field(default_factory=list)  # steps sorted, rebuilt only when new steps came
-
-    def sorted_steps(self) -> list[int]:
-        if len(self._order) != len(self.steps):
-            self._order = sorted(self.steps)
-        return self._order
-
-    def add(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("event")
-        if kind == "step" and isinstance(ev.get("step"), int):
-            self.steps[ev["step"]] = {"ts": _ts(ev.get("ts")), "loss": ev.get("loss"), "lr": ev.get("lr"),
-                                      "s_per_step": ev.get("s_per_step")}
-            # A validation loss carried on a step line (the engine sends `validation` events, below).
-            if isinstance(ev.get("val_loss"), (int, float)):
-                self.val[ev["step"]] = float(ev["val_loss"])
-        elif kind in ("eval", "validation") and isinstance(ev.get("step"), int) and \
-                isinstance(ev.get("val_loss", ev.get("loss")), (int, float)):
-            self.val[ev["step"]] = float(ev.get("val_loss", ev.get("loss")))
-        elif kind == "checkpoint_committed" and isinstance(ev.get("step"), int):
-            ts = _ts(ev.get("ts"))
-            self.checkpoints[ev["step"]] = {"step": ev["step"], "ts": ts, "path": ev.get("path"),
-                                            "seconds": ev.get("seconds")}
-            if ts is not None:
-                self.last_checkpoint_ts = max(self.last_checkpoint_ts or 0.0, ts)
-        elif kind == "samples" and isinstance(ev.get("step"), int):
-            self.samples[ev["step"]] = {"paths": list(ev.get("paths") or []), "prompts": list(ev.get("prompts") or [])}
+MAX_SERIES_JOBS = 64  # job histories kept in memory (least recently used dropped); each is bounded (history.py)
+PAGE_READ_BYTES = 1 << 20  # a page reads at most this much of a job's new events (~5000 step lines) itself
+CATCH_UP_BYTES = 1 << 20  # a backlog is read on a thread this much at a time, the lock freed in between
 
 
 class StoreView:
@@ -83,6 +34,7 @@ class StoreView:
         self._db: sqlite3.Connection | None = None
         self._series: dict[str, Series] = {}
         self._series_lock = threading.Lock()
+        self._catching: set[str] = set()  # jobs whose backlog a thread is reading
 
     # ---------------------------------------------------------------- connection
     def _conn(self) -> sqlite3.Connection:
@@ -139,10 +91,12 @@ class StoreView:
                 r["data"] = {}
         return rows[::-1]
 
-    def job_power_samples(self, job_id: str) -> list[tuple[float, float]]:
-        """(ts, W) of every telemetry row recorded while this job held its GPU, oldest first."""
-        rows = self.query("SELECT ts, power_w FROM power_samples WHERE job_id=? AND power_w IS NOT NULL ORDER BY ts",
-                          (job_id,))
+    def job_power_samples(self, job_id: str, since: float, until: float, bucket_s: float) -> list[tuple[float, float]]:
+        """(ts, W) of the telemetry recorded while this job held its GPU between `since` and `until`, averaged over
+        spans of bucket_s, oldest first."""
+        rows = self.query("SELECT AVG(ts) AS ts, AVG(power_w) AS power_w FROM power_samples WHERE job_id=? AND "
+                          "power_w IS NOT NULL AND ts BETWEEN ? AND ? GROUP BY CAST(ts / ? AS INTEGER) ORDER BY 1",
+                          (job_id, since, until, bucket_s))
         return [(r["ts"], r["power_w"]) for r in rows]
 
     def gpu_samples(self, since: float, bucket_s: float | None = None) -> list[dict[str, Any]]:
@@ -180,8 +134,21 @@ class StoreView:
                 self.query("SELECT job_id, energy_j, active_s, steps FROM power_jobs")}
 
     # ---------------------------------------------------------------- the trainer's events.jsonl
-    def series(self, job_id: str, workdir: Path) -> Series:
-        """The job's step history, brought up to date by reading only what was appended since the last call."""
+    def series(self, job_id: str, workdir: Path, most_bytes: int | None = None) -> History:
+        """The job's history, brought up to date by reading at most `most_bytes` (PAGE_READ_BYTES) of what was
+        appended since the last call; a longer backlog goes on being read on a thread (History.behind says how
+        much is left)."""
+        snap = self._read(job_id, Path(workdir), PAGE_READ_BYTES if most_bytes is None else most_bytes)
+        if snap.behind:
+            with self._series_lock:
+                if job_id in self._catching:
+                    return snap
+                self._catching.add(job_id)
+            threading.Thread(target=self._catch_up, args=(job_id, Path(workdir)), name="web-history",
+                             daemon=True).start()
+        return snap
+
+    def _read(self, job_id: str, workdir: Path, most_bytes: int) -> History:
         with self._series_lock:
             s = self._series.get(job_id)
             if s is None:
@@ -190,35 +157,34 @@ class StoreView:
                     oldest = min(self._series, key=lambda k: self._series[k].used)
                     del self._series[oldest]
             s.used = time.monotonic()
-            path = Path(workdir) / "events.jsonl"
-            try:
-                f = open(path, "rb")
-            except OSError:
-                return s
-            with f:
-                st = os.fstat(f.fileno())
-                if st.st_ino != s.inode or st.st_size < s.offset:  # a new or truncated file: start again
-                    self._series[job_id] = s = Series(inode=st.st_ino, used=s.used)
-                f.seek(s.offset)
-                data = f.read(st.st_size - s.offset)
-            cut = data.rfind(b"\n") + 1  # whole lines only; a line being written is read next time
-            for ev in decode_lines(data[:cut]):
-                if isinstance(ev, dict):
-                    s.add(ev)
-            s.offset += cut
-            return s
+        with s.lock:
+            s.catch_up(workdir, most_bytes)
+            return s.snapshot()
+
+    def _catch_up(self, job_id: str, workdir: Path) -> None:
+        """Read the rest of a job's backlog, a chunk at a time: a page opened meanwhile waits for one chunk at
+        most, and shows what has been read so far."""
+        try:
+            read, snap = -1, self._read(job_id, workdir, CATCH_UP_BYTES)
+            while snap.behind and snap.read != read:  # and stop if a read made no progress (an I/O error)
+                read, snap = snap.read, self._read(job_id, workdir, CATCH_UP_BYTES)
+        finally:
+            with self._series_lock:
+                self._catching.discard(job_id)
 
     def warm(self, jobs: list[tuple[str, Path]]) -> None:
         """Read these jobs' histories now (the daemon calls it on a thread at start), so that the first view of
-        a long-running job's page does not pay for parsing its whole events.jsonl."""
+        a long-running job's page finds it read."""
         for job_id, workdir in jobs:
-            self.series(job_id, workdir)
+            with self._series_lock:
+                self._catching.add(job_id)  # a page opened meanwhile starts no second reader
+            self._catch_up(job_id, Path(workdir))
 
     @staticmethod
     def events_tail(workdir: Path, lines: int = 40) -> list[dict[str, Any]]:
         """The last lines of the job's events.jsonl (read from its end: cheap however long the log is)."""
         out = []
-        for ln in (tail_lines(Path(workdir) / "events.jsonl", EVENTS_TAIL_BYTES) or [])[-lines:]:
+        for ln in _tail_lines(workdir, EVENTS_TAIL_BYTES)[-lines:]:
             if not ln.strip():
                 continue
             try:
@@ -227,6 +193,23 @@ class StoreView:
             except ValueError:
                 out.append({"event": "unparsed", "text": ln.decode(errors="replace")})
         return out
+
+
+def _tail_lines(workdir: Path, max_bytes: int) -> list[bytes]:
+    """The whole lines in the last `max_bytes` of workdir/events.jsonl, opened as history.open_events opens it
+    (daemon/system/file_tail.py's tail_lines does the same by path, following links)."""
+    fd = open_events(workdir)
+    if fd is None:
+        return []
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - max_bytes)
+        lines = os.pread(fd, size - start, start).splitlines()
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    return lines[1:] if start > 0 else lines
 
 
 def energy_figures(row: dict[str, Any] | None) -> dict[str, Any]:
