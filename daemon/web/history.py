@@ -11,13 +11,13 @@ series' lock, so a page never reads a series another thread is adding to.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from daemon.system import safe_files
 from daemon.web.downsample import Downsampled
 from engine.report.events import decode_lines
 
@@ -53,25 +53,12 @@ def _number(v: Any) -> float | None:
 def open_events(workdir: Path) -> int | None:
     """A read-only descriptor on workdir/events.jsonl, or None. The trainer's user owns the workdir and could plant
     a link or a FIFO there: neither the folder nor the file is followed as a symlink, the open cannot block, and
-    anything but a regular file is refused."""
+    anything but a regular file is refused (daemon/system/safe_files.py)."""
     try:
-        dfd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with safe_files.opened_dir(workdir) as d:
+            return safe_files.open_at(d, "events.jsonl")
     except OSError:
         return None
-    try:
-        fd = os.open("events.jsonl", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError:
-        return None
-    finally:
-        os.close(dfd)
-    try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-    except OSError:
-        regular = False
-    if not regular:
-        os.close(fd)
-        return None
-    return fd
 
 
 @dataclass(frozen=True)
