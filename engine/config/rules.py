@@ -142,6 +142,9 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     if cfg.model.family not in IMAGE_FAMILIES:
         return []
     out = []
+    if cfg.model.family == "flux" and any(neg for _p, neg, _s in s.entries()):
+        out.append(Problem("sample.prompts", "sample.prompts: FLUX.1-dev samples with its distilled guidance and "
+                                             "takes no negative prompt; remove each prompt's `negative`"))
     if s.every_steps is not None and not s.prompts:
         out.append(Problem("sample.prompts", "sample.prompts: sample.every_steps is set but there are no prompts "
                                              "to render"))

@@ -113,11 +113,10 @@ class ImageFamily(ImageData):
             return
         if self.renderer is None:
             path = resolve_model_path(cfg.model.path, workdir)
-            empty = self.cache.load(self.plan.empty_text)
             self.renderer = SampleRenderer(
                 cfg, path, self.cache, self.plan, Path(workdir),
                 pipeline=lambda t: sample_pipeline(path, cfg, t),
-                prompt_kwargs=lambda emb, dev, dt: self.model.sample_kwargs(emb, empty, dev, dt, cfg))
+                prompt_kwargs=lambda emb, neg, dev, dt: self.model.sample_kwargs(emb, neg, dev, dt, cfg))
         self.renderer.render(model, step, log)
 
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,6 +70,7 @@ class Plan:
     empty_text: str                 # key of "" (caption dropout)
     prompt_texts: list[str]         # keys of sample.prompts, in order
     item_class_text: list[str] | None = None  # per item: its caption with the trigger → train.dop's class word
+    negative_texts: list[str] = field(default_factory=list)  # keys of each sample prompt's negative prompt
 
 
 def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Plan:
@@ -90,14 +91,16 @@ def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Pl
         item_latent.append(k)
         item_text.append(need_text(it.record.caption))
     empty = need_text("")
-    prompts = [need_text(p) for p in cfg.sample.prompts]
+    entries = cfg.sample.entries()
+    prompts = [need_text(p) for p, _neg, _seed in entries]
+    negatives = [need_text(neg) for _p, neg, _seed in entries]
     class_texts = None
     if cfg.train.dop is not None:
         from engine.families.image.dop import class_prompt
 
         class_texts = [need_text(class_prompt(it.record.caption, cfg.data.trigger, cfg.train.dop.preservation_class))
                        for it in items]
-    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts)
+    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts, negatives)
 
 
 def encode_images(todo: list[store.Need], done: store.Done, encode: PixelEncoder, dtype: torch.dtype) -> None:

@@ -118,10 +118,10 @@ class ChromaModel:
             return_dict=False,
         )[0]
 
-    def sample_kwargs(self, emb, empty, device, dtype, cfg: JobConfig) -> dict[str, Any]:
-        # sample.guidance is Chroma's true CFG scale against the cached empty caption (the pipeline skips the
-        # negative pass at 1 or below). Every cached token is attended to: boolean all-true masks.
-        pos, neg = emb["prompt_embeds"][None].to(device, dtype), empty["prompt_embeds"][None].to(device, dtype)
+    def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
+        # sample.guidance is Chroma's true CFG scale against the prompt's negative (the empty caption by default;
+        # the pipeline skips the negative pass at 1 or below). Every cached token is attended to: all-true masks.
+        pos, neg = emb["prompt_embeds"][None].to(device, dtype), negative["prompt_embeds"][None].to(device, dtype)
         return {"prompt_embeds": pos, "prompt_attention_mask": torch.ones(pos.shape[:2], dtype=torch.bool,
                                                                             device=device),
                 "negative_prompt_embeds": neg, "negative_prompt_attention_mask": torch.ones(

@@ -167,11 +167,11 @@ class Flux2Model:
             return_dict=False,
         )[0]
 
-    def sample_kwargs(self, emb, empty, device, dtype, cfg: JobConfig) -> dict[str, Any]:
+    def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
         # sample.guidance is dev's guidance embedding, and klein's classifier-free guidance scale against the
-        # empty caption (which the cache holds); the sampler passes only what the pipeline takes.
+        # negative prompt (the empty caption by default); the sampler passes only what the pipeline takes.
         return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
-                "negative_prompt_embeds": empty["prompt_embeds"][None].to(device, dtype)}
+                "negative_prompt_embeds": negative["prompt_embeds"][None].to(device, dtype)}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         mods = lora_modules(model)

@@ -44,7 +44,7 @@ class ImageModel(Protocol):
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, C, h, w] latents → the transformer's token layout (to compare targets with predictions)."""
 
-    def sample_kwargs(self, emb: dict[str, torch.Tensor], empty: dict[str, torch.Tensor], device, dtype,
+    def sample_kwargs(self, emb: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], device, dtype,
                       cfg: JobConfig) -> dict[str, Any]: ...
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]: ...

@@ -107,10 +107,10 @@ class QwenImageModel:
             return_dict=False,
         )[0]
 
-    def sample_kwargs(self, emb, empty, device, dtype, cfg: JobConfig) -> dict[str, Any]:
-        # sample.guidance is Qwen-Image's true CFG scale, against the cached empty caption.
+    def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
+        # sample.guidance is Qwen-Image's true CFG scale, against the negative prompt (the empty caption by default).
         return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
-                "negative_prompt_embeds": empty["prompt_embeds"][None].to(device, dtype),
+                "negative_prompt_embeds": negative["prompt_embeds"][None].to(device, dtype),
                 "true_cfg_scale": cfg.sample.guidance}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:

@@ -1,9 +1,12 @@
 """Preview images during image-family training: the way people catch over-fitting early.
 
 Every `sample.every_steps` steps each prompt in `sample.prompts` is rendered
-with the LoRA as it is now, with a fixed seed per prompt (sample.seed + i), so
-the images of successive steps differ only by what the LoRA learned. The
-prompt embeddings were computed with the captions (engine/families/image/cache.py), so no
+with the LoRA as it is now, with a fixed seed per prompt (its own `seed`, or
+sample.seed + i), so the images of successive steps differ only by what the
+LoRA learned. Each prompt's negative prompt (its own `negative`; by default
+the empty caption) is what classifier-free guidance pushes away from, in the
+pipelines that take one. The prompt and
+negative embeddings were computed with the captions (engine/families/image/cache.py), so no
 text encoder is loaded during training; the VAE decoder is loaded at the first
 render and kept.
 
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.report.once import Once
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
 from engine.training.dtypes import torch_dtype
 
@@ -37,7 +41,8 @@ class SampleRenderer:
     """Renders `sample.prompts` with the LoRA as it is (the image families call it every sample.every_steps).
 
     `pipeline(transformer)` builds the family's pipeline without text encoders (default: FLUX.1's);
-    `prompt_kwargs(embedding, device, dtype)` turns one cached prompt into that pipeline's arguments.
+    `prompt_kwargs(embedding, negative, device, dtype)` turns one cached prompt and its negative into that
+    pipeline's arguments.
     """
 
     def __init__(self, cfg, model_path: str, cache, plan, workdir: Path, fs=None, pipeline=None, prompt_kwargs=None):
@@ -45,6 +50,9 @@ class SampleRenderer:
         self.fs = fs or RealFs()
         # Prompt embeddings are read now, once, from the cache filled before training.
         self.prompts = [cache.load(k) for k in plan.prompt_texts]
+        self.negatives = [cache.load(k) for k in plan.negative_texts]
+        self.entries = cfg.sample.entries()
+        self.warned = Once()
         self.pipe = None
         self.build_pipeline = pipeline or self._flux_pipeline
         self.prompt_kwargs = prompt_kwargs or self._flux_prompt_kwargs
@@ -57,7 +65,8 @@ class SampleRenderer:
         return self.pipe
 
     @staticmethod
-    def _flux_prompt_kwargs(emb, device, dtype) -> dict:
+    def _flux_prompt_kwargs(emb, negative, device, dtype) -> dict:
+        # FLUX.1-dev samples with its distilled guidance, no negative prompt (a job giving one is refused).
         return {"prompt_embeds": emb["prompt_embeds"][None].to(device, dtype),
                 "pooled_prompt_embeds": emb["pooled"][None].to(device, dtype)}
 
@@ -84,14 +93,19 @@ class SampleRenderer:
         devices = [torch.cuda.current_device()] if device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), torch.no_grad():
-                for i, emb in enumerate(self.prompts):
+                for i, (emb, neg, (_text, negative, seed)) in enumerate(zip(self.prompts, self.negatives,
+                                                                            self.entries, strict=True)):
                     # The supervisor counts any event as a heartbeat: one per prompt keeps a long list of prompts
                     # (each one far shorter than the hang timeout) from looking like a hung trainer.
                     log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
-                    gen = torch.Generator(device="cpu").manual_seed(s.seed + i)
+                    gen = torch.Generator(device="cpu").manual_seed(seed)
                     # Only what this pipeline takes (FLUX.2 dev has no negative prompt, klein no guidance embedding).
-                    kwargs = {k: v for k, v in self.prompt_kwargs(emb, device, transformer.dtype).items()
+                    kwargs = {k: v for k, v in self.prompt_kwargs(emb, neg, device, transformer.dtype).items()
                               if k in accepted}
+                    if negative and not any(k.startswith("negative_") for k in kwargs) and self.warned.first(i):
+                        log.warning("sample_negative_ignored", prompt=i,
+                                    message=f"sample.prompts[{i}]: this model's pipeline takes no negative prompt; "
+                                            f"rendered without it")
                     image = pipe(
                         **kwargs,
                         height=s.height,
@@ -108,5 +122,5 @@ class SampleRenderer:
                     paths.append(path)
         finally:
             transformer.train(was_training)
-        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=list(s.prompts))
+        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries])
         return paths

@@ -146,10 +146,11 @@ class ZImageModel:
         out = model(latents, (1 - sigma).to(dtype), captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
-    def sample_kwargs(self, emb, empty, device, dtype, cfg: JobConfig) -> dict[str, Any]:
-        # sample.guidance is the pipeline's CFG scale against the cached empty caption (0 for Turbo: no CFG pass).
+    def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
+        # sample.guidance is the pipeline's CFG scale against the negative prompt (the empty caption by default;
+        # 0 for Turbo: no CFG pass).
         return {"prompt_embeds": [emb["prompt_embeds"].to(device, dtype)],
-                "negative_prompt_embeds": [empty["prompt_embeds"].to(device, dtype)]}
+                "negative_prompt_embeds": [negative["prompt_embeds"].to(device, dtype)]}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         md = metadata(cfg, meta)
