@@ -143,3 +143,15 @@ def test_an_unreachable_rendezvous_is_one_line_that_says_what_to_check(monkeypat
     assert code not in (0, 65, 74, 75)  # a crash: the daemon retries (the other machine may come up)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f"lorad: cannot reach the rendezvous at 127.0.0.1:{port}: is the machine that hosts it up")
+
+
+def test_a_public_rendezvous_is_refused_unless_the_config_allows_it():
+    import pytest as _pytest
+    from pydantic import ValidationError
+
+    for private in ("10.0.0.5:29400", "192.168.1.2:29400", "127.0.0.1:29400", "[fd00::1]:29400", "localhost:29400"):
+        ClusterSettings(rendezvous=private, shared_dir="/mnt/shared/lorad")
+    with _pytest.raises(ValidationError, match=r"rendezvous: 8\.8\.8\.8:29400 is a public address.*allow_public"):
+        ClusterSettings(rendezvous="8.8.8.8:29400", shared_dir="/mnt/shared/lorad")
+    ok = ClusterSettings(rendezvous="8.8.8.8:29400", shared_dir="/mnt/shared/lorad", allow_public_rendezvous=True)
+    assert ok.allow_public_rendezvous
