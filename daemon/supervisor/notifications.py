@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -127,10 +128,12 @@ class Notifications:
             return f"{type(reason).__name__}: {reason}"
 
     def _command(self, payload: dict[str, Any]) -> str | None:
+        # Reasons and names can carry text a job's code wrote: the command sees them as plain, bounded text.
+        payload = {k: env_text(v, MAX_ENV_VALUE) if isinstance(v, str) else v for k, v in payload.items()}
         env = {**os.environ, "LORAD_EVENT_JSON": json.dumps(payload)}
         for k, v in payload.items():
             if v is not None and not isinstance(v, (dict, list)):
-                env[f"LORAD_{k.upper()}"] = str(v)
+                env[f"LORAD_{k.upper()}"] = env_text(str(v), MAX_ENV_VALUE)
         argv = self.s.argv()
         assert argv
         try:
@@ -148,3 +151,14 @@ class Notifications:
             tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
             return f"exit {p.returncode}" + (f": {tail[0][:200]}" if tail else "")
         return None
+
+
+MAX_ENV_VALUE = 1024  # characters of one LORAD_* value the command sees
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]+")
+
+
+def env_text(text: str, limit: int) -> str:
+    """One line of at most `limit` characters: control characters (newlines, escapes, NUL, which exec refuses)
+    become a space, so a job's text cannot forge lines in a log the command writes or break its exec."""
+    text = _CONTROL.sub(" ", text)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -155,3 +155,15 @@ def test_the_yaml_key_on_is_read_as_on_not_as_true(tmp_path):
     cfg = tmp_path / "d.yaml"
     cfg.write_text("notify:\n  command: [/bin/true]\n  on: [failed]\n")
     assert load_config(cfg).notify.on == ["failed"]
+
+
+def test_the_command_sees_job_text_as_one_bounded_line_without_control_characters(tmp_path):
+    out = tmp_path / "env.json"
+    script = f"import json, os; open({str(out)!r}, 'w').write(json.dumps(dict(os.environ)))"
+    n = Notifications(NotifySettings(command=[sys.executable, "-c", script]), RecLog())
+    n.emit("failed", "j-1", "j", reason="boom\nFAKE: all good\x1b[2J\x00" + "x" * 5000)
+    n.close()
+    env = json.loads(out.read_text())
+    assert env["LORAD_REASON"].startswith("boom FAKE: all good ") and len(env["LORAD_REASON"]) == 1024
+    assert "\n" not in env["LORAD_REASON"] and "\x1b" not in env["LORAD_REASON"] and "\x00" not in env["LORAD_REASON"]
+    assert json.loads(env["LORAD_EVENT_JSON"])["reason"] == env["LORAD_REASON"]  # the same text, as valid JSON
