@@ -43,6 +43,8 @@ from daemon.supervisor.trainer_output import Refused
 from daemon.system.log import job_event
 
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
+INTAKE_PER_TICK = 50  # inbox files taken per tick at most, and for at most INTAKE_BUDGET_S
+INTAKE_BUDGET_S = 0.5
 
 
 class Supervisor(ReapPath, StartPath):
@@ -72,6 +74,7 @@ class Supervisor(ReapPath, StartPath):
         self._checkpoint_now_prev = False
         self._outage_recorded = False
         self._next_intake_retry = 0.0
+        self._backlog: dict[Path, None] = {}  # inbox files found but not taken yet, oldest first
         self._next_disk_poll = 0.0
         self.free_bytes = disk_wait.free_bytes  # path → free bytes on its filesystem (tests give their own)
         self.healthy = True
@@ -208,8 +211,21 @@ class Supervisor(ReapPath, StartPath):
     def _inbox(self) -> None:
         if self.inbox is None or self.intake is None:
             return
+        # A flood of files (10,000 dropped at once) is taken a budget at a time: the loop goes on serving
+        # heartbeats, requests and the watchdog between batches, and each file is taken once (the backlog is
+        # deduplicated against the inbox's rescans, which find files not taken yet again).
         for path in self.inbox.poll():
+            if path not in self._backlog:
+                self._backlog[path] = None
+        deadline = time.monotonic() + INTAKE_BUDGET_S
+        for _ in range(min(len(self._backlog), INTAKE_PER_TICK)):
+            path = next(iter(self._backlog))
+            del self._backlog[path]
             self.intake.take(path)
+            if time.monotonic() >= deadline:
+                break
+        if self._backlog:
+            self.wake.set()  # more to take: the next tick comes at once, after the other steps
         # A file that could not be taken (disk full, ...) waits in incoming/ (or in the inbox, for the next
         # rescan); it is tried again every inbox_rescan_s, and `lorad status` says it is stuck and why.
         now = time.monotonic()

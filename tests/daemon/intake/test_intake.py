@@ -292,6 +292,45 @@ def test_the_service_loop_retries_a_stuck_file_and_stays_healthy_and_status_says
     assert sup.healthy and intake.stuck == [] and "inbox stuck" not in sup.status_line()
 
 
+class RescanningInbox:
+    """Every file on the first poll, then (as the real inbox's rescans do) whatever is still in the inbox."""
+
+    def __init__(self, folder):
+        self.folder, self.polls = folder, 0
+
+    def poll(self):
+        self.polls += 1
+        return sorted(p for p in self.folder.iterdir() if not p.name.startswith("."))
+
+
+def test_a_flood_of_inbox_files_is_taken_a_batch_per_tick_and_each_exactly_once(quiet_intake):
+    from daemon.supervisor import loop
+    from daemon.supervisor.loop import Supervisor
+
+    it = quiet_intake
+    for i in range(120):  # good and bad files: accepts and rejections both cost a tick's budget
+        drop(it, f"job-{i:03d}.yaml", yaml.safe_dump(good_job(f"flood{i}")) if i % 3 else "name: [unclosed\n")
+    sup = Supervisor(it.home, it.cfg, it.store, [None], setup(), intake=it, inbox=RescanningInbox(it.inbox))
+    sup.may_start = False
+    sup._spawn = lambda: None  # this test is about the inbox only
+    taken = []
+    real_take = it.take
+    it.take = lambda path: (taken.append(path.name), real_take(path))[1]
+    per_tick = []
+    while True:
+        before = len(taken)
+        sup.tick()
+        per_tick.append(len(taken) - before)
+        assert sup.healthy
+        if not sup._backlog and not any(it.inbox.iterdir()):
+            break
+        assert sup.wake.is_set()  # a backlog asks for the next tick at once
+        sup.wake.clear()
+    assert per_tick == [loop.INTAKE_PER_TICK, loop.INTAKE_PER_TICK, 20]
+    assert sorted(taken) == [f"job-{i:03d}.yaml" for i in range(120)]  # each once, though rescans found it again
+    assert len(it.store.jobs()) == 80 and len(list(it.rejected.glob("*.error.txt"))) == 40
+
+
 # ---------------------------------------------------------------- directories others can write (issue 23, finding 1)
 def test_a_symlink_planted_at_the_rejection_temp_name_is_never_written_through(intake, tmp_path):
     victim = tmp_path / "state.db"  # what the attack replaced: the daemon's own database
