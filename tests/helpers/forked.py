@@ -100,8 +100,11 @@ class ForkedTrainer:
         with _POLL:
             return self.proc.exitcode
 
+    def send(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
     def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
+        self.send(signal.SIGKILL)
         assert self.finish(timeout=60) == -signal.SIGKILL, forkserver_state(self.proc)
 
     def finish(self, timeout: float) -> int | None:
