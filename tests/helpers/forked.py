@@ -52,6 +52,10 @@ def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it: apply it as a new interpreter would
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from tests.helpers.processes import trainer_main
 
     sys.exit(trainer_main(["--job", job, "--workdir", wd, "--progress", "none"]))
