@@ -262,11 +262,13 @@ def free_port() -> int:
 
 def node(job: Path, workdir: Path, port: int, hosts_store: bool) -> Trainer:
     """One machine's launcher: 1 process, joining torchrun's c10d rendezvous on 127.0.0.1:port with 1 to 2 nodes
-    (on loopback both would claim the rendezvous store: `is_host` says which one does)."""
+    (on loopback both would claim the rendezvous store: `is_host` says which one does). last_call_timeout is how
+    long a round with fewer than 2 nodes waits for more: the survivor's restart pays it once, and at the start it
+    must cover the skew between two launchers started together (5 s passed at a load of 6)."""
     env = child_env(LORAD_DEBUG_SAMPLE_LOG=str(workdir.parent / f"{workdir.name}.samples"), OMP_NUM_THREADS="1")
     return started(Trainer([PY, "-m", "engine.launch", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                    "--rdzv-conf", f"last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2,is_host={int(hosts_store)}",
+                    "--rdzv-conf", f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,is_host={int(hosts_store)}",
                     "--", "--job", str(job), "--workdir", str(workdir), "--progress", "json"], env=env))
 
 
