@@ -61,6 +61,32 @@ def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     sys.exit(trainer_main(["--job", job, "--workdir", wd, "--progress", "none"]))
 
 
+def cli_main(argv: list[str], stderr: str) -> None:
+    """`lorad ARGV` in a forked process, its stderr to the file `stderr`."""
+    os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
+    os.environ.update(CHILD_ENV)
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    from daemon.client.cli import main
+
+    sys.exit(main(argv))
+
+
+def run_cli(argv: Sequence[str], stderr: Path, preload: Sequence[str] = LM_PRELOAD, timeout: float = 300) -> int:
+    """`lorad ARGV` to its end in a process forked from the server; its exit code (stderr in the file)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    proc = ctx.Process(target=cli_main, args=(list(argv), str(stderr)))
+    with _POLL:
+        proc.start()
+    multiprocessing.connection.wait([proc.sentinel], timeout)
+    with _POLL:
+        code = proc.exitcode
+    if code is None:
+        proc.kill()
+    return code
+
+
 class ForkedTrainer:
     """One forked trainer; its events are read from WORKDIR/events.jsonl (from where this run began)."""
 
