@@ -221,7 +221,6 @@ def lorad_run(job: Path, home: Path, timeout: float = 300) -> Path:
     key = json.dumps(yaml.safe_load(job.read_text()), sort_keys=True)
     if key in _REFERENCE_RUNS:
         return _REFERENCE_RUNS[key]
-    Path(home).mkdir(parents=True, exist_ok=True)
     err = Path(home).parent / f"{Path(home).name}-lorad-run.stderr"
     rc = run_cli(["run", str(job), "--home", str(home), "--quiet"], err, timeout=timeout)
     assert rc == 0, err.read_text()[-3000:]

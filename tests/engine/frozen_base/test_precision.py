@@ -3,7 +3,6 @@ resumes bit-exactly after SIGTERM, and optimizer state that round-trips a checkp
 
 from __future__ import annotations
 
-import os
 import signal
 from pathlib import Path
 
@@ -179,7 +178,7 @@ def test_fp8_job_runs_end_to_end_and_resumes_bit_exactly_after_sigterm(fp8_job, 
     uninterrupted = ForkedTrainer(fp8_job, ref, preload=LM_PRELOAD, **env)
     t = ForkedTrainer(fp8_job, wd, preload=LM_PRELOAD, **env)
     t.wait_step(7)
-    os.kill(t.proc.pid, signal.SIGTERM)
+    t.send(signal.SIGTERM)
     assert t.finish(timeout=300) == 75, t.events[-3:]
     stopped_at = t.named("stopped")[0]["step"]
     assert 7 <= stopped_at < 16
