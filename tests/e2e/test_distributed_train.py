@@ -2,7 +2,8 @@
 resumed bit-exactly, and resumes on another number of processes with the data order continuing exactly.
 
 Each launch starts three Python processes that import torch, so the runs are shared between tests (module
-fixtures) and kept to a few steps of the micro model.
+fixtures), kept to a few steps of the micro model, and the one-process runs are forked from a server that imported
+the stack once (tests/helpers/forked.py).
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import yaml
 from safetensors.torch import load_file
 
 from engine.distributed.liveness import silent_ranks
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, tiny_job_dict
 from tests.helpers.processes import PY, Trainer, child_env
 
-STEPS = 24  # checkpoints every 4: room for the five attempts of the kill chain, and fewer steps per launch
+STEPS = 24  # checkpoints every 4: room for the four attempts of the kill chain, and fewer steps per launch
 GLOBAL_BATCH = 4  # batch_size 2 × grad_accum × processes
 # 1 and 2 processes sum the same gradients in another order (gloo's all-reduce, then the mean): equal up to
 # float rounding. Measured equal to the last bit on this model; the tolerance is for other CPUs and kernels.
 ATOL = 1e-5
 
 
-STARTED: list[Trainer] = []
+STARTED: list[Trainer | ForkedTrainer] = []
 
 
 @pytest.fixture(autouse=True)
@@ -40,25 +42,28 @@ def no_leftovers():
     yield
     while STARTED:
         t = STARTED.pop()
-        if t.proc.poll() is None:
+        if isinstance(t, ForkedTrainer):
+            if t.alive():
+                t.kill()
+        elif t.proc.poll() is None:
             t.proc.kill()
             t.proc.wait(30)
 
 
-def started(t: Trainer) -> Trainer:
+def started(t):
     STARTED.append(t)
     return t
 
 
-def launch(job: Path, workdir: Path, processes: int, **env: str) -> Trainer:
-    """The job on `processes` ranks; 1 is the plain trainer contract (python -m engine.run)."""
+def launch(job: Path, workdir: Path, processes: int, **env: str) -> Trainer | ForkedTrainer:
+    """The job on `processes` ranks; 1 is the plain trainer (engine.run), a real process forked from the server."""
     # One thread per process, as torchrun gives each rank: comparable, and far quicker on a crowded CPU.
-    env = child_env(LORAD_DEBUG_SAMPLE_LOG=str(workdir.parent / f"{workdir.name}.samples"), OMP_NUM_THREADS="1", **env)
-    trainer_args = ["--job", str(job), "--workdir", str(workdir), "--progress", "json"]
+    samples = {"LORAD_DEBUG_SAMPLE_LOG": str(workdir.parent / f"{workdir.name}.samples"), "OMP_NUM_THREADS": "1"}
     if processes == 1:
-        return started(Trainer([PY, "-m", "engine.run", *trainer_args], env=env))
+        return started(ForkedTrainer(job, workdir, preload=LM_PRELOAD, **samples, **env))
+    trainer_args = ["--job", str(job), "--workdir", str(workdir), "--progress", "json"]
     return started(Trainer([PY, "-m", "engine.launch", "--standalone", "--nproc-per-node", str(processes), "--",
-                            *trainer_args], env=env))
+                            *trainer_args], env=child_env(**samples, **env)))
 
 
 def write_job(dest: Path, model: Path, gpus: int) -> Path:
@@ -88,12 +93,15 @@ def sample_ids_by_step(workdir: Path) -> dict[int, list[int]]:
     return steps
 
 
-def losses(t: Trainer) -> dict[int, float]:
+def losses(t: Trainer | ForkedTrainer) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in t.named("step")}
 
 
-def finish(t: Trainer) -> Trainer:
-    assert t.wait(300) == 0, t.stderr[-3000:]
+def finish(t):
+    if isinstance(t, ForkedTrainer):
+        assert t.finish(timeout=300) == 0, t.events[-3:]
+    else:
+        assert t.wait(300) == 0, t.stderr[-3000:]
     return t
 
 
@@ -194,7 +202,7 @@ def first_step(t: Trainer) -> None:
 
 def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_identical_to_its_uninterrupted_run(
         runs, tmp_path):
-    """Five attempts of one job (each launch costs seconds of imports, so one chain covers the interruptions)."""
+    """Four attempts of one job (each launch costs seconds of imports, so one chain covers the interruptions)."""
     job, ref_workdir, _ = runs[2]
     workdir, ckpts = tmp_path / "interrupted", tmp_path / "interrupted" / "checkpoints"
 
@@ -211,27 +219,25 @@ def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_ide
     names = sorted(p.name for p in ckpts.iterdir())
     assert names[-1] == f"step-{stopped['step']:08d}" and not any(".tmp-" in n for n in names)
 
-    # 2. SIGKILL of the launcher while rank 0 writes a checkpoint (the writer slowed down so the kill lands
-    #    inside the save): both ranks die with it.
-    t = launch(job, workdir, 2, LORAD_DEBUG_CKPT_WRITE_DELAY_S="1")
-    t.wait_for(lambda: any(".tmp-" in p.name for p in ckpts.iterdir()), timeout=240)
-    kill_launcher(t)
-
-    # 3. One rank SIGSTOPped: the other waits in the next all-reduce, so rank 0's heartbeats stop (the daemon sees
-    #    one hung job) and the SIGKILL then sent to the launcher takes both ranks, the stopped one included. Each
-    #    rank's liveness file (engine/distributed/liveness.py) names the stopped one: rank 0's stays fresh while it waits.
+    # 2. One rank SIGSTOPped while rank 0 writes a checkpoint (the writer slowed down, so the save is still being
+    #    written at the kill): the other rank waits in the next all-reduce, so rank 0's heartbeats stop (the daemon
+    #    sees one hung job). Each rank's liveness file (engine/distributed/liveness.py) names the stopped one: rank
+    #    0's stays fresh while it waits. Then SIGKILL of the launcher alone, as the OOM killer would, mid-save:
+    #    both ranks die with it, the stopped one included. (One launch for both: each costs seconds of imports.)
     alive_dir = tmp_path / "ranks"
-    t = launch(job, workdir, 2, LORAD_LIVENESS_DIR=str(alive_dir))
-    first_step(t)
+    t = launch(job, workdir, 2, LORAD_DEBUG_CKPT_WRITE_DELAY_S="1", LORAD_LIVENESS_DIR=str(alive_dir))
+    t.wait_for(lambda: any(".tmp-" in p.name for p in ckpts.iterdir()), timeout=240)
     os.kill(rank_pid(t.proc.pid, 1), signal.SIGSTOP)
     time.sleep(1.0)  # a step already under way may still finish
     seen = len(t.named("step"))
     time.sleep(2.0)  # a step takes a fraction of a second here
     assert len(t.named("step")) == seen, "rank 0 went on without rank 1"
     assert [rank for rank, _ in silent_ranks(alive_dir, time.time(), 1.5)] == ["1"]
+    # a save writes five files, 1 s each: the one seen starting is still being written
+    assert any(".tmp-" in p.name for p in ckpts.iterdir()), "the save landed before the kill"
     kill_launcher(t)
 
-    # 4. One rank SIGKILLed: torchrun stops the other and the job exits once, as a crash, with no rank left.
+    # 3. One rank SIGKILLed: torchrun stops the other and the job exits once, as a crash, with no rank left.
     t = launch(job, workdir, 2)
     first_step(t)
     ranks = rank_pids(t.proc.pid)
@@ -240,7 +246,7 @@ def test_a_two_process_job_stopped_killed_mid_save_hung_and_crashed_ends_bit_ide
     assert "every rank was stopped" in t.stderr
     assert not any(alive(p) for p in ranks)
 
-    # 5. The retry resumes from the last committed checkpoint and ends on the uninterrupted run's exact bytes; ranks
+    # 4. The retry resumes from the last committed checkpoint and ends on the uninterrupted run's exact bytes; ranks
     #    that exit cleanly take their liveness files with them.
     left_by_the_killed = set(os.listdir(alive_dir))
     t = finish(launch(job, workdir, 2, LORAD_LIVENESS_DIR=str(alive_dir)))
@@ -259,11 +265,13 @@ def free_port() -> int:
 
 def node(job: Path, workdir: Path, port: int, hosts_store: bool) -> Trainer:
     """One machine's launcher: 1 process, joining torchrun's c10d rendezvous on 127.0.0.1:port with 1 to 2 nodes
-    (on loopback both would claim the rendezvous store: `is_host` says which one does)."""
+    (on loopback both would claim the rendezvous store: `is_host` says which one does). last_call_timeout is how
+    long a round with fewer than 2 nodes waits for more: the survivor's restart pays it once, and at the start it
+    must cover the skew between two launchers started together (5 s passed at a load of 6)."""
     env = child_env(LORAD_DEBUG_SAMPLE_LOG=str(workdir.parent / f"{workdir.name}.samples"), OMP_NUM_THREADS="1")
     return started(Trainer([PY, "-m", "engine.launch", "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2",
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-                    "--rdzv-conf", f"last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2,is_host={int(hosts_store)}",
+                    "--rdzv-conf", f"last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2,is_host={int(hosts_store)}",
                     "--", "--job", str(job), "--workdir", str(workdir), "--progress", "json"], env=env))
 
 

@@ -1,8 +1,8 @@
 """Resume is exact: kills at any point, signals, and re-running a finished or changed job.
 
-The kills and signals hit real trainer processes on a micro Llama: the three-SIGKILL chains fork them from a server
-that imported the stack once (tests/helpers/forked.py); the other tests start cold `python -m engine.run` children
-and read their stdout, the process boundary and JSON-lines contract the daemon uses.
+The kills and signals hit real trainer processes on a micro Llama, forked from a server that imported the stack once
+(tests/helpers/forked.py); the SIGTERM test starts a cold `python -m engine.run` child and reads its stdout, the
+process boundary and JSON-lines contract the daemon uses.
 """
 
 from __future__ import annotations
@@ -145,14 +145,14 @@ def test_second_sigint_exits_at_once_and_the_last_checkpoint_stands(tmp_path, wr
     job = write_job(train={"steps": 200}, checkpoint={"every_steps": 4})
     wd = tmp_path / "work"
     # Each save takes >= 2 s, so a prompt exit can only come from the second SIGINT.
-    t = Trainer.engine(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.4")
+    t = ForkedTrainer(job, wd, preload=LM_PRELOAD, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.4")
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     t.send(signal.SIGINT)
     time.sleep(0.3)
     t0 = time.monotonic()
     t.send(signal.SIGINT)
-    rc = t.wait()
-    assert rc == 130, t.stderr
+    rc = t.finish(timeout=180)
+    assert rc == 130, t.events[-3:]
     assert time.monotonic() - t0 < 1.5
     assert not t.named("stopped")
     committed = max(e["step"] for e in t.named("checkpoint_committed"))
@@ -203,10 +203,10 @@ def test_checkpoints_from_before_the_identity_was_kept_still_get_the_hashes():
 def test_sigusr1_commits_now_and_training_continues_unchanged(jobs, runs, tmp_path):
     """The UPS-on-battery save: a checkpoint of the current step at once, then the run goes on as if untouched."""
     wd = tmp_path / "work"
-    t = Trainer.engine(jobs["adamw8bit"], wd)
+    t = ForkedTrainer(jobs["adamw8bit"], wd, preload=LM_PRELOAD)
     t.wait_step(2)
     t.send(signal.SIGUSR1)
-    assert t.wait() == 0, t.stderr
+    assert t.finish(timeout=300) == 0, t.events[-3:]
     urgent = [e["step"] for e in t.events if e.get("phase") == "urgent_checkpoint"]
     assert len(urgent) == 1
     assert urgent[0] in [e["step"] for e in t.named("checkpoint_committed")]

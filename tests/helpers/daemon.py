@@ -214,13 +214,16 @@ _REFERENCE_RUNS: dict[str, Path] = {}
 
 def lorad_run(job: Path, home: Path, timeout: float = 300) -> Path:
     """`lorad run JOB --home HOME` to the end (the uninterrupted reference); returns its workdir. Runs once per
-    session for each job: a later call with the same job (same file content) gets the first run's workdir."""
+    session for each job: a later call with the same job (same file content) gets the first run's workdir. The
+    process is forked from the server that imported the training stack (tests/helpers/forked.py)."""
+    from tests.helpers.forked import run_cli
+
     key = json.dumps(yaml.safe_load(job.read_text()), sort_keys=True)
     if key in _REFERENCE_RUNS:
         return _REFERENCE_RUNS[key]
-    r = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
-                       capture_output=True, text=True, env=child_env(), cwd=str(REPO), timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
+    err = Path(home).parent / f"{Path(home).name}-lorad-run.stderr"
+    rc = run_cli(["run", str(job), "--home", str(home), "--quiet"], err, timeout=timeout)
+    assert rc == 0, err.read_text()[-3000:]
     _REFERENCE_RUNS[key] = Path(home) / "jobs" / json.loads(key)["name"]
     return _REFERENCE_RUNS[key]
 

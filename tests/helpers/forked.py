@@ -54,9 +54,39 @@ def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
     os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it: apply it as a new interpreter would
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from tests.helpers.processes import trainer_main
 
     sys.exit(trainer_main(["--job", job, "--workdir", wd, "--progress", "none"]))
+
+
+def cli_main(argv: list[str], stderr: str) -> None:
+    """`lorad ARGV` in a forked process, its stderr to the file `stderr`."""
+    os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
+    os.environ.update(CHILD_ENV)
+    fd = os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    from daemon.client.cli import main
+
+    sys.exit(main(argv))
+
+
+def run_cli(argv: Sequence[str], stderr: Path, preload: Sequence[str] = LM_PRELOAD, timeout: float = 300) -> int:
+    """`lorad ARGV` to its end in a process forked from the server; its exit code (stderr in the file)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    proc = ctx.Process(target=cli_main, args=(list(argv), str(stderr)))
+    with _POLL:
+        proc.start()
+    multiprocessing.connection.wait([proc.sentinel], timeout)
+    with _POLL:
+        code = proc.exitcode
+    if code is None:
+        proc.kill()
+    return code
 
 
 class ForkedTrainer:
@@ -102,8 +132,11 @@ class ForkedTrainer:
         with _POLL:
             return self.proc.exitcode
 
+    def send(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
     def kill(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
+        self.send(signal.SIGKILL)
         assert self.finish(timeout=60) == -signal.SIGKILL, forkserver_state(self.proc)
 
     def finish(self, timeout: float) -> int | None:

@@ -169,11 +169,14 @@ def test_data_that_cannot_make_one_sample_is_exit_65_at_start(tmp_path, micro_mo
 def test_real_processes_exit_65(tmp_path, micro_model):
     """The exit status as the daemon and a shell see it, for both commands."""
     job = _bad_job(tmp_path, micro_model, "lora.rank", 0)
-    for argv in ([PY, "-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
-                 [PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(tmp_path / "home")]):
-        p = subprocess.run(argv, capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=120)
-        assert p.returncode == 65, p.stderr
-        assert "lora.rank" in _one_line(p.stderr)
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                              cwd=REPO)  # side by side: each spends its life starting Python
+             for argv in ([PY, "-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
+                          [PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(tmp_path / "home")])]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 65, err
+        assert "lora.rank" in _one_line(err)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

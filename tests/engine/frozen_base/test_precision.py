@@ -16,6 +16,7 @@ import engine.frozen_base.precision as precision
 from engine.frozen_base.fp8 import FP8Linear
 from engine.frozen_base.precision import apply_base_precision, convert_linears_to_fp8, resolve
 from tests.helpers.fakes import RecLog
+from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
 from tests.helpers.jobs import (
     QUICKSTART_DATA,
     adapter_bytes,
@@ -24,7 +25,6 @@ from tests.helpers.jobs import (
     tiny_job,
     tiny_job_dict,
 )
-from tests.helpers.processes import Trainer, run_engine
 
 
 # ----------------------------------------------------------------- the choice
@@ -170,24 +170,24 @@ def fp8_job(tmp_path_factory, micro_model) -> Path:
 
 
 def test_fp8_job_runs_end_to_end_and_resumes_bit_exactly_after_sigterm(fp8_job, tmp_path):
-    # scaled_mm forced: the CPU runs the FP8 tensor-core code path (its kernels are deterministic here)
+    # scaled_mm forced: the CPU runs the FP8 tensor-core code path (its kernels are deterministic here).
+    # Real trainer processes, forked from a server that imported the stack once; the uninterrupted run and the
+    # one to be stopped run side by side.
     env = {"LORAD_FP8_COMPUTE": "scaled_mm"}
-    ref = tmp_path / "uninterrupted"
-    t = run_engine(fp8_job, ref, **env)
-    assert t.proc.returncode == 0, t.stderr
-    [ev] = [e for e in read_events(ref) if e["event"] == "base_precision"]
-    assert ev["precision"] == "fp8" and ev["compute"] == "scaled_mm" and ev["converted_layers"] == 14
-
-    wd = tmp_path / "interrupted"
-    t = Trainer.engine(fp8_job, wd, **env)
+    ref, wd = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    uninterrupted = ForkedTrainer(fp8_job, ref, preload=LM_PRELOAD, **env)
+    t = ForkedTrainer(fp8_job, wd, preload=LM_PRELOAD, **env)
     t.wait_step(7)
     t.send(signal.SIGTERM)
-    assert t.wait() == 75, t.stderr
+    assert t.finish(timeout=300) == 75, t.events[-3:]
     stopped_at = t.named("stopped")[0]["step"]
     assert 7 <= stopped_at < 16
-    t = run_engine(fp8_job, wd, **env)
-    assert t.proc.returncode == 0, t.stderr
+    t = ForkedTrainer(fp8_job, wd, preload=LM_PRELOAD, **env)
+    assert t.finish(timeout=300) == 0, t.events[-3:]
     assert t.named("resumed")[0]["from_step"] == stopped_at
+    assert uninterrupted.finish(timeout=300) == 0, uninterrupted.events[-3:]
+    [ev] = [e for e in read_events(ref) if e["event"] == "base_precision"]
+    assert ev["precision"] == "fp8" and ev["compute"] == "scaled_mm" and ev["converted_layers"] == 14
 
     a, b = adapter_bytes(ref), adapter_bytes(wd)
     assert sorted(a) == sorted(b) and a
