@@ -18,6 +18,11 @@ from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, 
 # Tables are as wide as the terminal; tests read their cells. Without this, the width depended on how pytest
 # was started (a terminal, a pipe, an xdist worker), and a note cut to fit a narrow one failed a test.
 os.environ["COLUMNS"] = "120"
+# torch runs on one thread in the test process and in every process it starts (children, the fork server and the
+# trainers forked from it inherit this; torch reads it when first imported, which is after this file). The models
+# are tiny: a second thread buys nothing but waits, and with several trainers side by side on two cores those
+# waits made a 12-step micro-LM run take 2-9 s instead of 0.2-0.7 s. Runs compared bit for bit all use one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
