@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ def pytest_collection_finish(session) -> None:
     with contextlib.suppress(ImportError):
         import hypothesis  # noqa: F401
     gc.freeze()
+    if "tests.helpers.forked" in sys.modules:  # a collected module forks trainers
+        sys.modules["tests.helpers.forked"].start_server()
 
 
 @pytest.fixture(scope="session")
