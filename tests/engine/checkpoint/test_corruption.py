@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from engine.checkpoint.store import CheckpointStore
 from tests.helpers.jobs import adapter_bytes, read_events
+from tests.helpers.processes import PY, REPO, child_env
 
 
 @pytest.fixture
@@ -86,9 +88,7 @@ def test_walk_back_passes_several_damaged_checkpoints(trained, tmp_path):
     assert [s.name for s in skipped] == [names[-1], names[-2]]
 
 
-def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tmp_path, capfd, keep_signal_handlers):
-    from daemon.client.cli import main
-
+def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tmp_path):
     job, cfg, workdir, names = trained
     home = tmp_path / "home"
     shutil.copytree(workdir.parents[1], home)
@@ -96,11 +96,11 @@ def test_lorad_run_warns_on_stderr_and_resumes_from_the_previous_one(trained, tm
     finished = adapter_bytes(mine)
     flip_bit(mine / "checkpoints" / "step-00000012" / "adapter.safetensors")
 
-    # In this process: a cold `lorad run` spent seconds importing torch for a 4-step resume.
-    code = main(["run", str(job), "--home", str(home), "--quiet"])
-    stderr = capfd.readouterr().err
-    assert code == 0, stderr
-    warnings = [ln for ln in stderr.splitlines() if "skipped checkpoint" in ln]
+    p = subprocess.run([PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(home), "--quiet"],
+                       capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=300)
+
+    assert p.returncode == 0, p.stderr
+    warnings = [ln for ln in p.stderr.splitlines() if "skipped checkpoint" in ln]
     assert len(warnings) == 1 and "step-00000012" in warnings[0] and "checksum" in warnings[0]
     events = read_events(mine)
     skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
