@@ -38,8 +38,6 @@ PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 
-
-
 def start_server() -> None:
     """Start the fork server now, without waiting for it: it imports PRELOAD (seconds of CPU) on the core the test
     process (one torch thread) leaves idle, instead of in the first trainer's test. tests/conftest.py calls this
@@ -48,6 +46,7 @@ def start_server() -> None:
 
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()
+
 
 # multiprocessing's forkserver Popen.poll() is not thread-safe: it reads the child's exit status from the fork
 # server's pipe once, and two threads polling the same child at once (Process.start() polls every earlier child,
