@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ from engine.errors import JobInvalid
 from engine.families.image.flux import Flux
 from tests.helpers import images as fh
 from tests.helpers.fakes import RecLog
-from tests.helpers.forked import FLUX_PRELOAD, ForkedTrainer
+from tests.helpers.forked import killed_then_resumed, run_to_end
 from tests.helpers.images import IMAGES, make_images
 
 tiny_flux = fh.tiny_flux  # shared session fixture
@@ -201,22 +200,8 @@ def test_the_quality_keys_are_flux_only(tmp_path):
 
 # ------------------------------------------------------------------ exact resume, all features at once
 def _uninterrupted(job: Path, wd: Path) -> Path:
-    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)
-    assert t.finish(timeout=400) == 0, t.events[-5:]
-    assert t.named("cache_start")[0]["to_encode"] == 0
+    assert run_to_end(job, wd, timeout=400).named("cache_start")[0]["to_encode"] == 0
     return wd
-
-
-def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
-    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)  # a real process, killed for real (tests/helpers/forked.py)
-    t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=400)
-    t.wait_step(random.randint(3, 6), timeout=400)
-    t.kill()
-    t = ForkedTrainer(job, wd, preload=FLUX_PRELOAD)
-    assert t.finish(timeout=400) == 0, t.events[-5:]
-    resumed = t.named("resumed")
-    assert resumed and 0 < resumed[0]["from_step"] < 8
-    return wd, resumed[0]["from_step"]
 
 
 def test_a_killed_job_with_bias_masks_regularisation_and_dop_resumes_bit_identical(tmp_path, tiny_flux, prepared):
@@ -227,18 +212,12 @@ def test_a_killed_job_with_bias_masks_regularisation_and_dop_resumes_bit_identic
         shutil.copytree(Path(prepared[0].data.path).parent / "work" / "cache", tmp_path / wd / "cache")
     with ThreadPoolExecutor(max_workers=2) as pool:
         ref = pool.submit(_uninterrupted, job, tmp_path / "uninterrupted")
-        got = pool.submit(_killed_then_resumed, job, tmp_path / "interrupted")
-        ref_wd, (got_wd, from_step) = ref.result(timeout=900), got.result(timeout=900)
+        got = pool.submit(killed_then_resumed, job, tmp_path / "interrupted", kill_at=(3, 6), timeout=400)
+        ref_wd, from_step = ref.result(timeout=900), got.result(timeout=900)
     for name in ("pytorch_lora_weights.safetensors",):
-        want, have = (fh_bytes(wd / "output" / name) for wd in (ref_wd, got_wd))
+        want, have = (fh.tensor_bytes(wd / "output" / name) for wd in (ref_wd, tmp_path / "interrupted"))
         assert sorted(want) == sorted(have)
         assert [k for k in want if want[k] != have[k]] == [], f"resumed from step {from_step}"
-
-
-def fh_bytes(path: Path) -> dict[str, bytes]:
-    from safetensors.torch import load_file
-
-    return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in load_file(str(path)).items()}
 
 
 def test_the_new_keys_at_their_defaults_leave_existing_jobs_hashes_alone_and_set_they_count(tmp_path):

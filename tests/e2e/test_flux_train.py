@@ -16,11 +16,10 @@ from engine.config.job import load_job
 from engine.families.image.flux import apply_lora
 from engine.families.image.flux_export import COMFYUI_FILE, DIFFUSERS_FILE
 from tests.helpers import images as fh
-from tests.helpers.forked import FLUX_PRELOAD, ForkedTrainer
+from tests.helpers.forked import ForkedTrainer, run_to_end
 from tests.helpers.processes import REPO
 
 flux_job = fh.flux_job  # shared session fixture
-flux_uninterrupted = fh.flux_uninterrupted  # shared session fixture
 tiny_flux = fh.tiny_flux  # shared session fixture
 
 OUTPUTS = (DIFFUSERS_FILE, COMFYUI_FILE)
@@ -29,21 +28,41 @@ OUTPUTS = (DIFFUSERS_FILE, COMFYUI_FILE)
 _tensor_bytes = fh.tensor_bytes
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, flux_job):
+    """One uninterrupted run of flux_job, a forked trainer started here: the kill chain runs beside it."""
+    t = ForkedTrainer(flux_job, tmp_path_factory.mktemp("flux-uninterrupted") / "work")
+    yield t
+    if t.alive():  # a test failed before waiting for it
+        t.kill()
+
+
+def _finished(reference: ForkedTrainer) -> Path:
+    assert reference.finish(timeout=300) == 0, reference.events[-5:]
+    return reference.events_file.parent
+
+
+@pytest.fixture
+def flux_uninterrupted(reference) -> Path:
+    """The workdir of the finished uninterrupted run."""
+    return _finished(reference)
+
+
 def _metadata(path: Path) -> dict[str, str]:
     with safe_open(str(path), "pt") as f:
         return f.metadata()
 
 
 # ------------------------------------------------------------------ resume
-def test_killed_while_caching_and_while_training_then_resumed_is_bit_identical(flux_job, flux_uninterrupted, tmp_path):
+def test_killed_while_caching_and_while_training_then_resumed_is_bit_identical(flux_job, reference, tmp_path):
     wd = tmp_path / "work"
     # 1. SIGKILL in the middle of encoding the cache
-    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
+    t = ForkedTrainer(flux_job, wd)
     t.wait_for(lambda: any(e.get("event") == "cache_progress" and e["done"] >= 4 for e in t.events), timeout=180)
     t.kill()
     # 2. the committed encodings are reused; SIGKILL at a random step after the first checkpoint
     k = random.randint(4, 10)
-    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
+    t = ForkedTrainer(flux_job, wd)
     t.wait_step(k, timeout=180)
     # checkpoints are written in the background: make sure one is committed before the kill
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout=180)
@@ -52,13 +71,12 @@ def test_killed_while_caching_and_while_training_then_resumed_is_bit_identical(f
     start = t.named("cache_start")[0]
     assert start["reused"] >= 4, start
     # 3. resumed to the end
-    t = ForkedTrainer(flux_job, wd, preload=FLUX_PRELOAD)
-    assert t.finish(timeout=300) == 0, t.events[-5:]
+    t = run_to_end(flux_job, wd, timeout=300)
     assert t.named("cache_start")[0]["to_encode"] == 0
     resumed = t.named("resumed")
     assert resumed and resumed[0]["from_step"] >= saved, (k, saved, resumed)
     for name in OUTPUTS:
-        ref, got = _tensor_bytes(flux_uninterrupted / "output" / name), _tensor_bytes(wd / "output" / name)
+        ref, got = _tensor_bytes(_finished(reference) / "output" / name), _tensor_bytes(wd / "output" / name)
         assert sorted(ref) == sorted(got)
         assert [key for key in ref if ref[key] != got[key]] == [], f"{name} differs after SIGKILL at step {k}"
 

@@ -6,13 +6,12 @@ SIGKILL is real."""
 from __future__ import annotations
 
 import json
-import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
 
-from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
+from tests.helpers.forked import killed_then_resumed, run_to_end
 from tests.helpers.jobs import QUICKSTART_DATA, adapter_bytes, deep_update, tiny_job_dict
 
 TOPICS = ["boats", "trains", "clouds", "bread", "maps", "owls", "glass", "rivers"]
@@ -43,31 +42,18 @@ def chat_job(root: Path, micro_model: Path) -> Path:
 
 
 def _uninterrupted(job: Path, wd: Path) -> Path:
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
-    assert t.finish(timeout=600) == 0, t.events[-5:]
+    t = run_to_end(job, wd)
     assert t.named("chunked_loss") and t.named("chat_template_fallback")
     assert t.named("dataset")[0]["format"] == "chat"
     return wd
-
-
-def _killed_then_resumed(job: Path, wd: Path) -> tuple[Path, int]:
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
-    t.wait_for(lambda: bool(t.named("checkpoint_committed")))
-    t.wait_step(random.randint(4, 9))
-    t.kill()
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
-    assert t.finish(timeout=600) == 0, t.events[-5:]
-    resumed = t.named("resumed")
-    assert resumed and 0 < resumed[0]["from_step"] < 12
-    return wd, resumed[0]["from_step"]
 
 
 def test_a_killed_chat_job_with_chunked_loss_resumes_bit_identical(tmp_path, micro_model):
     job = chat_job(tmp_path, micro_model)
     with ThreadPoolExecutor(max_workers=2) as pool:
         ref = pool.submit(_uninterrupted, job, tmp_path / "uninterrupted")
-        got = pool.submit(_killed_then_resumed, job, tmp_path / "interrupted")
-        ref_wd, (got_wd, from_step) = ref.result(timeout=600), got.result(timeout=600)
-    want, have = adapter_bytes(ref_wd), adapter_bytes(got_wd)
+        got = pool.submit(killed_then_resumed, job, tmp_path / "interrupted", kill_at=(4, 9))
+        ref_wd, from_step = ref.result(timeout=600), got.result(timeout=600)
+    want, have = adapter_bytes(ref_wd), adapter_bytes(tmp_path / "interrupted")
     assert sorted(want) == sorted(have)
     assert [k for k in want if want[k] != have[k]] == [], f"resumed from step {from_step}"

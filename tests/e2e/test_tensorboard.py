@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from engine.config.job import load_job
 from engine.errors import JobInvalid
 from engine.recipe import train
-from tests.helpers.forked import LM_PRELOAD, ForkedTrainer
+from tests.helpers.forked import ForkedTrainer, run_to_end
 from tests.helpers.jobs import (
     QUICKSTART_DATA,
     adapter_bytes,
@@ -45,10 +44,10 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     job = tmp_path / "job.yaml"
     job.write_text(yaml.safe_dump(d))
     ref = tmp_path / "ref"
-    assert train(load_job(job), ref, progress="none") == 0
+    uninterrupted = ForkedTrainer(job, ref)  # beside the killed run, which is a real process killed for real
 
     wd = tmp_path / "killed"
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)  # a real process, killed for real (tests/helpers/forked.py)
+    t = ForkedTrainer(job, wd)
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     committed = t.named("checkpoint_committed")[-1]["step"]
     t.wait_step(committed + 4)  # a few steps past the checkpoint, so the killed attempt wrote some of them
@@ -56,8 +55,8 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     validated_past = [e["step"] for e in t.named("validation") if e["step"] > committed]
     first = sorted((wd / "tb").glob("events.out.tfevents.*"))
     assert len(first) == 1
-    t = ForkedTrainer(job, wd, preload=LM_PRELOAD)
-    assert t.finish(timeout=600) == 0, t.events[-5:]
+    t = run_to_end(job, wd, timeout=600)
+    assert uninterrupted.finish(timeout=600) == 0, uninterrupted.events[-5:]
     resumed = t.named("resumed")[0]["from_step"]
     assert max(_steps_in_file(first[0], "train/loss")) > resumed, "nothing to purge: the test would prove nothing"
     assert len(list((wd / "tb").glob("events.out.tfevents.*"))) == 2  # one file per attempt

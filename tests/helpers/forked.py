@@ -8,10 +8,12 @@ WORKDIR/events.jsonl, not stdout: the stdout contract the daemon reads keeps its
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import sys
 import threading
@@ -22,19 +24,28 @@ from typing import Any
 
 from tests.helpers.processes import CHILD_ENV, WAIT_S
 
-# What every image trainer imports before its first step.
-IMAGE_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
-                 "engine.families.image.qwen_image", "engine.families.image.z_image",
-                 "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
-                 "diffusers.pipelines.z_image.pipeline_z_image", "transformers.models.qwen3.modeling_qwen3",
-                 "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "engine.families.image.chroma",
-                 "diffusers.pipelines.chroma.pipeline_chroma", "transformers.models.t5.modeling_t5", "peft"]
-# What a FLUX.1 trainer imports before its first step.
-FLUX_PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux",
-                "diffusers.models.transformers.transformer_flux", "transformers.models.clip.modeling_clip",
-                "transformers.models.t5.modeling_t5", "peft"]
-# What a causal-LM trainer (the micro Llama) imports before its first step.
-LM_PRELOAD = ["engine.recipe", "engine.families.causal_lm", "transformers.models.llama.modeling_llama", "peft"]
+# What any forked trainer imports before its first step (image families, FLUX.1, the micro Llama, TensorBoard's
+# writer). multiprocessing starts one fork server per session, with the preload of the first trainer: one list for
+# every test, so that no later trainer imports in each child what the first test's list left out.
+PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
+           "engine.families.image.qwen_image", "engine.families.image.z_image", "engine.families.image.chroma",
+           "engine.families.image.flux", "engine.families.causal_lm", "peft", "torch.utils.tensorboard",
+           "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
+           "diffusers.pipelines.z_image.pipeline_z_image", "diffusers.pipelines.chroma.pipeline_chroma",
+           "diffusers.models.transformers.transformer_flux", "transformers.models.qwen3.modeling_qwen3",
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.t5.modeling_t5",
+           "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama"]
+LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
+
+
+def start_server() -> None:
+    """Start the fork server now, without waiting for it: it imports PRELOAD (seconds of CPU) on the core the test
+    process (one torch thread) leaves idle, instead of in the first trainer's test. tests/conftest.py calls this
+    after collection when a collected module forks trainers."""
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
 
 
 # multiprocessing's forkserver Popen.poll() is not thread-safe: it reads the child's exit status from the fork
@@ -52,6 +63,9 @@ STEP_DELAY_S = "0.03"
 
 def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     """A trainer process: engine.run's main, as `python -m engine.run` runs it."""
+    # The half million objects the server imported are alive for good: a full collection (the image cache's, after
+    # each encoder) would walk them all, writing to every page this fork shares with the server, ~0.4 s each time.
+    gc.freeze()
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it: apply it as a new interpreter would
@@ -92,7 +106,7 @@ def run_cli(argv: Sequence[str], stderr: Path, preload: Sequence[str] = LM_PRELO
 class ForkedTrainer:
     """One forked trainer; its events are read from WORKDIR/events.jsonl (from where this run began)."""
 
-    def __init__(self, job: Path, wd: Path, preload: Sequence[str] = IMAGE_PRELOAD, **env: str):
+    def __init__(self, job: Path, wd: Path, preload: Sequence[str] = PRELOAD, **env: str):
         self.events_file = wd / "events.jsonl"
         self.offset = self.events_file.stat().st_size if self.events_file.exists() else 0
         ctx = multiprocessing.get_context("forkserver")
@@ -143,6 +157,26 @@ class ForkedTrainer:
         """Wait up to `timeout` for the trainer to end; its exit code (None while it still runs)."""
         multiprocessing.connection.wait([self.proc.sentinel], timeout)  # its end, seen without reading its status
         return self.exitcode()
+
+
+def run_to_end(job: Path, wd: Path, timeout: float = WAIT_S) -> ForkedTrainer:
+    """A trainer run to its end (exit 0), uninterrupted; the finished trainer (its events)."""
+    t = ForkedTrainer(job, wd)
+    assert t.finish(timeout) == 0, t.events[-5:]
+    return t
+
+
+def killed_then_resumed(job: Path, wd: Path, kill_at: tuple[int, int], timeout: float = WAIT_S) -> int:
+    """SIGKILL a trainer at a random step in kill_at (both included, and after its first committed checkpoint),
+    then run a second one to the end; the step it resumed from, which is past 0 and before the last."""
+    t = ForkedTrainer(job, wd)
+    t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout)
+    t.wait_step(random.randint(*kill_at), timeout)
+    t.kill()
+    t = run_to_end(job, wd, timeout)
+    resumed, (done,) = t.named("resumed"), t.named("done")
+    assert resumed and 0 < resumed[0]["from_step"] < done["step"], (resumed, done)
+    return resumed[0]["from_step"]
 
 
 def _fd_target(fd: int) -> str:

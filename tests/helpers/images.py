@@ -82,17 +82,6 @@ def flux_job(tmp_path_factory, tiny_flux) -> Path:
                                   "width": 48, "height": 32, "seed": 5})
 
 
-@pytest.fixture(scope="session")
-def flux_uninterrupted(tmp_path_factory, flux_job) -> Path:
-    """Workdir of one uninterrupted `python -m engine.run` of flux_job (run once per session)."""
-    from tests.helpers.processes import run_engine
-
-    wd = tmp_path_factory.mktemp("flux-uninterrupted") / "work"
-    t = run_engine(flux_job, wd, timeout=300)
-    assert t.proc.returncode == 0, t.stderr[-3000:]
-    return wd
-
-
 def tensor_bytes(path: Path) -> dict[str, bytes]:
     """A safetensors file's tensors, by name, as raw bytes (for bit-exact comparison)."""
     import torch
