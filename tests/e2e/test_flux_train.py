@@ -292,7 +292,9 @@ def test_the_shipped_tiny_flux_job_runs_to_its_outputs(tmp_path):
     assert train(cfg, tmp_path / "work", progress="none") == 0
     from engine.checkpoint.output import OUTPUT_STAMP
 
-    assert sorted(p.name for p in (tmp_path / "work" / "output").iterdir()) == sorted([*OUTPUTS, OUTPUT_STAMP])
+    out = tmp_path / "work" / "output"
+    assert sorted(p.name for p in out.iterdir()) == sorted([*OUTPUTS, OUTPUT_STAMP, "README.md", "samples"])
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["00.png", "01.png"]  # the model card's
     assert (tmp_path / "work" / "samples" / "step-00000004" / "00.png").is_file()
 
 
