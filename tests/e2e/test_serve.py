@@ -126,7 +126,9 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
     print(f"random seed {seed}")
     home = tmp_path / "home"
     # Each checkpoint file write sleeps, so that "during a checkpoint write" is a window we can hit.
-    env = {"LORAD_DEBUG_CKPT_WRITE_DELAY_S": "0.15"}
+    # And each step pauses (tests only): on one torch thread the micro model trains 40 steps in about a second,
+    # and the orphan of kill 3 finished the job by itself before the next daemon could stop it.
+    env = {"LORAD_DEBUG_CKPT_WRITE_DELAY_S": "0.15", "LORAD_DEBUG_STEP_DELAY_S": "0.15"}
     d = daemons(home, env=env)
     counter = TrainerCounter(d)
     counter.start()
