@@ -47,7 +47,9 @@ def test_a_killed_and_resumed_job_has_each_step_once_with_the_uninterrupted_valu
     uninterrupted = ForkedTrainer(job, ref)  # beside the killed run, which is a real process killed for real
 
     wd = tmp_path / "killed"
-    t = ForkedTrainer(job, wd)
+    # Its periodic saves run at nice 0 and its steps pause 0.1 s (tests only; no value changes): a niced save under
+    # load committed first at the final step once, and the trainer finished before the test could kill it.
+    t = ForkedTrainer(job, wd, LORAD_CKPT_WRITER_NICE="0", LORAD_DEBUG_STEP_DELAY_S="0.1")
     t.wait_for(lambda: bool(t.named("checkpoint_committed")))
     committed = t.named("checkpoint_committed")[-1]["step"]
     t.wait_step(committed + 4)  # a few steps past the checkpoint, so the killed attempt wrote some of them

@@ -169,7 +169,8 @@ def run_to_end(job: Path, wd: Path, timeout: float = WAIT_S) -> ForkedTrainer:
 def killed_then_resumed(job: Path, wd: Path, kill_at: tuple[int, int], timeout: float = WAIT_S) -> int:
     """SIGKILL a trainer at a random step in kill_at (both included, and after its first committed checkpoint),
     then run a second one to the end; the step it resumed from, which is past 0 and before the last."""
-    t = ForkedTrainer(job, wd)
+    # Saves at nice 0: a niced save under load can commit first at the last step, after which no kill is possible.
+    t = ForkedTrainer(job, wd, LORAD_CKPT_WRITER_NICE="0")
     t.wait_for(lambda: bool(t.named("checkpoint_committed")), timeout)
     t.wait_step(random.randint(*kill_at), timeout)
     t.kill()
