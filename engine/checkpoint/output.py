@@ -51,7 +51,7 @@ def export_output(family, model, cfg: JobConfig, workdir: Path, fs: FileLayer, m
     fs.write(tmp / "README.md", [card.model_card(cfg, about).encode()])  # over peft's empty template
     fs.write(tmp / OUTPUT_STAMP, [json.dumps({"step": meta["steps"], "config_hash": cfg.identity_hash(), **about},
                                              indent=1).encode()])
-    names = [*names, *raw, *samples, "README.md", OUTPUT_STAMP]
+    names = list(dict.fromkeys([*names, *raw, *samples, "README.md", OUTPUT_STAMP]))  # peft's export has a README.md
     mode = normal_file_mode()
     for name in names:
         log.info("heartbeat", phase="export", file=name)  # fsyncing a large file on a slow disk takes a while

@@ -42,7 +42,7 @@ def facts(cfg, meta: dict[str, Any], files: list[str], samples: list[str], datas
         "steps": meta["steps"],
         "dataset": {"path": str(cfg.data.path), "size": dataset_size},
         "weights": weights,
-        "files": sorted(files),
+        "files": sorted(set(files) - {"README.md"}),  # the adapter's files (peft's export lists its template)
         "samples": samples,
         "lorad_version": str(meta.get("lorad_version", "")),
     }
