@@ -257,19 +257,26 @@ def test_the_diffusers_file_gives_the_trained_update_to_a_loader_that_reads_no_a
         torch.testing.assert_close(b @ a, delta, rtol=1e-5, atol=1e-7, msg=m)
 
 
+def _double_block_updates(d: dict[str, torch.Tensor], i: int, mlp_in: str, mlp_out: str) -> dict[str, tuple]:
+    """ComfyUI's BFL names for double block i and (fused parts, trained update), from the per-module deltas d:
+    q/k/v fused per stream, the projections and both MLPs (FLUX.2 and Chroma differ only in the MLPs' names)."""
+    b = f"transformer_blocks.{i}."
+    want = {f"double_blocks_{i}_img_attn_qkv": (3, torch.cat([d[b + f"attn.to_{x}"] for x in "qkv"])),
+            f"double_blocks_{i}_txt_attn_qkv": (3, torch.cat([d[b + f"attn.add_{x}_proj"] for x in "qkv"])),
+            f"double_blocks_{i}_img_attn_proj": (1, d[b + "attn.to_out.0"]),
+            f"double_blocks_{i}_txt_attn_proj": (1, d[b + "attn.to_add_out"])}
+    for bfl, mod in (("img_mlp_0", f"ff.{mlp_in}"), ("img_mlp_2", f"ff.{mlp_out}"),
+                     ("txt_mlp_0", f"ff_context.{mlp_in}"), ("txt_mlp_2", f"ff_context.{mlp_out}")):
+        want[f"double_blocks_{i}_{bfl}"] = (1, d[b + mod])
+    return want
+
+
 def test_flux2_comfyui_keys_are_bfl_names_with_fused_qkv_and_the_same_update(runs):
     """ComfyUI: lora_unet_<BFL name> -> diffusion_model.<BFL name>.weight, update (alpha / down rows)·up·down."""
     sd, d = _comfyui_file_and_deltas("flux2", runs)
     want = {}
     for i in range(2):
-        b = f"transformer_blocks.{i}."
-        want[f"double_blocks_{i}_img_attn_qkv"] = (3, torch.cat([d[b + f"attn.to_{x}"] for x in "qkv"]))
-        want[f"double_blocks_{i}_txt_attn_qkv"] = (3, torch.cat([d[b + f"attn.add_{x}_proj"] for x in "qkv"]))
-        want[f"double_blocks_{i}_img_attn_proj"] = (1, d[b + "attn.to_out.0"])
-        want[f"double_blocks_{i}_txt_attn_proj"] = (1, d[b + "attn.to_add_out"])
-        for bfl, mod in (("img_mlp_0", "ff.linear_in"), ("img_mlp_2", "ff.linear_out"),
-                         ("txt_mlp_0", "ff_context.linear_in"), ("txt_mlp_2", "ff_context.linear_out")):
-            want[f"double_blocks_{i}_{bfl}"] = (1, d[b + mod])
+        want.update(_double_block_updates(d, i, "linear_in", "linear_out"))
         s = f"single_transformer_blocks.{i}.attn."
         want[f"single_blocks_{i}_linear1"] = (1, d[s + "to_qkv_mlp_proj"])
         want[f"single_blocks_{i}_linear2"] = (1, d[s + "to_out"])
@@ -354,14 +361,7 @@ def test_chroma_files_have_the_keys_and_alphas_comfyuis_flux_rules_map(runs):
     sd, d = _comfyui_file_and_deltas("chroma", runs)
     want = {}
     for i in range(2):
-        b = f"transformer_blocks.{i}."
-        want[f"double_blocks_{i}_img_attn_qkv"] = (3, torch.cat([d[b + f"attn.to_{x}"] for x in "qkv"]))
-        want[f"double_blocks_{i}_txt_attn_qkv"] = (3, torch.cat([d[b + f"attn.add_{x}_proj"] for x in "qkv"]))
-        want[f"double_blocks_{i}_img_attn_proj"] = (1, d[b + "attn.to_out.0"])
-        want[f"double_blocks_{i}_txt_attn_proj"] = (1, d[b + "attn.to_add_out"])
-        for bfl, mod in (("img_mlp_0", "ff.net.0.proj"), ("img_mlp_2", "ff.net.2"),
-                         ("txt_mlp_0", "ff_context.net.0.proj"), ("txt_mlp_2", "ff_context.net.2")):
-            want[f"double_blocks_{i}_{bfl}"] = (1, d[b + mod])
+        want.update(_double_block_updates(d, i, "net.0.proj", "net.2"))
         s = f"single_transformer_blocks.{i}."
         want[f"single_blocks_{i}_linear1"] = (4, torch.cat([d[s + p] for p in ("attn.to_q", "attn.to_k", "attn.to_v",
                                                                                  "proj_mlp")]))

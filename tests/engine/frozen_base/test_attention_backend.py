@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.frozen_base.speedups import avoid_cudnn_attention
+from tests.helpers.fakes import RecLog
 
 
 @pytest.fixture
@@ -15,25 +16,17 @@ def cudnn_sdp_restored():
     torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def info(self, event, **kw):
-        self.events.append((event, kw))
-
-
 def test_on_cuda_the_cudnn_attention_backend_is_turned_off_and_the_change_is_logged(cudnn_sdp_restored):
-    log = Log()
+    log = RecLog()
     assert avoid_cudnn_attention(torch.device("cuda"), log) is True
     assert torch.backends.cuda.cudnn_sdp_enabled() is False
-    assert log.events == [("attention_backend", {"cudnn": False})]
+    assert log.events == [("info", "attention_backend", {"cudnn": False})]
     assert avoid_cudnn_attention(torch.device("cuda"), log) is False  # once is enough
     assert len(log.events) == 1
 
 
 def test_on_the_cpu_nothing_changes(cudnn_sdp_restored):
-    log = Log()
+    log = RecLog()
     assert avoid_cudnn_attention(torch.device("cpu"), log) is False
     assert torch.backends.cuda.cudnn_sdp_enabled() is True
     assert log.events == []

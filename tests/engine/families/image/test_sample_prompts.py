@@ -14,6 +14,7 @@ from PIL import Image
 from engine.config.job import JobInvalid, parse_job
 from engine.families.image import cache as image_cache
 from engine.families.image.sample import SampleRenderer
+from tests.helpers.fakes import RecLog
 from tests.helpers.images import flux_job_dict, make_images
 
 
@@ -41,17 +42,6 @@ class TextCache:
         return {"prompt_embeds": torch.tensor([float(ord(c)) for c in self.text_of[key]] or [0.0])}
 
 
-class Log:
-    def __init__(self):
-        self.events = []
-
-    def info(self, event, **kw):
-        self.events.append(("info", event, kw))
-
-    def warning(self, event, **kw):
-        self.events.append(("warning", event, kw))
-
-
 def job(tmp_path, family="qwen_image", **sample):
     images = make_images(tmp_path / "images")
     d = flux_job_dict("builtin:tiny-qwen-image" if family == "qwen_image" else "builtin:tiny-flux", images,
@@ -73,7 +63,7 @@ def render(cfg, tmp_path, negative_kwarg=True):
             out["negative_prompt_embeds"] = text(neg)
         return out
 
-    log = Log()
+    log = RecLog()
     r = SampleRenderer(cfg, "builtin", TextCache(plan), plan, tmp_path / "work", pipeline=lambda t: pipe,
                        prompt_kwargs=kwargs)
     transformer = torch.nn.Linear(1, 1)
