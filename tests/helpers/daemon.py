@@ -38,8 +38,9 @@ def fast_config(tmp_root: Path, **over: Any) -> dict[str, Any]:
         "stop_grace_s": 60.0,
         "power": {"telemetry": {"backend": "off"}},
         "web": {"listen": "127.0.0.1:0"},  # tests run side by side: never the fixed default port
-        # A test machine running as root has no other user who could reach the temp dirs (no-op otherwise).
-        "allow_root_trainers": True,
+        # The suite runs as root in a container (CI too): the explicit setting (daemon/system/privilege.py); a no-op
+        # for a daemon that is not root.
+        "run_as_root": True,
     }
     cfg.update(over)
     return cfg

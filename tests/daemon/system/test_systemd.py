@@ -100,10 +100,18 @@ def test_exit_78_is_the_status_systemd_does_not_restart_on():
     assert unit_settings()["RestartPreventExitStatus"] == [str(EXIT_CONFIG)] and EXIT_CONFIG == 78
 
 
+def root_in_container_config(tmp_path) -> str:
+    """The suite runs as root in a container: the setting that lets a root daemon start there."""
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text("run_as_root: true\n")
+    return str(cfg)
+
+
 def serve_once(home) -> subprocess.CompletedProcess:
     from tests.helpers.processes import child_env
 
-    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home), "--config",
+                           root_in_container_config(home.parent)], capture_output=True,
                           text=True, cwd=REPO, env=child_env(), timeout=120)
 
 
@@ -133,7 +141,7 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
     try:
         assert locker.stdout.readline().strip() == "locked"
         monkeypatch.setattr(service, "Store", functools.partial(Store, timeout_s=0.3))  # not the 30 s of production
-        assert service.serve(home, None) == 78
+        assert service.serve(home, root_in_container_config(tmp_path)) == 78
     finally:
         locker.kill()
         locker.wait()
