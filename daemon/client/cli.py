@@ -4,6 +4,7 @@
     daemon/client/foreground.py       run cache
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
+    daemon/power/helper.py            power-helper (root, its own unit)
 
 Every client verb is one typed request over the daemon's socket (daemon/protocol.py), printed as a table
 (daemon/client/render.py) or, with --json, as the reply's JSON. Nothing imported at the top of this module or of
@@ -79,6 +80,12 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     from daemon.system.install_service import cmd_install_service as install
 
     return install(args)
+
+
+def cmd_power_helper(args: argparse.Namespace) -> int:
+    from daemon.power.helper import cmd_power_helper as helper
+
+    return helper(args)
 
 
 # ================================================================ parser
@@ -190,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--no-enable", action="store_true", help="write the unit, do not enable or start it")
     p_.add_argument("--dry-run", action="store_true", help="print the unit that would be installed")
     p_.set_defaults(fn=cmd_install_service)
+
+    p_ = sub.add_parser("power-helper", help="the root helper that sets NVML power limits for the lorad user "
+                                             "(systemd/lorad-power.service)")
+    p_.add_argument("--user", default="lorad", help="the one user who may use its socket")
+    p_.add_argument("--socket", default="/run/lorad-power/lorad-power.sock")
+    p_.add_argument("--state", default="/var/lib/lorad-power/changed.json", help="the GPUs it changed (root only)")
+    p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
+    p_.set_defaults(fn=cmd_power_helper)
 
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
