@@ -88,13 +88,14 @@ class Daemon:
         self.log_path = self.home.parent / f"{self.home.name}-daemon.log"
         self.client = Client(self.home / "lorad.sock", timeout_s=30)
         self.started_at = 0.0
+        self.run_as: dict[str, Any] = {}  # subprocess's user=, group=, extra_groups=: a daemon as another user
 
     def start(self, wait: bool = True) -> Daemon:
         self.started_at = time.monotonic()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([PY, "-m", "daemon.client.cli", "serve", "--home", str(self.home),
                                       "--config", str(self.config_path)],
-                                     stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(REPO))
+                                     stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(REPO), **self.run_as)
         log.close()
         if wait:
             self.wait_ready()
