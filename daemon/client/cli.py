@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--config", help="daemon config YAML (see configs/daemon.yaml)")
     p_.set_defaults(fn=cmd_serve, needs_training_stack=True)
 
-    p_ = sub.add_parser("install-service", help="install and enable the systemd unit (root)")
+    p_ = sub.add_parser("install-service", help="install and enable the systemd units, lorad and lorad-power (root)")
     p_.add_argument("--dest", default="/etc/systemd/system/lorad.service")
     p_.add_argument("--no-enable", action="store_true", help="write the unit, do not enable or start it")
     p_.add_argument("--dry-run", action="store_true", help="print the unit that would be installed")
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ = sub.add_parser("power", parents=[common], help="GPU power telemetry, caps and the tuned limit")
     p_.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
     p_.add_argument("--interval", type=_seconds, default=1.0)
-    p_.add_argument("--limit", type=_watts, metavar="W", help="set a manual power limit in watts (needs root)")
+    p_.add_argument("--limit", type=_watts, metavar="W", help="set a manual power limit in watts (through the power helper)")
     p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)

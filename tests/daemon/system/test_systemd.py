@@ -244,5 +244,7 @@ def test_lorad_serve_speaks_notify_ready_after_reconciliation_watchdog_and_stopp
             except TimeoutError:
                 break
         assert "STOPPING=1" in rest
+        if os.geteuid() == 0:  # the suite's root in a container: allowed by run_as_root, and said so at start
+            assert '"event": "run_as_root"' in d.log(), d.log()
     finally:
         d.cleanup()
