@@ -9,7 +9,7 @@ root process owns that one capability and the daemon (the `lorad` user) asks it 
 
 One JSON object a line, at most MAX_LINE bytes, typed by pydantic (unknown keys refused). Watts outside the
 GPU's NVML constraints are refused, never clamped. Who may ask: the socket file is the allowed user's, mode 0600,
-and each connection's SO_PEERCRED uid must be that user's (root included: root needs no helper). It restores
+and each connection's SO_PEERCRED uid must be that user's (any other is refused, root too: root needs no helper). It restores
 NVML's default limit on every GPU it changed when it stops (SIGTERM), and at start on those a previous run
 changed and did not restore (it crashed): that list is the state file.
 """
@@ -99,9 +99,16 @@ class PowerHelper:
         info = self._check_gpu(gpu)
         if not info.min_w <= watts <= info.max_w:
             raise CapRefused(f"GPU {gpu}: {watts:g} W is outside its limits [{info.min_w:g}, {info.max_w:g}] W")
+        was_changed = gpu in self.changed
         self.changed.add(gpu)
         self._save()  # first: a crash after the change still leaves it listed for the next start
-        self.device.set_limit_w(gpu, watts)
+        try:
+            self.device.set_limit_w(gpu, watts)
+        except CapRefused:
+            if not was_changed:  # the driver kept its limit: not ours to restore
+                self.changed.discard(gpu)
+                self._save()
+            raise
         self.log.info("power limit set", gpu=gpu, limit_w=watts)
         return watts
 

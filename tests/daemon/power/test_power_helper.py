@@ -190,6 +190,16 @@ def test_another_user_cannot_connect_and_is_refused_by_uid_even_when_the_socket_
     assert helper.log.named("power helper peer refused") == [{"uid": 65534}]
 
 
+def test_a_change_the_driver_refuses_is_said_and_not_remembered_as_the_helpers(open_dir):
+    h = Helper(open_dir, SimulatedDevice(1, refuse_limits=True))
+    try:
+        reply = ask(connect(h.socket), b'{"op": "set-limit", "gpu": 0, "watts": 200}\n')
+        assert reply["ok"] is False and "insufficient permissions" in reply["error"], reply
+        assert json.loads(h.state.read_text()) == {"changed": []}  # nothing for a stop to put back
+    finally:
+        h.close()
+
+
 def test_stopping_restores_every_gpu_it_changed_and_only_those(open_dir):
     dev = SimulatedDevice(3)
     dev.set_limit_w(2, 180.0)  # set by someone else before the helper: not the helper's to undo
