@@ -23,6 +23,7 @@ import socket
 import socketserver
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -147,16 +148,14 @@ class PowerHelper:
 
 
 class _Handler(socketserver.StreamRequestHandler):
-    timeout = CLIENT_TIMEOUT_S  # applied to the connection by StreamRequestHandler.setup
+    timeout = CLIENT_TIMEOUT_S  # each request line must arrive whole within this long (one deadline per line)
 
     def handle(self) -> None:
         helper: PowerHelper = self.server.helper  # type: ignore[attr-defined]
+        buf = b""
         while True:
-            try:
-                line = self.rfile.readline(MAX_LINE + 1)
-            except OSError:  # the timeout, a reset
-                return
-            if not line:
+            line, buf = self._line(buf)
+            if line is None:
                 return
             if len(line) > MAX_LINE or not line.endswith(b"\n"):
                 self._send(Reply(ok=False, error=f"bad request: a line is at most {MAX_LINE} bytes"))
@@ -164,6 +163,25 @@ class _Handler(socketserver.StreamRequestHandler):
             reply, go_on = helper.answer(line)
             if not self._send(reply) or not go_on:
                 return
+
+    def _line(self, buf: bytes) -> tuple[bytes | None, bytes]:
+        """The next line (with its newline; over MAX_LINE bytes: cut there) and what follows it; None: the peer
+        hung up, went silent, or trickled past the deadline."""
+        deadline = time.monotonic() + self.timeout
+        while b"\n" not in buf and len(buf) <= MAX_LINE:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, b""
+            self.connection.settimeout(left)
+            try:
+                chunk = self.connection.recv(MAX_LINE + 1 - len(buf))
+            except OSError:  # the timeout, a reset
+                return None, b""
+            if not chunk:
+                return None, b""
+            buf += chunk
+        end = buf.find(b"\n") + 1 or MAX_LINE + 1
+        return buf[:end], buf[end:]
 
     def _send(self, reply: Reply) -> bool:
         try:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -145,9 +146,16 @@ def test_a_silent_or_partial_client_is_cut_off_and_idle_ones_cannot_hold_more_th
     partial = connect(helper.socket)
     partial.sendall(b'{"op": "set-')
     assert closed(partial)  # after the timeout, without an answer
+    trickle = connect(helper.socket)
+    t0 = time.monotonic()
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):
+        for byte in b'{"op": "restore-default", "gpu": 0}':  # a byte every 0.1 s: one deadline for the line
+            trickle.sendall(bytes([byte]))
+            time.sleep(0.1)
+    assert time.monotonic() - t0 < 2
+    monkeypatch.setattr(helper_mod._Handler, "timeout", 5.0)
     held = [connect(helper.socket) for _ in range(helper_mod.MAX_CLIENTS)]
     try:
-        monkeypatch.setattr(helper_mod._Handler, "timeout", 5.0)
         assert "busy" in ask(connect(helper.socket), b'{"op": "restore-default", "gpu": 0}\n')["error"]
     finally:
         for c in held:
