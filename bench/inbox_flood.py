@@ -40,7 +40,7 @@ def main() -> int:
     notify.bind(sock_path)
     notify.settimeout(0.2)
     cfg = {"allowed_roots": ["{home}", str(root)], "tick_s": 0.5, "inbox_settle_s": 0.2, "inbox_rescan_s": 1.0,
-           "power": {"telemetry": {"backend": "off"}}, "web": {"listen": "127.0.0.1:0"}, "allow_root_trainers": True,
+           "power": {"telemetry": {"backend": "off"}}, "web": {"listen": "127.0.0.1:0"}, "run_as_root": True,
            "rejected_keep": max(1000, args.files)}  # pruning would otherwise hide rejections from the count
     (root / "daemon.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "2000000",

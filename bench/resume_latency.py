@@ -97,7 +97,7 @@ def main() -> int:
     config = tmp / "daemon.yaml"
     config.write_text(yaml.safe_dump({"allowed_roots": ["{home}", str(REPO), str(tmp), str(job_path.parent)],
                                       "tick_s": 0.1, "power": {"telemetry": {"backend": "off"}},
-                                      "allow_root_trainers": os.geteuid() == 0}))  # as root: no trainer user here
+                                      "run_as_root": os.geteuid() == 0}))  # as root: no trainer user here
     log = open(tmp / "daemon.log", "ab")
     print(f"job {job_path.name}: {total} steps, checkpoint {interval}; seed {seed}; home {home}")
 

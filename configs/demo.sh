@@ -15,9 +15,9 @@ allowed_roots: ["{home}", "$REPO"]
 tick_s: 0.25
 web: {listen: "127.0.0.1:${LORAD_DEMO_PORT:-0}"}   # port 0: any free port; lorad web-url says which
 YAML
-# A daemon running as root starts trainers as `trainer_user` and refuses to start without one; a fresh machine
-# or container where the demo runs as root has no such user, so the demo says explicitly that root may train.
-if [ "$(id -u)" = 0 ]; then echo "allow_root_trainers: true   # the demo runs as root" >> "$DEMO/daemon.yaml"; fi
+# lorad serve runs as its own user, never root; in a container where root is the only user it starts as root
+# only when told so explicitly (outside a container a root daemon refuses, saying what to do instead).
+if [ "$(id -u)" = 0 ]; then echo "run_as_root: true   # the demo runs as root (in a container)" >> "$DEMO/daemon.yaml"; fi
 
 echo "== lorad serve --home $HOME_DIR   (daemon log: $DEMO/daemon.log)"
 $LORAD serve --home "$HOME_DIR" --config "$DEMO/daemon.yaml" > "$DEMO/daemon.log" 2>&1 &

@@ -4,6 +4,7 @@
     daemon/client/foreground.py       run cache
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
+    daemon/power/helper.py            power-helper (root, its own unit)
 
 Every client verb is one typed request over the daemon's socket (daemon/protocol.py), printed as a table
 (daemon/client/render.py) or, with --json, as the reply's JSON. Nothing imported at the top of this module or of
@@ -79,6 +80,12 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     from daemon.system.install_service import cmd_install_service as install
 
     return install(args)
+
+
+def cmd_power_helper(args: argparse.Namespace) -> int:
+    from daemon.power.helper import cmd_power_helper as helper
+
+    return helper(args)
 
 
 # ================================================================ parser
@@ -185,11 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--config", help="daemon config YAML (see configs/daemon.yaml)")
     p_.set_defaults(fn=cmd_serve, needs_training_stack=True)
 
-    p_ = sub.add_parser("install-service", help="install and enable the systemd unit (root)")
+    p_ = sub.add_parser("install-service", help="install and enable the systemd units, lorad and lorad-power (root)")
     p_.add_argument("--dest", default="/etc/systemd/system/lorad.service")
     p_.add_argument("--no-enable", action="store_true", help="write the unit, do not enable or start it")
     p_.add_argument("--dry-run", action="store_true", help="print the unit that would be installed")
     p_.set_defaults(fn=cmd_install_service)
+
+    p_ = sub.add_parser("power-helper", help="the root helper that sets NVML power limits for the lorad user "
+                                             "(systemd/lorad-power.service)")
+    p_.add_argument("--user", default="lorad", help="the one user who may use its socket")
+    p_.add_argument("--socket", default="/run/lorad-power/lorad-power.sock")
+    p_.add_argument("--state", default="/var/lib/lorad-power/changed.json", help="the GPUs it changed (root only)")
+    p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
+    p_.set_defaults(fn=cmd_power_helper)
 
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
@@ -221,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_ = sub.add_parser("power", parents=[common], help="GPU power telemetry, caps and the tuned limit")
     p_.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
     p_.add_argument("--interval", type=_seconds, default=1.0)
-    p_.add_argument("--limit", type=_watts, metavar="W", help="set a manual power limit in watts (needs root)")
+    p_.add_argument("--limit", type=_watts, metavar="W", help="set a manual power limit in watts (through the power helper)")
     p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)

@@ -56,8 +56,8 @@ class DaemonConfig(BaseModel):
     kill_wait_s: float = Field(30.0, gt=0, le=3600)  # alive this long after SIGKILL = stuck (hung driver): reported
     preempt: bool = True  # lower-priority running jobs checkpoint and yield to a higher-priority job that waits
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
-    trainer_user: str | None = None  # a root daemon runs trainers as this user (required then); else unused
-    allow_root_trainers: bool = False  # root daemon, no trainer_user: run job code as root anyway (containers, CI)
+    run_as_root: bool = False  # a root daemon starts only in a container, and only with this (daemon/system/privilege.py)
+    trainer_user: str | None = None  # such a root daemon runs trainers as this user (else as root); else unused
 
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)

@@ -34,6 +34,8 @@ class TelemetrySettings(_Strict):
 class CapsSettings(_Strict):
     default_w: int | None = Field(None, ge=1, le=2000)  # daemon-wide cap on every GPU; None = leave the driver's limit
     restore_on_exit: bool = True  # put back the limit found at start-up when the daemon exits
+    # A daemon that is not root sets limits through the power helper (systemd/lorad-power.service) on this socket
+    helper_socket: str = "/run/lorad-power/lorad-power.sock"
 
 
 class TunerSettings(_Strict):

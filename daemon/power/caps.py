@@ -3,7 +3,8 @@
 The limit found the first time a GPU is touched is the one restored — at job
 end (when no daemon-wide cap applies) and at daemon exit. A refused change is
 reported once per GPU and per limit, and never raised: the job runs on at
-whatever limit the driver keeps.
+whatever limit the driver keeps. A daemon that is not root sets limits through
+the power helper (daemon/power/helper_client.py): its device says so.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ class CapManager:
             return True  # never changed by us
         before = self.original[gpu]
         try:
-            self.device.set_limit_w(gpu, before)
+            # Through the power helper, the driver's default is restore-default: the helper then forgets the GPU.
+            restore_default = getattr(self.device, "restore_default", None)
+            if restore_default is not None and before == self.device.info(gpu).default_w:
+                restore_default(gpu)
+            else:
+                self.device.set_limit_w(gpu, before)
         except CapRefused as e:
             self.log.warning("power limit restore refused", gpu=gpu, limit_w=before, reason=reason, error=str(e))
             return False

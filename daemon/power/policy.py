@@ -24,6 +24,7 @@ from typing import Any
 from daemon.config.power import PowerSettings
 from daemon.power.caps import CapManager
 from daemon.power.gpu import Device
+from daemon.power.helper_client import caps_seam
 from daemon.power.job_energy import JobEnergy, MeteredJob, event_time
 from daemon.power.run_policy import Decision, RunningJob
 from daemon.power.schedule import Schedule
@@ -43,8 +44,8 @@ class PowerPolicy(JobEnergy):
         self._energy: dict[int, deque[tuple[float, float]]] = {}
         self._lock = threading.RLock()  # supervisor thread + socket handlers (lorad power)
         self.store = TelemetryStore(db_path, settings.telemetry.raw_retention_s, settings.telemetry.history_days)
-        self.device = device if device is not None else open_device(
-            settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock)
+        self.device = device if device is not None else caps_seam(open_device(
+            settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock), settings.caps.helper_socket)
         self.caps = CapManager(self.device, log) if self.device is not None else None
         self.sampler = (TelemetrySampler(self.device, self._write_samples, settings.telemetry.interval_s, log)
                         if self.device is not None else None)
@@ -270,7 +271,9 @@ class PowerPolicy(JobEnergy):
                                    "jobs": {}, "notes": list(self.last_notes)}
             if self.device is None:
                 rep["notes"].insert(0, "telemetry unavailable")
-            else:
+            elif why := getattr(self.device, "caps_unavailable", lambda: None)():
+                rep["notes"].insert(0, why)
+            if self.device is not None:
                 for g in range(self.device.count()):
                     info = self.device.info(g)
                     latest = self.sampler.latest.get(g) if self.sampler else None

@@ -41,7 +41,7 @@ from daemon.store.unusable import unusable_reason
 from daemon.supervisor import devices as devices_mod
 from daemon.supervisor.loop import Supervisor
 from daemon.supervisor.notifications import Notifications
-from daemon.system import trainer_user
+from daemon.system import privilege, trainer_user
 from daemon.system.lock import AlreadyRunning, HomeLock
 from daemon.system.log import setup as setup_log
 from daemon.system.notify import SystemdNotifier
@@ -93,7 +93,16 @@ def serve(home: Path, config_path: str | None) -> int:
     except ConfigInvalid as e:
         print(f"lorad: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    try:  # before anything is created or opened: a root daemon outside a container touches nothing
+        as_root = privilege.check_daemon_user(os.geteuid(), cfg.run_as_root)
+    except ConfigInvalid as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     log = setup_log()
+    if as_root:
+        log.warning("run_as_root", trainer_user=cfg.trainer_user,
+                    message="run_as_root: this daemon runs as root in a container"
+                            + ("" if cfg.trainer_user else "; job code runs as root too"))
     ensure_dir_durable(RealFs(), home)
     lock = HomeLock(home)
     try:
@@ -138,11 +147,10 @@ def open_store(home: Path, cfg: DaemonConfig, config_path: str | None, log) -> S
     except StoreUnusable as e:
         raise CannotStart(str(e), EXIT_CONFIG) from None
     try:
-        # As root, no job's code runs as root. Checked once the state.db is known to be usable, so that its
-        # verdict (exit 78 too) is the one a broken home gets.
-        if trainer_user.check_at_start(cfg.trainer_user, os.geteuid(), cfg.allow_root_trainers) is None \
-                and os.geteuid() == 0:
-            log.warning("root_trainers", message="allow_root_trainers: job code runs as root; set trainer_user")
+        # A root daemon (run_as_root, in a container) with a trainer_user: that user exists and is not root.
+        # Checked once the state.db is known to be usable, so that its verdict (exit 78 too) is the one a broken
+        # home gets.
+        trainer_user.resolve(cfg.trainer_user, os.geteuid())
     except ConfigInvalid as e:
         store.close()
         raise CannotStart(f"{config_path or 'daemon config'}: {e}", EXIT_CONFIG) from None

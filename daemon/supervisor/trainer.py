@@ -88,12 +88,13 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
           cfg: DaemonConfig | None = None) -> subprocess.Popen:
     """Start a trainer leading a session of its own, stdout piped (heartbeats), stderr appended to trainer.log.
 
-    A root daemon starts it as `trainer_user` (daemon/system/trainer_user.py), never as root. Its umask is its own
+    It runs as the daemon's user; a root daemon (in a container, `run_as_root`) starts it as `trainer_user` when
+    that names one (daemon/system/trainer_user.py). Its umask is its own
     (TRAINER_UMASK), not the daemon's: what it writes is readable by the socket group, not writable.
     Raises OSError when it cannot be started.
     """
     try:
-        # `lorad serve` refused to start as root without a trainer_user (trainer_user.check_at_start).
+        # `lorad serve` checked the name at start; the user may have been removed since.
         run_as = None if cfg is None else trainer_user_mod.resolve(cfg.trainer_user, os.geteuid())
     except ConfigInvalid as e:
         raise OSError(str(e)) from None  # refused like any failed start: the job is requeued, the reason shown

@@ -1,13 +1,15 @@
-"""Who a trainer runs as: never root. A daemon running as root starts every trainer as `trainer_user`.
+"""Who a trainer runs as: the daemon's own user (`lorad`, daemon/system/privilege.py), or, for a root daemon in a
+container (`run_as_root: true`), `trainer_user` when it names one.
 
 A job names code (a model's remote code, a data loader's files, pickles in a checkpoint): whatever it runs,
-it runs as an unprivileged user. Only what needs root stays in the daemon (NVML power limits). The drop is
+it runs as the daemon's user, or the trainer user a root daemon drops to. The drop is
 subprocess's own: setgid, setgroups (the user's groups, as initgroups would give) and setuid in the child
 between fork and exec. The job's directory is handed to that user (it writes checkpoints, output and events
 there), except job.yaml and submitted.yaml, which stay the daemon's (see daemon/intake/accept.py), and so is the
 home's shared cache directory (HOME/cache; the entries in it are each their writer's).
 
-A daemon that is not root runs trainers as its own user; trainer_user is then not used.
+A daemon that is not root runs trainers as its own user; trainer_user is then not used. Without trainer_user
+a root daemon (only ever in a container, said in its log at start) runs job code as root.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class RunAs:
 
 
 def resolve(trainer_user: str | None, euid: int) -> RunAs | None:
-    """The user a root daemon (euid 0) starts trainers as; None: as the daemon itself. ConfigInvalid names the key."""
+    """The user a root daemon (euid 0) starts trainers as; None: as the daemon itself. ConfigInvalid names the key.
+
+    `lorad serve` calls it once at start, so that a wrong name stops it with exit 78 rather than every start."""
     if euid != 0 or not trainer_user:
         return None
     try:
@@ -51,18 +55,6 @@ def resolve(trainer_user: str | None, euid: int) -> RunAs | None:
     if pw.pw_uid == 0:
         raise ConfigInvalid(f"trainer_user: {trainer_user!r} is root (uid 0); trainers must run unprivileged")
     return RunAs(pw.pw_name, pw.pw_uid, pw.pw_gid, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)), pw.pw_dir)
-
-
-def check_at_start(trainer_user: str | None, euid: int, allow_root: bool) -> RunAs | None:
-    """`lorad serve`'s check: a root daemon has an unprivileged trainer_user, or was told so explicitly.
-
-    allow_root (`allow_root_trainers: true`) is the explicit opt-out for machines where root is the only user
-    (a container, a CI runner); it never applies when trainer_user is set.
-    """
-    if euid == 0 and not trainer_user and not allow_root:
-        raise ConfigInvalid("trainer_user: required when the daemon runs as root, so that no job's code runs as "
-                            "root (e.g. trainer_user: lorad; `lorad install-service` creates that user)")
-    return resolve(trainer_user, euid)
 
 
 def protect_job_files(workdir: Path, dir_mode: int, file_mode: int) -> None:

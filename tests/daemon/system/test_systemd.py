@@ -100,10 +100,18 @@ def test_exit_78_is_the_status_systemd_does_not_restart_on():
     assert unit_settings()["RestartPreventExitStatus"] == [str(EXIT_CONFIG)] and EXIT_CONFIG == 78
 
 
+def root_in_container_config(tmp_path) -> str:
+    """The suite runs as root in a container: the setting that lets a root daemon start there."""
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text("run_as_root: true\n")
+    return str(cfg)
+
+
 def serve_once(home) -> subprocess.CompletedProcess:
     from tests.helpers.processes import child_env
 
-    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home), "--config",
+                           root_in_container_config(home.parent)], capture_output=True,
                           text=True, cwd=REPO, env=child_env(), timeout=120)
 
 
@@ -133,7 +141,7 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
     try:
         assert locker.stdout.readline().strip() == "locked"
         monkeypatch.setattr(service, "Store", functools.partial(Store, timeout_s=0.3))  # not the 30 s of production
-        assert service.serve(home, None) == 78
+        assert service.serve(home, root_in_container_config(tmp_path)) == 78
     finally:
         locker.kill()
         locker.wait()
@@ -142,44 +150,63 @@ def test_a_state_db_locked_by_another_process_is_one_line_and_exit_78(tmp_path, 
     HomeLock(home).acquire()  # the home lock was given back
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_systemd_analyze_verify_accepts_the_installed_unit(tmp_path):
-    # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
+def dry_run(monkeypatch=None) -> dict[str, str]:
+    """What `lorad install-service --dry-run` prints, by the path each part would be written to."""
     from tests.helpers.daemon import cli_in_process
     from tests.helpers.processes import child_env
 
     r = cli_in_process(["install-service", "--dry-run"], child_env())  # its text is the point, not its process
     assert r.returncode == 0, r.stderr
-    out = r.stdout
-    unit = out.split("# --- /etc/lorad/daemon.yaml")[0]  # the starter daemon.yaml follows the unit
-    exe = unit.split("ExecStart=")[1].split()[0]
-    if not os.access(exe, os.X_OK):
-        unit = unit.replace(exe, sys.executable)
-    path = tmp_path / "lorad.service"
-    path.write_text(unit)
-    r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True)
-    problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "lorad.service" in ln]
+    parts = r.stdout.split("# --- ")[1:]
+    return {p.split("\n", 1)[0].split(" (")[0]: p.split("\n", 1)[1] for p in parts}
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_analyze_verify_accepts_both_installed_units(tmp_path):
+    # What install-service writes: ExecStart points at this lorad (verify checks that it is executable).
+    out = dry_run()
+    units = {path: text for path, text in out.items() if path.startswith("/etc/systemd/system/")}
+    assert sorted(units) == ["/etc/systemd/system/lorad-power.service", "/etc/systemd/system/lorad.service"]
+    paths = []
+    for path, text in units.items():
+        exe = text.split("ExecStart=")[1].split()[0]
+        if not os.access(exe, os.X_OK):
+            text = text.replace(exe, sys.executable)
+        paths.append(tmp_path / path.rsplit("/", 1)[1])
+        paths[-1].write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", *map(str, paths)], capture_output=True, text=True,
+                       cwd=tmp_path)  # the units see each other (Wants=, Before=) in the directory they are in
+    problems = [ln for ln in (r.stdout + r.stderr).splitlines() if "lorad" in ln]
     assert r.returncode == 0 and not problems, r.stdout + r.stderr
 
 
-def test_install_service_dry_run_points_only_the_exec_lines_at_this_lorad_and_prints_the_starter_config(
-        capsys, monkeypatch):
-    import argparse
-
+def test_install_service_dry_run_prints_both_units_lorad_unprivileged_the_helper_as_root_and_the_starter_config(
+        monkeypatch):
     import yaml
 
     from daemon.config.daemon import DaemonConfig
     from daemon.system import install_service
 
     monkeypatch.setattr(install_service.shutil, "which", lambda name: "/opt/venv/bin/lorad")
-    args = argparse.Namespace(dest="/etc/systemd/system/lorad.service", dry_run=True, no_enable=False)
-    assert install_service.cmd_install_service(args) == 0
-    unit, config = capsys.readouterr().out.split("# --- /etc/lorad/daemon.yaml (written only if it does not exist)\n")
+    out = dry_run()
+    unit, helper = out["/etc/systemd/system/lorad.service"], out["/etc/systemd/system/lorad-power.service"]
     assert [ln for ln in unit.splitlines() if "/opt/venv/bin/lorad" in ln] == [
         "ExecStart=/opt/venv/bin/lorad serve --home /var/lib/lorad --config /etc/lorad/daemon.yaml"]
+    assert [ln for ln in helper.splitlines() if ln.startswith("ExecStart=")] == [
+        "ExecStart=/opt/venv/bin/lorad power-helper --user lorad --socket /run/lorad-power/lorad-power.sock "
+        "--state /var/lib/lorad-power/changed.json"]
     assert "/usr/local/bin/lorad" in unit  # the comment that explains the substitution, as shipped
-    starter = DaemonConfig.model_validate(yaml.safe_load(config))
-    assert (starter.socket_group, starter.trainer_user) == ("lorad", "lorad")
+
+    def settings(text: str) -> dict[str, list[str]]:
+        pairs = [ln.split("=", 1) for ln in text.splitlines() if "=" in ln and not ln.startswith("#")]
+        return {k: [v for k2, v in pairs if k2 == k] for k, _ in pairs}
+
+    u, h = settings(unit), settings(helper)
+    assert u["User"] == ["lorad"] and u["Group"] == ["lorad"] and u["CapabilityBoundingSet"] == [""]
+    assert "lorad-power.service" in u["Wants"][0] and "lorad-power.service" in u["After"][0]
+    assert "User" not in h and h["RuntimeDirectory"] == ["lorad-power"]  # the helper is root's: NVML needs it
+    starter = DaemonConfig.model_validate(yaml.safe_load(out["/etc/lorad/daemon.yaml"]))
+    assert starter.socket_group == "lorad" and starter.trainer_user is None and starter.run_as_root is False
 
 
 def test_a_second_lock_on_the_same_home_is_refused_with_the_holder(tmp_path):
@@ -217,5 +244,7 @@ def test_lorad_serve_speaks_notify_ready_after_reconciliation_watchdog_and_stopp
             except TimeoutError:
                 break
         assert "STOPPING=1" in rest
+        if os.geteuid() == 0:  # the suite's root in a container: allowed by run_as_root, and said so at start
+            assert '"event": "run_as_root"' in d.log(), d.log()
     finally:
         d.cleanup()

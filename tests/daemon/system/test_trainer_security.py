@@ -149,22 +149,12 @@ def test_a_daemon_that_is_not_root_starts_trainers_as_itself_with_their_own_umas
     assert "user" not in fake_popen[0] and fake_popen[0]["umask"] == 0o027
 
 
-def test_a_root_daemon_needs_an_unprivileged_trainer_user():
-    for user, why in ((None, "required"), ("root", "is root"), ("no-such-user-here", "no user")):
+def test_a_trainer_user_for_a_root_daemon_exists_and_is_not_root():
+    for user, why in (("root", "is root"), ("no-such-user-here", "no user")):
         with pytest.raises(ConfigInvalid, match=rf"^trainer_user: .*{why}"):
-            trainer_user_mod.check_at_start(user, 0, allow_root=False)
-    assert trainer_user_mod.check_at_start(None, 1000, allow_root=False) is None  # not root: trainers run as it
-    assert trainer_user_mod.check_at_start(None, 0, allow_root=True) is None  # the explicit opt-out
-    with pytest.raises(ConfigInvalid, match="is root"):
-        trainer_user_mod.check_at_start("root", 0, allow_root=True)  # never a way to name root itself
-
-
-def test_a_root_daemon_without_trainer_user_exits_78_naming_the_key(tmp_path, monkeypatch, capsys):
-    from daemon.service.serve import serve
-
-    monkeypatch.setattr(os, "geteuid", lambda: 0)
-    assert serve(tmp_path / "home", None) == 78
-    assert "trainer_user: required" in capsys.readouterr().err
+            trainer_user_mod.resolve(user, 0)
+    assert trainer_user_mod.resolve("root", 1000) is None  # not root: trainers run as the daemon, the key unused
+    assert trainer_user_mod.resolve(None, 0) is None  # root in a container without it: as root (logged at start)
 
 
 def test_before_each_start_job_files_left_group_writable_by_an_older_lorad_are_protected(accepted, fake_popen):
