@@ -14,7 +14,11 @@ latents (flux2, qwen_image) is an `ImageFamily` holding a small per-model
 - the loss: rectified flow, as in engine/families/image/flux.py's docstring —
   x_σ = (1 − σ)·x0 + σ·ε, target ε − x0, a plain MSE on the packed tokens —
   with every random draw (flip, caption dropout, noise, σ) from the
-  checkpointed generator, in that order;
+  checkpointed generator, in that order; data.masks and the regularisation
+  images' loss weights weight it (masked_loss.py: the latent-grid mask packed
+  by the model's own `pack`), train.dop adds its preservation term (dop.py),
+  and the validation loss is the same objective on held-out images with
+  draws of their own (engine/training/heldout.py);
 - σ sampling (train.timestep_sampling): `sigmoid` (logit-normal), `linear`
   (uniform), or `shift`: uniform t moved by the exponential time shift of the
   model's own scheduler, σ = e^μ / (e^μ + 1/t − 1), with μ the
