@@ -10,7 +10,7 @@ from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, Strict, key
 
 
 class MaskConfig(Strict):
-    """flux only: a per-image loss mask (engine/data/masks.py): a folder of same-name masks, or the alpha channel."""
+    """Image families: a per-image loss mask (engine/data/masks.py): a folder of same-name masks, or the alpha channel."""
 
     path: str | None = None
     alpha: bool = False
@@ -23,7 +23,7 @@ class MaskConfig(Strict):
 
 
 class RegularisationConfig(Strict):
-    """flux only: a second image folder (class images, own captions) mixed into the order with its own loss weight."""
+    """Image families: a second image folder (class images, own captions) mixed into the order with its own loss weight."""
 
     path: str
     weight: float = Field(1.0, gt=0.0, le=100.0)
@@ -67,7 +67,7 @@ class DataConfig(Strict):
     caption_dropout: float = key(0.0, ge=0.0, le=1.0, families=IMAGE_FAMILIES)
     flip: bool = key(False, families=IMAGE_FAMILIES)
     repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
-    # FLUX.1's so far: the other image families do not read these yet
-    masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES, read_by=("flux",))
-    regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES, read_by=("flux",))
-    validation: ValidationConfig | None = key(None, read_by=("causal_lm", "flux"), identity=PARTS)
+    # the image families' quality features (engine/data/image_sets.py)
+    masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES)
+    regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES)
+    validation: ValidationConfig | None = key(None, identity=PARTS)

@@ -102,19 +102,33 @@ def image_output_formats(cfg: JobConfig) -> list[Problem]:
     return out
 
 
+# lora.type per image family: the types whose files lorad writes so that the loaders apply them as trained (the
+# format rules in image_output_formats: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file). A family
+# not named here trains plain LoRA only until its exports are checked.
+IMAGE_LORA_TYPES = {"flux": ("lora", "dora", "lokr", "loha"), "chroma": ("lora", "dora", "lokr", "loha"),
+                    "qwen_image": ("lora", "dora", "lokr", "loha"), "z_image": ("lora", "dora", "lokr", "loha"),
+                    "flux2": ("lora", "dora")}
+_WHY_NOT = {
+    "flux2": "ComfyUI's FLUX.2 model fuses q, k and v (and the single blocks' q, k, v and MLP input) into one "
+             "linear and maps FLUX.2 LoRA keys by those fused BFL names only; a LoKr or LoHa update of each part "
+             "is no LyCORIS update of the fused weight, and diffusers' load_lora_weights reads neither",
+}
+
+
 def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
-    """Keys of the image families that only FLUX.1's trainer reads so far (key(read_by=...)), and lora.type."""
+    """Keys of the image families that some family's trainer does not read yet (key(read_by=...)), and lora.type."""
     family = cfg.model.family
     if family not in IMAGE_FAMILIES:
         return []
     out = []
     if unread := keys_not_read_by(cfg, family):
         keys = ", ".join(unread)
-        out.append(Problem(keys, f"{keys}: only for model.family flux so far (this job is {family})"))
-    if family != "flux" and cfg.lora.type != "lora":
+        out.append(Problem(keys, f"{keys}: not read by model.family {family} yet"))
+    types = IMAGE_LORA_TYPES.get(family, ("lora",))
+    if cfg.lora.type not in types:
+        why = _WHY_NOT.get(family, "its exports are not yet checked against diffusers' and ComfyUI's loaders")
         out.append(Problem("lora.type", f"lora.type: {cfg.lora.type} is not supported for model.family {family} "
-                                        "yet (only lora: its exports are checked against diffusers' and ComfyUI's "
-                                        "loaders)"))
+                                        f"(it trains {', '.join(types)}): {why}"))
     return out
 
 

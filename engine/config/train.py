@@ -36,7 +36,7 @@ class TimestepBias(Strict):
 
 
 class DopConfig(Strict):
-    """flux only: differential output preservation (engine/families/image/flux.py: Flux.loss)."""
+    """Image families: differential output preservation (engine/families/image/dop.py)."""
 
     preservation_class: str = Field(min_length=1, max_length=200)
     weight: float = Field(1.0, gt=0.0, le=100.0)
@@ -85,8 +85,8 @@ class TrainConfig(Strict):
     guidance: float = key(1.0, ge=0.0, le=100.0, families=IMAGE_FAMILIES)
     # emphasise high or low noise levels (engine/families/image/timestep_bias.py).
     timestep_bias: TimestepBias = key(default_factory=TimestepBias, families=IMAGE_FAMILIES)
-    # flux only: keep the class (train.dop.preservation_class) as the base model draws it; needs data.trigger.
-    dop: DopConfig | None = key(None, families=IMAGE_FAMILIES, read_by=("flux",))
+    # keep the class (train.dop.preservation_class) as the base model draws it; needs data.trigger.
+    dop: DopConfig | None = key(None, families=IMAGE_FAMILIES)
     # How several processes hold the model: ddp, a whole copy each; fsdp, the base and adapter sharded over them
     # (FSDP2, engine/distributed/fsdp.py) for a base too big for one GPU.
     sharding: Literal["ddp", "fsdp"] = "ddp"

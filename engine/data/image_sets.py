@@ -11,6 +11,7 @@ a collated batch. Shared by the image families.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,12 @@ def regularisation_items(cfg: JobConfig, log) -> list[Item]:
     return make_items(records, cfg.data.resolution, None, loss_weight=reg.weight, repeats=reg.repeats)
 
 
-def extra_batch(items: list[Item], cache, plan, indices: list[int], latents: list[dict[str, torch.Tensor]]
-                ) -> dict[str, Any]:
-    """Masks (all-ones for an unmasked sample), loss weights and DOP class prompts, where the job has them."""
+def extra_batch(items: list[Item], cache, plan, indices: list[int], latents: list[dict[str, torch.Tensor]],
+                texts: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Masks (all-ones for an unmasked sample), loss weights and DOP class prompts, where the job has them.
+
+    `texts` batches cached text entries the family's way (FLUX.1 stacks T5 and CLIP; the others pad to the
+    longest with a mask); each of its keys K comes back as class_K."""
     out: dict[str, Any] = {}
     picked = [items[i] for i in indices]
     if any(it.mask is not None for it in picked):
@@ -50,7 +54,6 @@ def extra_batch(items: list[Item], cache, plan, indices: list[int], latents: lis
     if any(it.loss_weight != 1.0 for it in items):
         out["loss_weight"] = torch.tensor([it.loss_weight for it in picked], dtype=torch.float32)
     if plan.item_class_text is not None:
-        txt = [cache.load(plan.item_class_text[i]) for i in indices]
-        out["class_prompt_embeds"] = torch.stack([t["prompt_embeds"] for t in txt])
-        out["class_pooled"] = torch.stack([t["pooled"] for t in txt])
+        txt = texts([cache.load(plan.item_class_text[i]) for i in indices])
+        out.update({f"class_{k}": v for k, v in txt.items()})
     return out

@@ -6,14 +6,14 @@ depends on train.seed and n alone. Training then never sees them: its dataset is
 renumbered in their original order, and its data order is the usual seeded permutation over those
 (engine/data/order.py) — a pure function of the seed, as without validation, but a different order from
 the same job without `fraction` (which is why `fraction` is part of the job's identity hash and `path`,
-`every_steps` and `batches` are not). The causal LM holds out packed samples (data.seq_len tokens), Flux
-holds out images (with every resolution of each).
+`every_steps` and `batches` are not). The causal LM holds out packed samples (data.seq_len tokens), the image
+families hold out images (with every resolution of each).
 
 An evaluation (`evaluate`) reads the first `batches` batches of train.batch_size samples of the set, in a
 fixed order, so every evaluation sees the same samples. It runs in eval mode without gradients, on the
 weights to evaluate (the EMA's when train.ema is set, schedule-free's averaged point), and draws nothing
-from the training RNG: Flux's noise and timesteps for validation sample i come from a generator of its own
-seeded from (train.seed, i) (`sample_generator`), so two evaluations differ only by the weights, and the
+from the training RNG: an image family's noise and timesteps for validation sample i come from a generator of
+its own seeded from (train.seed, i) (`sample_generator`), so two evaluations differ only by the weights, and the
 global RNG is forked around the whole evaluation. On several processes batch k goes to rank k % W and the
 sums are all-reduced: every rank takes part, rank 0 reports.
 """

@@ -191,7 +191,7 @@ def test_bad_quality_settings_are_refused_naming_the_key(tmp_path, over, key):
     assert key in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_the_quality_keys_are_flux_only(tmp_path):
+def test_the_quality_keys_are_for_the_image_families_only(tmp_path):
     from tests.helpers.jobs import tiny_job
 
     with pytest.raises(JobInvalid, match=r"data.masks, data.regularisation: only for model.family flux"):

@@ -456,17 +456,16 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
 
 # ------------------------------------------------------------------ job validation
 @pytest.mark.parametrize("family,over,words", [
-    ("flux2", {"lora": {"type": "dora"}}, ["lora.type", "flux2"]),
+    ("flux2", {"lora": {"type": "lokr", "dropout": 0}}, ["lora.type", "flux2", "fuses q, k and v"]),
     ("qwen_image", {"model": {"path": "builtin:tiny-flux2"}}, ["model.path", "flux2 model", "qwen_image"]),
     ("qwen_image", {"data": {"seq_len": 64}}, ["data.seq_len", "qwen_image reads images"]),
     ("flux2", {"output": {"formats": ["peft"]}}, ["output.formats", "flux2 writes"]),
-    ("qwen_image", {"train": {"dop": {"preservation_class": "woman"}}}, ["train.dop", "only for model.family flux"]),
-    ("flux2", {"data": {"validation": {"fraction": 0.5}}}, ["data.validation", "only for model.family flux"]),
-    ("z_image", {"lora": {"type": "dora"}}, ["lora.type", "z_image"]),
+    ("z_image", {"lora": {"type": "dora"}, "output": {"formats": ["comfyui"]}}, ["lora.type", "dora", "diffusers"]),
     ("z_image", {"model": {"path": "builtin:tiny-qwen-image"}}, ["model.path", "qwen_image model", "z_image"]),
     ("chroma", {"train": {"batch_size": 2, "gradient_checkpointing": True}},
      ["train.batch_size, train.gradient_checkpointing", "drops the caption mask", "train.grad_accum"]),
-    ("chroma", {"lora": {"type": "loha", "dropout": 0}}, ["lora.type", "chroma"]),
+    ("chroma", {"lora": {"type": "loha", "dropout": 0}, "output": {"formats": ["diffusers"]}},
+     ["lora.type", "loha", "comfyui"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job

@@ -103,3 +103,22 @@ def with_last_checkpoint(model, workdir: Path):
         for n, p in params.items():
             p.copy_(state[n])
     return model.eval()
+
+
+# The families on the shared ImageFamily (engine/families/image/base.py): the one tuple the per-family feature
+# tests are parametrized over (new ImageModel families join here).
+IMAGE_FAMILIES = ("flux2", "qwen_image", "z_image", "chroma")
+
+
+@pytest.fixture(scope="session")
+def tiny_image_model(tmp_path_factory):
+    """tiny_image_model(family) -> the family's tiny builtin pipeline, built once per session on first use."""
+    from engine.builtin.models import BUILTIN_MODELS, materialise
+
+    root = tmp_path_factory.mktemp("image-models")
+
+    def build(family: str) -> Path:
+        name = next(n for n, m in BUILTIN_MODELS.items() if m.family == family)
+        return materialise(name, root)
+
+    return build

@@ -14,7 +14,11 @@ latents (flux2, qwen_image) is an `ImageFamily` holding a small per-model
 - the loss: rectified flow, as in engine/families/image/flux.py's docstring —
   x_σ = (1 − σ)·x0 + σ·ε, target ε − x0, a plain MSE on the packed tokens —
   with every random draw (flip, caption dropout, noise, σ) from the
-  checkpointed generator, in that order;
+  checkpointed generator, in that order; data.masks and the regularisation
+  images' loss weights weight it (masked_loss.py: the latent-grid mask packed
+  by the model's own `pack`), train.dop adds its preservation term (dop.py),
+  and the validation loss is the same objective on held-out images with
+  draws of their own (engine/training/heldout.py);
 - σ sampling (train.timestep_sampling): `sigmoid` (logit-normal), `linear`
   (uniform), or `shift`: uniform t moved by the exponential time shift of the
   model's own scheduler, σ = e^μ / (e^μ + 1/t − 1), with μ the
@@ -49,6 +53,8 @@ from engine.families.image.flow_lora import (
     sample_sigmas,
     scheduler_settings,
 )
+from engine.families.image.dop import with_preservation
+from engine.families.image.masked_loss import batch_flow_loss
 from engine.families.image.model import ImageModel
 from engine.report.quiet import quiet_libraries
 from engine.training.dtypes import torch_dtype
@@ -87,11 +93,14 @@ class ImageFamily(ImageData):
         return load_lora_transformer(self.model.transformer_class(), path, cfg, device, log,
                                      fp8_skip=self.model.fp8_skip, default_targets=self.model.default_targets)
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator) -> torch.Tensor:
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator,
+             evaluate: bool = False) -> torch.Tensor:
+        """evaluate: the validation loss — the plain objective on the sample as it is (no flip, no caption
+        dropout, no preservation term), with only the noise and σ drawn."""
         cfg = self.cfg
         # Every random draw comes from `generator` (checkpointed), in a fixed order: flip, dropout, noise, σ.
-        x0, _flip, text = flip_and_drop(batch, cfg, generator, ("prompt_embeds", "prompt_mask"))
-        embeds, mask = text["prompt_embeds"], text["prompt_mask"]
+        conds = ("prompt_embeds", "prompt_mask")
+        x0, flip, text = flip_and_drop(batch, cfg, generator, conds, draw=not evaluate)
         device = x0.device
         b, _c, h, w = x0.shape
         noise = torch.randn(x0.shape, generator=generator).to(device)
@@ -101,9 +110,17 @@ class ImageFamily(ImageData):
         x0, noise = x0.float(), noise.float()
         s = sigma[:, None, None, None]
         x_t = (1 - s) * x0 + s * noise
-        # Under DDP (several processes) the forward goes through the wrapper, the config is the inner model's.
-        pred = self.model.predict(model, getattr(model, "module", model), x_t, sigma, embeds, mask, cfg)
-        return torch.nn.functional.mse_loss(pred.float(), self.model.pack(noise - x0))
+
+        def predict(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            # Under DDP (several processes) the forward goes through the wrapper, the config is the inner model's.
+            return self.model.predict(model, getattr(model, "module", model), x_t, sigma, embeds, mask, cfg)
+
+        pred = predict(text["prompt_embeds"], text["prompt_mask"])
+        # data.masks are on the latent grid: the model's own pack lays them out like its tokens.
+        loss = batch_flow_loss(pred, self.model.pack(noise - x0), batch, flip, self.model.pack, x0.shape)
+        if evaluate:
+            return loss
+        return with_preservation(loss, cfg, model, predict, batch, conds)
 
     # ---------------------------------------------------------------- samples and export
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:

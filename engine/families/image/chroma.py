@@ -38,6 +38,8 @@ ChromaPipeline is a `FluxLoraLoaderMixin`, and ComfyUI's Chroma model subclasses
   blocks' q, k, v, proj_mlp into linear1 at 4r) less the modulation and embedder linears Chroma has not got.
   diffusers' kohya Flux converter reads it too (`load_lora_weights`), splitting linear1 at FLUX.1's 3072 width,
   which Chroma has (tiny test models have not).
+- Every lora.type as for FLUX.1, by the same code: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file
+  under `lycoris_<diffusers module path with underscores>`, which ComfyUI's Flux branch maps for Chroma too.
 """
 
 from __future__ import annotations

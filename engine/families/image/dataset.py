@@ -25,16 +25,16 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
 
     records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
     masks = training_masks(cfg, records, log)
-    held = []
+    held, held_masks = [], masks
     val = cfg.data.validation
     if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
         train, held_i = holdout(len(records), val.fraction, cfg.train.seed)
         records, held = [records[i] for i in train], [records[i] for i in held_i]
-    elif val is not None:
-        held, masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
+    elif val is not None:  # a folder of its own: no masks (the training masks stay with the training images)
+        held, held_masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
     items = make_items(records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
     n_train = len(items)
-    return records, items + make_items(held, cfg.data.resolution, masks), n_train
+    return records, items + make_items(held, cfg.data.resolution, held_masks), n_train
 
 
 def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):
@@ -74,16 +74,28 @@ class CachedImages:
 
 
 class ImageDataset(CachedImages):
-    """FLUX.2 and Qwen-Image batches: text embeddings padded to the batch's longest, with a mask."""
+    """The ImageFamily batches: text embeddings padded to the batch's longest, with a mask; and the masks, loss
+    weights and DOP class prompts of the job's quality features (engine/data/image_sets.py)."""
 
     def collate(self, indices: list[int]) -> dict[str, Any]:
-        _lat, batch = self.latents(indices)
+        from engine.data.image_sets import extra_batch
+
+        lat, batch = self.latents(indices)
         texts = [self.cache.load(self.plan.item_text[i])["prompt_embeds"] for i in indices]
         length = max(max(t.shape[0] for t in texts), self.empty["prompt_embeds"].shape[0])
         embeds, mask = pad_texts(texts, length)
         empty, empty_mask = pad_texts([self.empty["prompt_embeds"]], length)
-        return {**batch, "prompt_embeds": embeds, "prompt_mask": mask, "empty_prompt_embeds": empty,
-                "empty_prompt_mask": empty_mask}
+        batch.update({"prompt_embeds": embeds, "prompt_mask": mask, "empty_prompt_embeds": empty,
+                      "empty_prompt_mask": empty_mask})
+        batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat, self.texts))
+        return batch
+
+    @staticmethod
+    def texts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Cached text entries as a batch: padded to the longest, with the mask of real tokens."""
+        embeds = [e["prompt_embeds"] for e in entries]
+        padded, mask = pad_texts(embeds, max(t.shape[0] for t in embeds))
+        return {"prompt_embeds": padded, "prompt_mask": mask}
 
 
 def pad_texts(texts: list[torch.Tensor], length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +114,7 @@ class ImageData:
 
     dataset_class: type
     cache = plan = items = records = report = dataset = None
-    n_train: int | None = None  # items[:n_train] are trained on, the rest are data.validation's (FLUX.1); None: all
+    n_train: int | None = None  # items[:n_train] are trained on, the rest are data.validation's; None: all
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log):
         if self.cache is None:
@@ -115,6 +127,20 @@ class ImageData:
         from engine.data.images import dataset_hash
 
         return dataset_hash(self.records) if self.records else ""
+
+    def validation_set(self, cfg: JobConfig, workdir: Path, log):
+        """The held-out (or data.validation.path) items, which prepare cached after the training items."""
+        from engine.training.heldout import ValidationSet
+
+        return ValidationSet(self.dataset, list(range(self.n_train, len(self.items))))
+
+    def validation_loss(self, model, dataset: CachedImages, indices: list[int], seed: int, device) -> torch.Tensor:
+        """One sample at a time: each with its own fixed noise and σ, and samples of a batch may differ in bucket."""
+        from engine.training.heldout import sample_generator, to_device
+
+        losses = [self.loss(model, to_device(dataset.collate([i]), device), sample_generator(seed, i), evaluate=True)
+                  for i in indices]
+        return torch.stack(losses).mean()
 
     def export_meta(self, cfg: JobConfig, meta: dict[str, Any]) -> dict[str, Any]:
         """The export metadata with what the data adds: the trigger and the dataset hash."""

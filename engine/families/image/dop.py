@@ -22,17 +22,28 @@ def class_prompt(caption: str, trigger: str, preservation_class: str) -> str:
     return caption.replace(trigger, preservation_class)
 
 
-def preservation_loss(model: torch.nn.Module, predict: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                      embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+def preservation_loss(model: torch.nn.Module, predict: Callable[..., torch.Tensor], *conds: torch.Tensor
+                      ) -> torch.Tensor:
     """MSE between the LoRA's prediction on the class prompt and the base's (adapters disabled, no grad).
 
-    `predict(embeds, pooled)` runs the model at the batch's noisy latents and σ; `model` is the peft-wrapped
-    diffusers transformer (PeftAdapterMixin's disable_adapters / enable_adapters).
+    `predict(*conds)` runs the model at the batch's noisy latents and σ with the class prompt's conditions;
+    `model` is the peft-wrapped diffusers transformer (PeftAdapterMixin's disable_adapters / enable_adapters),
+    or its DDP wrapper.
     """
+    inner = getattr(model, "module", model)
     with torch.no_grad():
-        model.disable_adapters()
+        inner.disable_adapters()
         try:
-            base = predict(embeds, pooled)
+            base = predict(*conds)
         finally:
-            model.enable_adapters()
-    return torch.nn.functional.mse_loss(predict(embeds, pooled).float(), base.float())
+            inner.enable_adapters()
+    return torch.nn.functional.mse_loss(predict(*conds).float(), base.float())
+
+
+def with_preservation(loss: torch.Tensor, cfg, model: torch.nn.Module, predict: Callable[..., torch.Tensor],
+                      batch: dict, conds: tuple[str, ...]) -> torch.Tensor:
+    """The loss plus train.dop.weight × the preservation loss on the batch's class prompts (class_NAME for each
+    condition NAME); the loss as it is without train.dop."""
+    if cfg.train.dop is None:
+        return loss
+    return loss + cfg.train.dop.weight * preservation_loss(model, predict, *(batch[f"class_{k}"] for k in conds))

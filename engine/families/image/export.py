@@ -85,15 +85,21 @@ def diffusers_lora_file(transformer: torch.nn.Module, out_dir: Path, md: dict[st
 def diffusion_model_comfyui_file(model: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str], file_name: str,
                                  base_version: str) -> str:
     """A ComfyUI file that keeps diffusers' module paths (Qwen-Image, Z-Image; the key rules are in each family's
-    docstring): diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha, scale alpha / r."""
+    docstring): diffusion_model.<path>.lora_A.weight / .lora_B.weight / .alpha, scale alpha / r. LoKr and LoHa
+    (lora.type) are LyCORIS tensors under the same keys, which ComfyUI's LoKr and LoHa loaders read from every key
+    its LoRA loader maps (diffusion_model.<path>.lokr_w1, ..., .alpha; the scale rules: flux_export.py)."""
+    kohya = {"ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.alpha),
+             "ss_base_model_version": base_version}
+    if cfg.lora.type in ("lokr", "loha"):
+        sd = lycoris_state_dict(model, lambda name: f"diffusion_model.{name}")
+        kohya.update(ss_network_module="lycoris.kohya", ss_network_args=json.dumps({"algo": cfg.lora.type}))
+        return save(sd, Path(out_dir) / file_name, {**md, **kohya})
     sd = {}
     for name, (a, b, _base) in lora_modules(model).items():
         sd[f"diffusion_model.{name}.lora_A.weight"] = a
         sd[f"diffusion_model.{name}.lora_B.weight"] = b
         sd[f"diffusion_model.{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
-    return save(sd, Path(out_dir) / file_name, {**md, "ss_network_dim": str(cfg.lora.rank),
-                                                "ss_network_alpha": str(cfg.lora.alpha),
-                                                "ss_base_model_version": base_version})
+    return save(sd, Path(out_dir) / file_name, {**md, **kohya})
 
 
 def bfl_target(module: str, block_rules: dict, top_rules: dict) -> tuple[str, tuple[str, ...] | None]:
@@ -122,6 +128,35 @@ def lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.
         if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
             out[name] = (cpu_f32(mod.lora_A["default"].weight), cpu_f32(mod.lora_B["default"].weight), mod.get_base_layer())
     return out
+
+
+def _factor(layer, name: str) -> torch.Tensor | None:
+    params = getattr(layer, name)
+    return cpu_f32(params["default"]) if "default" in params else None
+
+
+def lycoris_state_dict(model: torch.nn.Module, key: Callable[[str], str]) -> dict[str, torch.Tensor]:
+    """LoKr/LoHa layers as LyCORIS tensors under `key(diffusers module path)`, scaled for ComfyUI's LoKr and LoHa
+    loaders (the rules: flux_export.py's docstring); `key` is the family's ComfyUI key of a module."""
+    from engine.training.adapters import adapter_layers
+
+    sd: dict[str, torch.Tensor] = {}
+    for name, layer in adapter_layers(model).items():
+        prefix = key(name)
+        scale = float(layer.scaling["default"])
+        if hasattr(layer, "hada_w1_a"):
+            parts = {p: _factor(layer, p) for p in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+            dim = parts["hada_w1_b"].shape[0]
+        else:
+            parts = {p: t for p in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+                     if (t := _factor(layer, p)) is not None}
+            dim = next((parts[p].shape[0] for p in ("lokr_w2_b", "lokr_w1_b") if p in parts), None)
+            if dim is None:  # neither factor is low-rank: ComfyUI ignores alpha, so the scale goes into w1
+                parts["lokr_w1"] = parts["lokr_w1"] * scale
+        sd.update({f"{prefix}.{p}": t for p, t in parts.items()})
+        if dim is not None:
+            sd[f"{prefix}.alpha"] = torch.tensor(scale * dim)
+    return sd
 
 
 def _out_features(model: torch.nn.Module, path: str) -> int:

@@ -34,6 +34,7 @@ sees exactly what inference does. FLUX.1-dev also embeds a guidance value
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -48,9 +49,9 @@ from engine.families.image.dataset import CachedImages, ImageData, scan_images
 from engine.families.image.flow_lora import add_lora, flip_and_drop, load_lora_transformer
 from engine.families.image.flow_lora import sample_sigmas as sample_shifted
 from engine.families.image.flux_encode import fill_cache
-from engine.families.image.masked_loss import weighted_flow_loss
+from engine.families.image.dop import with_preservation
+from engine.families.image.masked_loss import batch_flow_loss
 from engine.report.quiet import quiet_libraries
-from engine.training.heldout import ValidationSet, sample_generator, to_device
 
 # The modules diffusers' Flux LoRA trainer targets: attention q/k/v/out of both streams (incl. the added text
 # projections), both feed-forwards, and the single blocks' q/k/v, proj_mlp and proj_out. Matched against the
@@ -103,8 +104,14 @@ class FluxDataset(CachedImages):
             "empty_prompt_embeds": self.empty["prompt_embeds"][None],
             "empty_pooled": self.empty["pooled"][None],
         })
-        batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat))
+        batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat, self.texts))
         return batch
+
+    @staticmethod
+    def texts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Cached text entries as a batch (T5 embeddings are all one length)."""
+        return {"prompt_embeds": torch.stack([t["prompt_embeds"] for t in entries]),
+                "pooled": torch.stack([t["pooled"] for t in entries])}
 
 
 class Flux(ImageData):
@@ -124,16 +131,6 @@ class Flux(ImageData):
         path = resolve_model_path(cfg.model.path, workdir)
         self.records, self.items, self.n_train = scan_images(cfg, log)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
-
-    def validation_set(self, cfg: JobConfig, workdir: Path, log) -> ValidationSet:
-        """The held-out (or data.validation.path) items, which prepare cached after the training items."""
-        return ValidationSet(self.dataset, list(range(self.n_train, len(self.items))))
-
-    def validation_loss(self, model, dataset: FluxDataset, indices: list[int], seed: int, device) -> torch.Tensor:
-        """One sample at a time: each with its own fixed noise and σ, and samples of a batch may differ in bucket."""
-        losses = [self.loss(model, to_device(dataset.collate([i]), device), sample_generator(seed, i), evaluate=True)
-                  for i in indices]
-        return torch.stack(losses).mean()
 
     # ---------------------------------------------------------------- model
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
@@ -187,23 +184,11 @@ class Flux(ImageData):
             )[0]
 
         pred = predict(embeds, pooled)
-        target = FluxPipeline._pack_latents(target, b, c, h, w)
-        if "masks" not in batch and "loss_weight" not in batch:
-            loss = torch.nn.functional.mse_loss(pred.float(), target)
-        else:
-            mask = None
-            if "masks" in batch:  # [B, h, w] per latent pixel, packed like the latents (all channels alike)
-                m = batch["masks"]
-                if flip is not None:
-                    m = torch.where(flip[:, None, None], batch["masks_flip"], m)
-                mask = FluxPipeline._pack_latents(m[:, None].expand(b, c, h, w).float().to(device), b, c, h, w)
-            loss = weighted_flow_loss(pred.float(), target, mask, batch.get("loss_weight"))
-        if cfg.train.dop is not None and not evaluate:
-            from engine.families.image.dop import preservation_loss
-
-            loss = loss + cfg.train.dop.weight * preservation_loss(model, predict, batch["class_prompt_embeds"],
-                                                                   batch["class_pooled"])
-        return loss
+        pack = functools.partial(FluxPipeline._pack_latents, batch_size=b, num_channels_latents=c, height=h, width=w)
+        loss = batch_flow_loss(pred, pack(target), batch, flip, pack, x0.shape)
+        if evaluate:
+            return loss
+        return with_preservation(loss, cfg, model, predict, batch, ("prompt_embeds", "pooled"))
 
     # ---------------------------------------------------------------- samples and export
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:

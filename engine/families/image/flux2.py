@@ -50,6 +50,11 @@ why that is exact). Names (i = block index):
 
 diffusers' own `_convert_kohya_flux2_lora_to_diffusers` reads the same names,
 so the ComfyUI file also loads with `load_lora_weights`.
+
+DoRA (lora.type) writes the diffusers file (peft's `lora_magnitude_vector`
+keys, loaded as DoRA). LoKr and LoHa are refused (engine/config/rules.py):
+ComfyUI maps FLUX.2 keys only by the fused BFL names above, and a Kronecker or
+Hadamard update of q, k, v apart is no LyCORIS update of the fused linear.
 """
 
 from __future__ import annotations

@@ -87,7 +87,14 @@ import torch
 from safetensors.torch import save_file
 
 from engine.families.image import export as image_export
-from engine.families.image.export import DIFFUSERS_FILE, comfyui_state_dict, cpu_f32, lora_modules, metadata
+from engine.families.image.export import (
+    DIFFUSERS_FILE,
+    comfyui_state_dict,
+    cpu_f32,
+    lora_modules,
+    lycoris_state_dict,
+    metadata,
+)
 
 COMFYUI_FILE = "flux_lora_comfyui.safetensors"
 
@@ -136,33 +143,11 @@ def dora_magnitudes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if "default" in getattr(mod, "lora_magnitude_vector", {})}
 
 
-def _factor(layer, name: str) -> torch.Tensor | None:
-    params = getattr(layer, name)
-    return cpu_f32(params["default"]) if "default" in params else None
-
-
-def lycoris_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """LoKr/LoHa layers as LyCORIS keys over diffusers module names, scaled for ComfyUI (module docstring)."""
-    from engine.training.adapters import adapter_layers
-
-    sd: dict[str, torch.Tensor] = {}
-    for name, layer in adapter_layers(model).items():
-        bfl_target(name)  # a module ComfyUI has no BFL weight for is an error here, not a silently ignored key
-        key = "lycoris_" + name.replace(".", "_")
-        scale = float(layer.scaling["default"])
-        if hasattr(layer, "hada_w1_a"):
-            parts = {p: _factor(layer, p) for p in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
-            dim = parts["hada_w1_b"].shape[0]
-        else:
-            parts = {p: t for p in ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
-                     if (t := _factor(layer, p)) is not None}
-            dim = next((parts[p].shape[0] for p in ("lokr_w2_b", "lokr_w1_b") if p in parts), None)
-            if dim is None:  # neither factor is low-rank: ComfyUI ignores alpha, so the scale goes into w1
-                parts["lokr_w1"] = parts["lokr_w1"] * scale
-        sd.update({f"{key}.{p}": t for p, t in parts.items()})
-        if dim is not None:
-            sd[f"{key}.alpha"] = torch.tensor(scale * dim)
-    return sd
+def lycoris_key(name: str) -> str:
+    """ComfyUI's Flux key for a LyCORIS layer (module docstring); a module ComfyUI has no BFL weight for is an
+    error here, not a silently ignored key."""
+    bfl_target(name)
+    return "lycoris_" + name.replace(".", "_")
 
 
 def diffusers_state_dict(mods, alpha: float, magnitudes: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -198,7 +183,7 @@ def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any], com
                  "ss_base_model_version": base_version, "ss_output_name": cfg.name}
         if lycoris:
             kohya["ss_network_args"] = json.dumps({"algo": cfg.lora.type})
-        sd = lycoris_state_dict(model) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha,
+        sd = lycoris_state_dict(model, lycoris_key) if lycoris else comfyui_state_dict(model, mods, cfg.lora.rank, cfg.lora.alpha,
                                                                           bfl_target, _SWAP_HALVES)
         save_file(sd, str(out_dir / comfyui_file), metadata={**md, **kohya})
         names.append(comfyui_file)

@@ -11,6 +11,8 @@ mask and weights the family keeps the plain mean squared error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -27,3 +29,22 @@ def weighted_flow_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Ten
     if sample_weight is not None:
         per_sample = per_sample * sample_weight.to(per_sample)
     return per_sample.mean()
+
+
+def batch_flow_loss(pred: torch.Tensor, target: torch.Tensor, batch: dict, flip: torch.Tensor | None,
+                    pack: Callable[[torch.Tensor], torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """The flow loss of a batch: the plain MSE, or weighted_flow_loss with the batch's masks and loss weights.
+
+    pred, target: packed tokens; batch["masks"]: [B, h, w] per latent pixel (the mirrored "masks_flip" where
+    `flip` drew), spread over the channels of the latent `shape` [B, C, h, w] and packed by the model's own
+    `pack`, so every token sees its own pixels' weights.
+    """
+    if "masks" not in batch and "loss_weight" not in batch:
+        return torch.nn.functional.mse_loss(pred.float(), target)
+    mask = None
+    if "masks" in batch:
+        m = batch["masks"]
+        if flip is not None:
+            m = torch.where(flip[:, None, None], batch["masks_flip"], m)
+        mask = pack(m[:, None].expand(*shape).float().to(pred.device))
+    return weighted_flow_loss(pred.float(), target, mask, batch.get("loss_weight"))

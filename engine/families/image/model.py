@@ -42,7 +42,8 @@ class ImageModel(Protocol):
         latents x_t [B, C, h, w]."""
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, C, h, w] latents → the transformer's token layout (to compare targets with predictions)."""
+        """[B, C, h, w] latents → the transformer's token layout (to compare targets with predictions, and to lay
+        data.masks out like the tokens: any [B, C, h, w] tensor, not only latents)."""
 
     def sample_kwargs(self, emb: dict[str, torch.Tensor], negative: dict[str, torch.Tensor], device, dtype,
                       cfg: JobConfig) -> dict[str, Any]: ...

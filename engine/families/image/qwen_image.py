@@ -34,6 +34,13 @@ What is Qwen-Image's own, all through diffusers' `QwenImagePipeline`:
   reading `lora_A`/`lora_B` ("diffusers" style) and `<key>.alpha`. diffusers'
   Qwen-Image loader reads the same file (it strips `diffusion_model.` and
   folds alpha / r into the weights).
+
+  LoKr and LoHa (lora.type) write this file only, as LyCORIS tensors under
+  the same keys: `diffusion_model.<module path>.lokr_w1 | lokr_w1_a | … |
+  hada_w1_a | … | alpha`, which ComfyUI's LoKr and LoHa loaders read beside
+  every key its LoRA loader maps (the scale rules: flux_export.py). DoRA
+  writes the diffusers file only (peft's `lora_magnitude_vector` keys, which
+  diffusers loads as DoRA).
 """
 
 from __future__ import annotations

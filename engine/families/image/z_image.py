@@ -74,6 +74,12 @@ names through comfy/utils.py's z_image_to_diffusers, under the prefixes
 and reads `<key>.lora_A.weight` / `.lora_B.weight` with `<key>.alpha`
 (scale alpha / rank). diffusers' Z-Image loader reads the same file: it strips
 `diffusion_model.` and folds alpha / r into the weights.
+
+LoKr and LoHa (lora.type) write the ComfyUI file only, as LyCORIS tensors
+under the same keys (`diffusion_model.<module path>.lokr_w1 | … | hada_w1_a |
+… | alpha`), which ComfyUI's LoKr and LoHa loaders read for every key that map
+names, q, k and v each on its rows of the fused qkv (the scale rules:
+flux_export.py). DoRA writes the diffusers file only.
 """
 
 from __future__ import annotations

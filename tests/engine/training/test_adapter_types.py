@@ -13,18 +13,10 @@ from engine.families.image.flux_export import COMFYUI_FILE, DIFFUSERS_FILE, bfl_
 from tests.helpers import images as fh
 from tests.helpers.fakes import RecLog
 from tests.helpers.jobs import tiny_job
+from tests.helpers.lycoris import COMFY_LOHA, COMFY_LOKR, comfy_lycoris_delta, randomise_adapter
 
 tiny_flux = fh.tiny_flux  # shared session fixture
 TYPES = ["lora", "dora", "lokr", "loha"]
-
-
-def _randomise_adapter(model: torch.nn.Module, seed: int = 0) -> None:
-    """Zero-initialised factors (LoRA B, LoKr w2, LoHa w2) would make every export trivially right."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.copy_(p + 0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 # ----------------------------------------------------------------- causal LM: the peft adapter
@@ -38,7 +30,7 @@ def test_each_type_exports_a_peft_adapter_that_from_pretrained_reproduces(kind, 
     cfg = tiny_job(micro_model, tmp_path, lora={"type": kind, "dropout": 0.0, "rank": 4})
     family = CausalLM()
     model = family.load_model(cfg, tmp_path, torch.device("cpu"), RecLog())
-    _randomise_adapter(model)
+    randomise_adapter(model)
     out = tmp_path / "out"
     out.mkdir()
     assert "adapter_model.safetensors" in family.export(model, cfg, out, {"steps": 0})
@@ -68,7 +60,7 @@ def _flux_with(tiny_flux, tmp_path, lora: dict, formats: list[str]):
     cfg = load_job(job)
     model = FluxTransformer2DModel.from_pretrained(tiny_flux, subfolder="transformer")
     apply_lora(model, cfg)
-    _randomise_adapter(model)
+    randomise_adapter(model)
     return cfg, model
 
 
@@ -105,30 +97,6 @@ def test_a_dora_flux_adapter_loads_in_diffusers_as_dora_and_reproduces_the_model
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-# ComfyUI's rules, restated here to check our file against them (comfy/lora.py model_lora_keys_unet for Flux
-# over comfy/utils.py flux_to_diffusers; comfy/weight_adapter/lokr.py and loha.py calculate_weight):
-# a key `lycoris_<diffusers module, dots as underscores>` targets that module's weight (a row slice of the fused
-# BFL weight for q/k/v/mlp); these are the only tensor names its LoKr/LoHa loaders read.
-COMFY_LOKR = {"lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2", "alpha"}
-COMFY_LOHA = {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "alpha"}
-
-
-def _comfy_delta(t: dict[str, torch.Tensor], shape) -> torch.Tensor:
-    alpha = float(t["alpha"]) if "alpha" in t else None
-    if "hada_w1_a" in t:
-        scale = alpha / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
-        return scale * ((t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])).reshape(shape)
-    dim = None
-    w1 = t.get("lokr_w1")
-    if w1 is None:
-        dim, w1 = t["lokr_w1_b"].shape[0], t["lokr_w1_a"] @ t["lokr_w1_b"]
-    w2 = t.get("lokr_w2")
-    if w2 is None:
-        dim, w2 = t["lokr_w2_b"].shape[0], t["lokr_w2_a"] @ t["lokr_w2_b"]
-    scale = alpha / dim if alpha is not None and dim is not None else 1.0
-    return scale * torch.kron(w1, w2).reshape(shape)
-
-
 @pytest.mark.parametrize("lora", [{"type": "loha"}, {"type": "lokr"}, {"type": "lokr", "rank": 64},
                                   {"type": "lokr", "decompose_both": True, "factor": 4}],
                          ids=["loha", "lokr", "lokr-unfactored", "lokr-both-factored"])
@@ -153,7 +121,7 @@ def test_lokr_and_loha_flux_files_follow_comfyuis_lycoris_rules_and_reproduce_pe
         assert set(tensors) <= allowed, set(tensors) - allowed  # ComfyUI would warn "lora key not loaded"
         bfl_target(name)  # a module ComfyUI maps to a BFL weight
         want = layer.get_delta_weight("default").detach()
-        torch.testing.assert_close(_comfy_delta(tensors, want.shape), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(comfy_lycoris_delta(tensors, want.shape), want, rtol=1e-5, atol=1e-6)
     if lora.get("rank") == 64:  # nothing factored: ComfyUI ignores alpha, so no alpha is written
         assert not any(k.endswith(".alpha") for k in sd)
 
