@@ -95,10 +95,11 @@ def load_modular(model_path: str, revision: str | None, names: list[str], dtype:
 
     pipe = ModularPipeline.from_pretrained(model_path, revision=revision)
     if drop:
-        blocks = pipe.blocks
+        blocks = pipe.blocks  # a copy: ours to edit, and the one the new pipeline runs
         for name in drop:
             blocks.sub_blocks.pop(name, None)
         pipe = type(pipe)(blocks=blocks, pretrained_model_name_or_path=model_path, revision=revision)
+        pipe.own_blocks = blocks
     pipe.load_components(names=names, dtype=dtype)
     return pipe
 
@@ -120,7 +121,7 @@ class ModularSampler:
 
     def set_progress_bar_config(self, **kwargs):
         # The pipeline's own reaches only its top-level blocks; the denoising loop sits inside the denoise step.
-        todo = [self.pipe.blocks]
+        todo = [self.pipe.own_blocks]  # the blocks it runs (its `blocks` property hands out a copy)
         while todo:
             block = todo.pop()
             if hasattr(block, "set_progress_bar_config"):

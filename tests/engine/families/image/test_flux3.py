@@ -73,3 +73,41 @@ def test_a_batch_of_different_text_windows_predicts_each_sample_at_its_own_windo
                            None)
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(padded, alone[1], atol=1e-4), "the padding would change nothing; the test proves nothing"
+
+
+def test_the_distilled_flow_map_trains_at_its_own_time_and_samples_through_its_pipeline_without_cfg(tiny, tmp_path):
+    """FLUX.3 distilled: predict asks the flow map for the jump to σ itself (its instantaneous velocity, what
+    ε − x0 estimates); samples go through the directory's Flux3DistilledAutoBlocks, which take no negative prompt
+    (so the renderer, which passes only the keywords a pipeline takes, warns about one)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from diffusers import Flux3DistilledAutoBlocks, Flux3Transformer2DModel
+
+    from engine.families.image.flux3 import DistilledSampler, Flux3Model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        flow_map = Flux3Transformer2DModel.from_config({**tiny.transformer.config, "flow_map": True})
+    pipe = Flux3DistilledAutoBlocks().init_pipeline()
+    pipe.update_components(transformer=flow_map, vae=tiny.vae)
+    pipe.save_pretrained(str(tmp_path), overwrite_modular_index=True)
+
+    g = torch.Generator().manual_seed(3)
+    x, text, sigma = torch.randn(1, 16, 2, 2, generator=g), torch.randn(1, 80, 64, generator=g), torch.tensor([0.4])
+    m = Flux3Model()
+    with torch.no_grad():
+        pred = m.predict(flow_map, flow_map, x, sigma, text, torch.ones(1, 80), None)
+        call = dict(hidden_states=m.pack(x), encoder_hidden_states=text, timestep=sigma,
+                    img_ids=torch.tensor([[0, h * 0.5, w * 0.5, 0] for h in range(2) for w in range(2)]),
+                    txt_ids=torch.tensor([[0, 0, 0, i] for i in range(80)]).float(), return_dict=False)
+        assert torch.equal(pred, flow_map(**call, target_timestep=sigma)[0])
+        assert not torch.allclose(pred, flow_map(**call, target_timestep=torch.zeros(1))[0])
+
+        cfg = SimpleNamespace(model=SimpleNamespace(revision=None, dtype="float32"))
+        sampler = m.sample_pipeline(str(tmp_path), cfg, flow_map)
+        sampler.set_progress_bar_config(disable=True)
+        image = sampler(prompt_embeds=text, height=32, width=32, num_inference_steps=2,
+                        generator=torch.Generator().manual_seed(0)).images[0]
+    assert isinstance(sampler, DistilledSampler) and image.size == (32, 32)
+    assert "negative_prompt_embeds" not in inspect.signature(sampler.__call__).parameters
