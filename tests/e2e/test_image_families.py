@@ -166,7 +166,10 @@ def _inputs(family: str, model) -> dict:
                     timestep=torch.tensor([0.6]), img_ids=Flux2Pipeline._prepare_latent_ids(lat),
                     txt_ids=Flux2Pipeline._prepare_text_ids(text), return_dict=False)
     if family == "flux3":  # tokens in row order, ids from the modular blocks' helpers
-        from diffusers.modular_pipelines.flux3.before_denoise import Flux3TextRoPEInputsStep, _prepare_image_ids
+        from diffusers.modular_pipelines.flux3.before_denoise import (
+            Flux3TextRoPEInputsStep,
+            _prepare_image_ids,
+        )
 
         return dict(hidden_states=torch.randn(1, 24, c, generator=g), encoder_hidden_states=text,
                     timestep=torch.tensor([0.6]), img_ids=_prepare_image_ids(4, 6, 0.5),
@@ -405,8 +408,11 @@ def test_chroma_files_have_the_keys_and_alphas_comfyuis_flux_rules_map(runs):
 
 def test_flux3_comfyui_keys_are_bfl_names_that_diffusers_own_converter_maps_back(runs):
     """FLUX.3's file: diffusion_model.<BFL name>.lora_A/B, alpha / r folded (no .alpha keys, which diffusers' FLUX.3
-    loader refuses); diffusers' converter for the original format maps every key back to its trained module."""
+    loader refuses); diffusers' converter for the original LoRA format maps every key back to its trained module,
+    and each <BFL name>.weight is an original checkpoint's weight (diffusers' single-file converter maps it to that
+    module): what ComfyUI's generic rule patches, diffusion_model.<name>.weight, on a model with BFL's names."""
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux3_lora_to_diffusers
+    from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
 
     sd, d = _comfyui_file_and_deltas("flux3", runs)
     blocks = ["txt_mode_blocks.0", "mode_blocks.image.0"] + [f"single_transformer_blocks.{i}" for i in range(4)]
@@ -415,6 +421,9 @@ def test_flux3_comfyui_keys_are_bfl_names_that_diffusers_own_converter_maps_back
     assert set(d) == modules
     assert "diffusion_model.content_mode_blocks.image.0.attn_out.lora_A.weight" in sd
     assert "diffusion_model.single_blocks.3.mlp_in.lora_B.weight" in sd and not any(k.endswith(".alpha") for k in sd)
+    weights = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") + ".weight": torch.zeros(1)
+               for k in sd if k.endswith(".lora_A.weight")}
+    assert set(convert_flux3_transformer_checkpoint_to_diffusers(weights)) == {f"{m}.weight" for m in modules}
     back = _convert_non_diffusers_flux3_lora_to_diffusers(dict(sd))
     assert set(back) == {f"transformer.{m}.lora_{x}.weight" for m in modules for x in "AB"}
     for m in modules:

@@ -49,10 +49,15 @@ BFL names are those of the original FLUX.3 checkpoint, the inverse of diffusers'
     attn.to_q | to_k | to_v | to_out.0         q_proj | k_proj | v_proj | attn_out
     ff.linear_in | ff.linear_out               mlp_in | mlp_out
 
-Unverified: ComfyUI has no FLUX.3 model in the stored snapshot of its source (no comfy/ldm/flux3, no FLUX.3 branch
-in comfy/lora.py), so no ComfyUI rule was read. The file follows ComfyUI's generic rule (a key
-`diffusion_model.<module>` + `.lora_A/B.weight` patches `diffusion_model.<module>.weight`, scale 1 without an
-`.alpha`) over BFL's names, which ComfyUI's own models keep; whether its FLUX.3 model does is not known.
+Each `<BFL name>.weight` is also a weight of the original checkpoint: diffusers' single-file converter
+(single_file_utils.convert_flux3_transformer_checkpoint_to_diffusers) maps it to that module's weight.
+
+Unverified: the stored copy of ComfyUI's source has no FLUX.3 model (no comfy/ldm/flux3 in any stored version; its
+one stored comfy/lora.py predates FLUX.3; the whole repository was too large to fetch), so no FLUX.3 rule of
+ComfyUI's was read. The file follows ComfyUI's generic rule, read in that comfy/lora.py: a key
+`diffusion_model.<module>` + `.lora_A/B.weight` patches the model's `diffusion_model.<module>.weight`, at scale 1
+without an `.alpha`. That holds for FLUX.3 if ComfyUI keeps the original checkpoint's names, as its FLUX.1 and
+FLUX.2 models do; not known.
 """
 
 from __future__ import annotations
