@@ -113,7 +113,7 @@ def _loading(f: dict[str, Any]) -> list[str]:
         load = [f'pipe = DiffusionPipeline.from_pretrained("{f["base_model"]}", torch_dtype=torch.bfloat16)']
         if f["family"] == "flux3":  # diffusers has FLUX.3's pipelines as modular pipelines only
             load = [f'pipe = ModularPipeline.from_pretrained("{f["base_model"]}")',
-                    "pipe.load_components(torch_dtype=torch.bfloat16)"]
+                    "pipe.load_components(dtype=torch.bfloat16)"]
         out += ["**diffusers** (the scale is in the file; load it at strength 1):", "", "```python", "import torch",
                 f"from diffusers import {'ModularPipeline' if f['family'] == 'flux3' else 'DiffusionPipeline'}", "",
                 *load, f'pipe.load_lora_weights("path/to/this/folder", weight_name="{DIFFUSERS_FILE}")', "```", ""]
