@@ -16,7 +16,8 @@ loaded (`load_components`). What is FLUX.3's own, all from those pipelines' bloc
   hidden states stacked along the channels, right-padded to a window of a multiple of 80 tokens (the step's
   `pad_multiple`). The transformer attends to that padding and takes no mask, so the cache keeps each caption's
   whole window; a batch whose windows differ runs the transformer once per window length, so no caption sees a
-  window the pipeline would not give it (under DDP a batch must then have one window length; not tested).
+  window the pipeline would not give it (DDP allows one forward per backward: there such a batch stops the job
+  with exit 65, naming train.batch_size; not run on several GPUs here).
 - Time and sign: the transformer takes σ (the pipeline's t / 1000) and predicts the velocity ε − x0 that the
   scheduler integrates, so the loss is the shared rectified-flow MSE unchanged.
 - Timesteps: `shift` is the static shift of the pipeline's scheduler, `Flux3SetTimestepsStep().shift` (6.93),
@@ -71,6 +72,7 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
+from engine.errors import JobInvalid
 from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
 
 _BLOCK = r"(txt_mode_blocks\.\d+|mode_blocks\.image\.\d+|single_transformer_blocks\.\d+)"
@@ -217,8 +219,13 @@ class Flux3Model:
         tokens, sigma = self.pack(x_t.to(dtype)), sigma.to(device, dtype)
         img_ids = _prepare_image_ids(h, w, Flux3PrepareLatentsStep().image_rope_scale).to(device)
         lengths = mask.to(device).sum(1)
+        windows = sorted(set(lengths.tolist()))
+        if len(windows) > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise JobInvalid("train.batch_size: this batch's captions have FLUX.3 text windows of "
+                             f"{[int(w) for w in windows]} tokens, one forward each, and DDP allows one forward per "
+                             "backward; use train.batch_size: 1 (and train.grad_accum) on several GPUs")
         order, preds = [], []
-        for length in sorted(set(lengths.tolist())):  # one forward per text window in the batch (docstring)
+        for length in windows:  # one forward per text window in the batch (docstring)
             idx = (lengths == length).nonzero().flatten()
             text = embeds.to(device)[idx, : int(length)].to(dtype)
             t = sigma[idx]

@@ -73,6 +73,12 @@ def test_a_batch_of_different_text_windows_predicts_each_sample_at_its_own_windo
                            None)
     torch.testing.assert_close(together, torch.cat(alone), rtol=1e-5, atol=1e-6)
     assert not torch.allclose(padded, alone[1], atol=1e-4), "the padding would change nothing; the test proves nothing"
+    # Under DDP (one forward per backward) such a batch is refused naming the key, before any forward.
+    from engine.errors import JobInvalid
+
+    ddp = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    with pytest.raises(JobInvalid, match=r"train.batch_size: .*\[80, 160\] tokens"):
+        m.predict(ddp, tiny.transformer, x, sigma, embeds, mask, None)
 
 
 def test_the_distilled_flow_map_trains_at_its_own_time_and_samples_through_its_pipeline_without_cfg(tiny, tmp_path):
