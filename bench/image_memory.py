@@ -1,5 +1,5 @@
-"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image and Chroma families at their published
-shapes.
+"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image, Chroma and FLUX.3 families at their
+published shapes.
 
     .venv/bin/python bench/image_memory.py
 
@@ -8,7 +8,9 @@ diffusers' class defaults — FLUX.2-dev's transformer config (8 double + 48
 single blocks, 48 heads × 128), Qwen-Image's (60 blocks, 24 heads × 128) and
 Z-Image's (30 layers + 2 + 2 refiner blocks, 3840 wide; Turbo and Base share it),
 
-Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator) —
+Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator) and
+FLUX.3's (5 per-mode blocks for each of image, reference image and text, 28 joint single blocks, 24 heads × 128;
+the distilled flow map adds one timestep embedder) —
 and prints: parameters and weight bytes in bf16 and fp8 (e4m3, 1 byte, plus
 one fp32 scale per output channel), the per-block sizes that decide
 `train.blocks_to_swap`, and the LoRA parameters of the family's default
@@ -73,17 +75,19 @@ def main() -> None:
     from diffusers import (
         ChromaTransformer2DModel,
         Flux2Transformer2DModel,
+        Flux3Transformer2DModel,
         QwenImageTransformer2DModel,
         ZImageTransformer2DModel,
     )
 
-    from engine.families.image import chroma, flux2, qwen_image, z_image
+    from engine.families.image import chroma, flux2, flux3, qwen_image, z_image
 
     with torch.device("meta"):
         f2 = Flux2Transformer2DModel()
         qi = QwenImageTransformer2DModel()
         zi = ZImageTransformer2DModel()
         ch = ChromaTransformer2DModel()
+        f3 = Flux3Transformer2DModel(flow_map=True)  # the distilled one: FLUX.3's plus its target-time embedder
     report("FLUX.2-dev transformer", f2, flux2.DEFAULT_TARGETS, flux2.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
     report("Qwen-Image transformer", qi, qwen_image.DEFAULT_TARGETS, qwen_image.FP8_SKIP, ["transformer_blocks"])
@@ -91,6 +95,8 @@ def main() -> None:
            ["layers", "noise_refiner", "context_refiner"])
     report("Chroma1-HD transformer", ch, chroma.DEFAULT_TARGETS, chroma.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
+    report("FLUX.3 (distilled) transformer", f3, flux3.DEFAULT_TARGETS, flux3.FP8_SKIP,
+           ["txt_mode_blocks", "single_transformer_blocks"])
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image
            "diffusers.pipelines.z_image.pipeline_z_image", "diffusers.pipelines.chroma.pipeline_chroma",
            "diffusers.models.transformers.transformer_flux", "transformers.models.qwen3.modeling_qwen3",
            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.t5.modeling_t5",
-           "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama"]
+           "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama",
+           "engine.families.image.flux3", "diffusers.modular_pipelines.flux3.encoders",
+           "diffusers.modular_pipelines.flux3.before_denoise", "transformers.models.qwen3_vl.modeling_qwen3_vl",
+           "transformers.models.got_ocr2.processing_got_ocr2"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 

@@ -132,7 +132,8 @@ class ImageFamily(ImageData):
             path = resolve_model_path(cfg.model.path, workdir)
             self.renderer = SampleRenderer(
                 cfg, path, self.cache, self.plan, Path(workdir),
-                pipeline=lambda t: sample_pipeline(path, cfg, t),
+                # A model whose pipeline is not a DiffusionPipeline (FLUX.3's modular one) brings its own.
+                pipeline=lambda t: getattr(self.model, "sample_pipeline", sample_pipeline)(path, cfg, t),
                 prompt_kwargs=lambda emb, neg, dev, dt: self.model.sample_kwargs(emb, neg, dev, dt, cfg))
         self.renderer.render(model, step, log)
 

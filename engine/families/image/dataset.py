@@ -161,6 +161,9 @@ class PipelineEncoder:
         from diffusers import DiffusionPipeline
 
         rev = self.cfg.model.revision
+        own = getattr(self.model, "load_pipeline", None)  # a model whose pipeline is not a DiffusionPipeline (FLUX.3)
+        if own is not None:
+            return own(self.model_path, rev, torch_dtype(self.cfg.model.dtype), keep)
         components = DiffusionPipeline.load_config(self.model_path, revision=rev)
         drop = {k: None for k in components if not k.startswith(("_", "scheduler", *keep))}
         return DiffusionPipeline.from_pretrained(self.model_path, revision=rev, dtype=torch_dtype(self.cfg.model.dtype),

@@ -18,7 +18,13 @@ def pipeline_shift_mu(calculate_shift, sched: dict[str, Any], image_seq_len: int
 
 
 class ImageModel(Protocol):
-    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py)."""
+    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py).
+
+    A model whose pipeline is not a DiffusionPipeline (FLUX.3's is modular only) also has
+    `load_pipeline(model_path, revision, dtype, keep)` (the cache's encoders: dataset.PipelineEncoder) and
+    `sample_pipeline(model_path, cfg, transformer)` (what the SampleRenderer drives); ImageFamily uses them
+    where present.
+    """
 
     name: str             # the model.family value
     default_targets: str  # LoRA targets: a regex over the transformer's module paths
