@@ -8,7 +8,7 @@ nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
 pipeline (engine/builtin/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
 for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-image` for Z-Image
 (engine/builtin/tiny_z_image.py), `builtin:tiny-chroma`
-for Chroma (engine/builtin/tiny_chroma.py).
+for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -104,6 +104,12 @@ def _build_tiny_z_image(dest: Path) -> None:
     build_tiny_z_image(dest)
 
 
+def _build_tiny_krea2(dest: Path) -> None:
+    from engine.builtin.tiny_krea2 import build_tiny_krea2
+
+    build_tiny_krea2(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -123,6 +129,9 @@ BUILTIN_MODELS = {
     "tiny-chroma": BuiltinModel(
         "chroma", "A Chroma-shaped pipeline (2 double + 2 single blocks, approximator, tiny VAE, T5) with random weights.",
         "model_index.json", _build_tiny_chroma),
+    "tiny-krea2": BuiltinModel(
+        "krea2", "A Krea-2-shaped pipeline (4 single-stream blocks + 2 + 2 text-fusion blocks, tiny Qwen-Image VAE, "
+        "Qwen3-VL) with random weights.", "model_index.json", _build_tiny_krea2),
 }
 
 

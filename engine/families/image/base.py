@@ -42,7 +42,7 @@ import torch
 
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
-from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, scan_images
+from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, pipeline_components, scan_images
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,
@@ -127,7 +127,7 @@ def sample_pipeline(model_path: str, cfg: JobConfig, transformer):
     """The model's own pipeline with the training transformer and no text encoder (prompts come from the cache)."""
     from diffusers import DiffusionPipeline
 
-    components = DiffusionPipeline.load_config(model_path, revision=cfg.model.revision)
+    components = pipeline_components(DiffusionPipeline.load_config(model_path, revision=cfg.model.revision))
     text_parts = {k: None for k in components if k.startswith(("text_encoder", "tokenizer", "processor"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, revision=cfg.model.revision, transformer=transformer,
                                              dtype=torch_dtype(cfg.model.dtype), **text_parts)
