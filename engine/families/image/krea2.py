@@ -1,7 +1,7 @@
 """Krea 2 LoRA (base and Turbo): diffusers `Krea2Transformer2DModel`, trained by flow matching (engine/families/image/base.py).
 
 Krea 2 is a single-stream MMDiT (28 blocks, 6144 wide, 48 query heads over 12 key/value heads, a sigmoid
-output gate on attention, SwiGLU feed-forwards; 12.9 B parameters) conditioned on a stack of 12 hidden states
+output gate on attention, SwiGLU feed-forwards; 12.8 B parameters) conditioned on a stack of 12 hidden states
 tapped from Qwen3-VL-4B, which a small text-fusion transformer (2 + 2 blocks, 2560 wide) folds into one token
 sequence. What is Krea 2's own, all through diffusers' `Krea2Pipeline`:
 
@@ -79,6 +79,7 @@ import torch
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.base import ImageFamily
+from engine.families.image.dataset import pad_texts
 from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
 from engine.families.image.model import pipeline_shift_mu
 
@@ -174,12 +175,14 @@ class Krea2Model:
 
     def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
         # sample.guidance is Krea 2's CFG scale against the negative prompt (the empty caption by default; 0 for
-        # Turbo: no negative pass). The cached tokens are all real: an all-true mask.
-        out = {}
-        for key, e in (("prompt_embeds", emb), ("negative_prompt_embeds", negative)):
-            t = e["prompt_embeds"][None].to(device, dtype).unflatten(-1, (self.text_layers, -1))
-            out[key], out[key + "_mask"] = t, torch.ones(t.shape[:2], dtype=torch.bool, device=device)
-        return out
+        # Turbo: no negative pass). The pipeline builds one set of position ids for both passes, so both captions
+        # are padded to one length (the pipeline pads both to 512), with a mask over the real tokens.
+        texts = [emb["prompt_embeds"], negative["prompt_embeds"]]
+        padded, mask = pad_texts(texts, max(t.shape[0] for t in texts))
+        padded = padded.to(device, dtype).unflatten(-1, (self.text_layers, -1))
+        mask = mask.to(device).bool()
+        return {"prompt_embeds": padded[:1], "prompt_embeds_mask": mask[:1],
+                "negative_prompt_embeds": padded[1:], "negative_prompt_embeds_mask": mask[1:]}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         md = metadata(cfg, meta)
