@@ -6,19 +6,28 @@ tests/e2e/test_image_families.py with the other image families.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 
 @pytest.fixture(scope="module")
-def pipe(tmp_path_factory):
-    from diffusers import Krea2Pipeline
-
+def tiny(tmp_path_factory) -> Path:
     from engine.builtin.tiny_krea2 import build_tiny_krea2
 
     path = tmp_path_factory.mktemp("tiny-krea2")
     build_tiny_krea2(path)
-    return Krea2Pipeline.from_pretrained(path, text_encoder=None, tokenizer=None)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny):
+    from diffusers import Krea2Pipeline
+
+    return Krea2Pipeline.from_pretrained(tiny, text_encoder=None, tokenizer=None)
 
 
 def test_predict_is_the_velocity_krea2pipeline_integrates_and_ignores_caption_padding(pipe):
@@ -57,3 +66,34 @@ def test_shift_is_the_pipelines_resolution_shift_or_turbos_fixed_one():
     assert m.shift_mu({"base_shift": 0.5, "max_shift": 1.15}, 1024) == pytest.approx(
         calculate_shift(1024, 256, 6400, 0.5, 1.15))
     assert m.shift_mu({"is_distilled": True}, 256) == m.shift_mu({"is_distilled": True}, 4096) == 1.15
+
+
+class _Quiet:
+    def info(self, *a, **k):
+        pass
+
+    warning = info
+
+
+def test_the_family_reads_is_distilled_from_model_index_and_shifts_turbo_by_its_fixed_mu(tiny, tmp_path):
+    """Krea2Pipeline's `is_distilled` (model_index.json) is what picks Turbo's fixed μ at inference; the family
+    loads it with the transformer, so `shift` sampling follows the same schedule; the cached text's layout
+    follows the transformer's tapped-layer count."""
+    from engine.config.job import parse_job
+    from engine.families import get_family
+    from tests.e2e.test_image_families import IMAGES, job_dict
+    from tests.helpers.images import make_images
+
+    turbo = tmp_path / "turbo"
+    shutil.copytree(tiny, turbo)
+    index = json.loads((turbo / "model_index.json").read_text())
+    (turbo / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    data = make_images(tmp_path / "data", IMAGES[:1])
+    mus = {}
+    for name, path in (("base", tiny), ("turbo", turbo)):
+        family = get_family("krea2")
+        cfg = parse_job(job_dict("krea2", path, data), tmp_path)
+        family.load_model(cfg, tmp_path, torch.device("cpu"), _Quiet())
+        assert family.model.text_layers == 2
+        mus[name] = family.model.shift_mu(family.sched, 4096)
+    assert mus == {"base": pytest.approx(0.5 + 0.65 * (4096 - 256) / (6400 - 256)), "turbo": 1.15}
