@@ -28,7 +28,12 @@ SELECT_LAYERS = (1, 2)  # hidden_states indices of the 2-layer text encoder (0 i
 def build_tiny_krea2(dest: Path, seed: int = 1234) -> None:
     """Write a tiny random Krea 2 pipeline directory to `dest`."""
     import torch
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        Krea2Pipeline,
+        Krea2Transformer2DModel,
+    )
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     from engine.builtin.tiny_pipelines import QWEN_TEMPLATE, qwen_tokenizer

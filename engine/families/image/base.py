@@ -42,7 +42,13 @@ import torch
 
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
-from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, pipeline_components, scan_images
+from engine.families.image.dataset import (
+    ImageData,
+    ImageDataset,
+    PipelineEncoder,
+    pipeline_components,
+    scan_images,
+)
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,

@@ -68,7 +68,6 @@ here — which would let it read the diffusers file as well.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
