@@ -493,6 +493,7 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("chroma", {"train": {"batch_size": 2, "gradient_checkpointing": True}},
      ["train.batch_size, train.gradient_checkpointing", "drops the caption mask", "train.grad_accum"]),
     ("chroma", {"lora": {"type": "loha", "dropout": 0}}, ["lora.type", "chroma"]),
+    ("krea2", {"lora": {"type": "dora"}}, ["lora.type", "krea2"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job
