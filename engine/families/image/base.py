@@ -42,13 +42,7 @@ import torch
 
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
-from engine.families.image.dataset import (
-    ImageData,
-    ImageDataset,
-    PipelineEncoder,
-    pipeline_components,
-    scan_images,
-)
+from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, scan_images
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,
@@ -133,6 +127,9 @@ def sample_pipeline(model_path: str, cfg: JobConfig, transformer):
     """The model's own pipeline with the training transformer and no text encoder (prompts come from the cache)."""
     from diffusers import DiffusionPipeline
 
+    from engine.families.image.dataset import pipeline_components
+
+    # Only the components: model_index.json's settings (Krea 2's text_encoder_select_layers) keep their values.
     components = pipeline_components(DiffusionPipeline.load_config(model_path, revision=cfg.model.revision))
     text_parts = {k: None for k in components if k.startswith(("text_encoder", "tokenizer", "processor"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, revision=cfg.model.revision, transformer=transformer,
