@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILY_NAMES = {"causal_lm": "causal language model", "flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image",
-                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3"}
+                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2"}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # engine/families/image/export.py writes it
 PEFT_FILE = "adapter_model.safetensors"
 MAX_SAMPLES = 4

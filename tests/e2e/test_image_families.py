@@ -1,4 +1,4 @@
-"""FLUX.2, Qwen-Image, Z-Image, Chroma and FLUX.3 LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
+"""FLUX.2, Qwen-Image, Z-Image, Chroma, FLUX.3 and Krea 2 LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
 
 Each family's killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint half-written, then resumed) runs
 as real processes (the trainer's command line, engine/run.py) in the background of a module fixture while the same job trains
@@ -26,23 +26,26 @@ from tests.helpers.forked import ForkedTrainer
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 
-FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3")
+FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
           ("square-0.png", 32, 32, "a yellow sun")]
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 COMFY = {"flux2": "flux2_lora_comfyui.safetensors", "qwen_image": "qwen_image_lora_comfyui.safetensors",
          "z_image": "z_image_lora_comfyui.safetensors", "chroma": "chroma_lora_comfyui.safetensors",
-         "flux3": "flux3_lora_comfyui.safetensors"}
+         "flux3": "flux3_lora_comfyui.safetensors",
+         "krea2": "krea2_lora_comfyui.safetensors"}
 
 
 def _build(family: str, dest: Path) -> Path:
     from engine.builtin.tiny_chroma import build_tiny_chroma
     from engine.builtin.tiny_flux3 import build_tiny_flux3
+    from engine.builtin.tiny_krea2 import build_tiny_krea2
     from engine.builtin.tiny_pipelines import build_tiny_flux2, build_tiny_qwen_image
     from engine.builtin.tiny_z_image import build_tiny_z_image
 
     {"flux2": build_tiny_flux2, "qwen_image": build_tiny_qwen_image, "z_image": build_tiny_z_image,
-     "chroma": build_tiny_chroma, "flux3": build_tiny_flux3}[family](dest)
+     "chroma": build_tiny_chroma, "flux3": build_tiny_flux3,
+     "krea2": build_tiny_krea2}[family](dest)
     return dest
 
 
@@ -154,6 +157,13 @@ def _inputs(family: str, model) -> dict:
     """Fixed transformer inputs for a 4x6 latent and 9 text tokens, in each model's own layout."""
     g = torch.Generator().manual_seed(0)
     c = model.config.in_channels
+    if family == "krea2":  # packed latents, the tapped text layers per token, σ itself as the time
+        from diffusers import Krea2Pipeline
+
+        text = torch.randn(1, 9, model.config.num_text_layers, model.config.text_hidden_dim, generator=g)
+        return dict(hidden_states=torch.randn(1, 2 * 3, c, generator=g), encoder_hidden_states=text,
+                    timestep=torch.tensor([0.6]), position_ids=Krea2Pipeline.prepare_position_ids(9, 2, 3, "cpu"),
+                    encoder_attention_mask=torch.ones(1, 9, dtype=torch.bool), return_dict=False)
     text = torch.randn(1, 9, model.config.get("joint_attention_dim") or model.config.cap_feat_dim, generator=g)
     if family == "z_image":  # a list of [C, 1, h, w] latents and a list of unpadded captions, the time as 1 - σ
         lat = torch.randn(1, c, 1, 4, 6, generator=g)
@@ -218,7 +228,7 @@ def _pipeline_with_transformer(family: str, model_dir: Path):
 
 # Families whose diffusers file carries alpha / r inside lora_B, with lora_alpha = r in its metadata, so that
 # loaders reading no metadata and no .alpha key (ComfyUI) apply the trained strength too.
-FOLDED = {"flux2", "qwen_image", "z_image", "flux3"}
+FOLDED = {"flux2", "qwen_image", "z_image", "flux3", "krea2"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -431,6 +441,23 @@ def test_flux3_comfyui_keys_are_bfl_names_that_diffusers_own_converter_maps_back
         torch.testing.assert_close(b @ a, d[m], rtol=1e-5, atol=1e-7, msg=m)
 
 
+def test_krea2_comfyui_file_has_the_reference_names_comfyui_maps_at_the_trained_strength(runs):
+    """ComfyUI's Krea 2 model keeps the reference checkpoint's names (comfy/ldm/krea2/model.py): blocks.i.attn.wq |
+    wk | wv | gate | wo and blocks.i.mlp.gate | up | down. Its generic rule maps diffusion_model.<name> to
+    <name>.weight, and with no .alpha key applies B·A at scale 1: alpha / r is folded into B. (diffusers' Krea 2
+    converter reads the same file back: test_load_lora_weights_of_both_files_reproduces_the_trained_transformer.)"""
+    sd, d = _comfyui_file_and_deltas("krea2", runs)
+    names = {"attn.to_q": "attn.wq", "attn.to_k": "attn.wk", "attn.to_v": "attn.wv", "attn.to_gate": "attn.gate",
+             "attn.to_out.0": "attn.wo", "ff.gate": "mlp.gate", "ff.up": "mlp.up", "ff.down": "mlp.down"}
+    assert set(d) == {f"transformer_blocks.{i}.{m}" for i in range(4) for m in names}
+    want = {f"diffusion_model.blocks.{i}.{c}": d[f"transformer_blocks.{i}.{m}"] for i in range(4)
+            for m, c in names.items()}
+    assert set(sd) == {f"{k}.lora_{x}.weight" for k in want for x in "AB"}
+    for k, delta in want.items():
+        torch.testing.assert_close(sd[f"{k}.lora_B.weight"] @ sd[f"{k}.lora_A.weight"], delta, rtol=1e-5, atol=1e-7,
+                                   msg=k)
+
+
 # ------------------------------------------------------------------ cache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path):
@@ -478,7 +505,8 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
     assert untrained == ({k for k in untrained if re.fullmatch(dead, k)} if family == "qwen_image" else set())
     mem, _ = _trained_in_memory(family, tmp_path / "job.yaml", tmp_path / "work")
     assert isinstance(_first_q(mem).base_layer, FP8Linear)
-    final = mem.all_final_layer["2-1"].linear if family == "z_image" else mem.proj_out
+    final = {"z_image": lambda: mem.all_final_layer["2-1"].linear,
+             "krea2": lambda: mem.final_layer.linear}.get(family, lambda: mem.proj_out)()
     assert type(final) is torch.nn.Linear  # the final layer stays in the model dtype
 
 
@@ -517,6 +545,7 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("chroma", {"lora": {"type": "loha", "dropout": 0}, "output": {"formats": ["diffusers"]}},
      ["lora.type", "loha", "comfyui"]),
     ("flux3", {"model": {"path": "builtin:tiny-z-image"}}, ["model.path", "z_image model", "flux3"]),
+    ("krea2", {"lora": {"type": "dora"}}, ["lora.type", "krea2"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job

@@ -29,6 +29,8 @@ from tests.helpers.processes import CHILD_ENV, WAIT_S
 # every test, so that no later trainer imports in each child what the first test's list left out.
 PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
            "engine.families.image.qwen_image", "engine.families.image.z_image", "engine.families.image.chroma",
+           "engine.families.image.krea2", "diffusers.pipelines.krea2.pipeline_krea2",
+           "transformers.models.qwen3_vl.modeling_qwen3_vl",
            "engine.families.image.flux", "engine.families.causal_lm", "peft", "torch.utils.tensorboard",
            "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
            "diffusers.pipelines.z_image.pipeline_z_image", "diffusers.pipelines.chroma.pipeline_chroma",

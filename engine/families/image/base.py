@@ -145,7 +145,10 @@ def sample_pipeline(model_path: str, cfg: JobConfig, transformer):
     """The model's own pipeline with the training transformer and no text encoder (prompts come from the cache)."""
     from diffusers import DiffusionPipeline
 
-    components = DiffusionPipeline.load_config(model_path, revision=cfg.model.revision)
+    from engine.families.image.dataset import pipeline_components
+
+    # Only the components: model_index.json's settings (Krea 2's text_encoder_select_layers) keep their values.
+    components = pipeline_components(DiffusionPipeline.load_config(model_path, revision=cfg.model.revision))
     text_parts = {k: None for k in components if k.startswith(("text_encoder", "tokenizer", "processor"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, revision=cfg.model.revision, transformer=transformer,
                                              dtype=torch_dtype(cfg.model.dtype), **text_parts)
