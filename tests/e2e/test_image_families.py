@@ -68,6 +68,11 @@ def _tmp_dirs(wd: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if ".tmp-" in p.name) if root.is_dir() else []
 
 
+def _committed(wd: Path) -> list[str]:
+    root = wd / "checkpoints"
+    return sorted(p.name for p in root.glob("step-*") if ".tmp-" not in p.name) if root.is_dir() else []
+
+
 def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     """SIGKILL while encoding the cache, then while a checkpoint is half-written; resume to the end."""
     story: list[str] = []
@@ -77,18 +82,22 @@ def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     t.kill()
     story.append(f"run1 SIGKILL while caching ({t.named('cache_progress')[-1]['done']} encoded)")
 
+    # Killed inside the second save (step 4), once step 2 is committed: run 3 must resume from a committed
+    # checkpoint (optimizer, RNG, data order), not start over, and never load the torn one.
     t = ForkedTrainer(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
-    t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
+    t.wait_for(lambda: _committed(wd) and any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
     t.kill()
     torn = _tmp_dirs(wd)
     start = t.named("cache_start")[0]
-    story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {[d.name for d in torn]} half-written")
+    story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {_committed(wd)} committed and "
+                 f"{[d.name for d in torn]} half-written")
     assert torn and start["reused"] >= 2, story
 
     t = ForkedTrainer(job, wd)
     assert t.finish(timeout=300) == 0, t.events[-5:]
     story.append(f"run3 resumed from {[e['from_step'] for e in t.named('resumed')]}")
     assert t.named("cache_start")[0]["to_encode"] == 0, story
+    assert [e["from_step"] for e in t.named("resumed")] == [2], story
     return wd, story
 
 
