@@ -73,6 +73,7 @@ def _under(path: Path, roots: tuple[Path, ...]) -> bool:
 class JobPolicy:
     allow_trust_remote_code: bool
     roots: tuple[Path, ...]  # resolved
+    cache_max_bytes: int | None = None  # HOME/cache's size limit (engine/storage/cache_evict.py); None: none
 
     def check(self, raw: dict[str, Any], base_dir: Path) -> None:
         """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping)."""
@@ -118,6 +119,8 @@ class JobPolicy:
             out += ["--allowed-root", str(r)]
         if self.allow_trust_remote_code:
             out.append("--allow-trust-remote-code")
+        if self.cache_max_bytes:
+            out += ["--cache-max-bytes", str(self.cache_max_bytes)]
         return out
 
 
@@ -127,10 +130,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--allowed-root", action="append", default=[], metavar="DIR",
                     help="model.path / data.path must lie under one of these (repeatable)")
     ap.add_argument("--allow-trust-remote-code", action="store_true")
+    ap.add_argument("--cache-max-bytes", type=int, default=None, metavar="N",
+                    help="evict least-recently-used entries of the shared cache beyond N bytes after a cache fill")
 
 
 def from_args(args: argparse.Namespace) -> JobPolicy | None:
     if not args.enforce_policy:
         return None
     return JobPolicy(allow_trust_remote_code=args.allow_trust_remote_code,
-                     roots=tuple(Path(r).resolve() for r in args.allowed_root))
+                     roots=tuple(Path(r).resolve() for r in args.allowed_root), cache_max_bytes=args.cache_max_bytes)

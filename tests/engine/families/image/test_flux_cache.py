@@ -137,3 +137,52 @@ def test_lorad_cache_refuses_a_causal_lm_job(tmp_path):
     shutil.copy(repo / "configs/examples/quickstart.yaml", tmp_path / "q.yaml")
     shutil.copytree(repo / "configs/examples/data", tmp_path / "data")
     assert lorad(["cache", str(tmp_path / "q.yaml"), "--home", str(tmp_path / "home"), "--quiet"]) == 65
+
+
+def test_a_job_after_an_eviction_re_encodes_exactly_what_was_evicted_and_trains_bit_identically(job, tmp_path,
+                                                                                                tiny_flux):
+    """HOME/cache over its limit: job b's fill evicts job a's least recently used entries (its texts: b shares and
+    touches the latents); job a again encodes exactly those, into the same files, and trains the same adapter."""
+    import gc
+
+    import yaml
+
+    from engine.recipe import train
+    from engine.storage import cache_evict
+    from tests.helpers.images import tensor_bytes
+
+    home = tmp_path / "home"
+    d = yaml.safe_load(job.read_text())
+    d["sample"], d["train"]["steps"] = {}, 3
+    job.write_text(yaml.safe_dump(d))
+    other = write_flux_job(tmp_path / "other.yaml", tiny_flux, tmp_path / "data", data={"trigger": "zkz"},
+                           train={"steps": 1})
+
+    def run(path: Path, name: str) -> Path:
+        assert train(load_job(path), home / "jobs" / name, progress="none") == 0
+        gc.collect()  # the finished job's Cache (and its lease) goes, as it would with its process
+        return home / "jobs" / name
+
+    def files() -> set[str]:
+        return {p.name for p in (home / "cache").glob("*.safetensors")}
+
+    first = run(job, "a-1")
+    _, size = cache_evict.usage(home / "cache")
+    cache_evict.set_limit(size)  # what job a's entries take; job b's new texts push the cache over it
+    try:
+        b = run(other, "b-2")
+        evicted = {e["file"] for e in _events(b) if e["event"] == "cache_evicted"}
+        assert evicted and all(name.startswith("text-") for name in evicted)
+        assert cache_evict.usage(home / "cache")[1] <= size
+        before = files()
+        again = run(job, "a-3")
+    finally:
+        cache_evict.set_limit(None)
+    start = next(e for e in _events(again) if e["event"] == "cache_start")
+    assert start["to_encode"] == len(evicted) and files() - before == evicted  # deterministic: the same files
+    assert tensor_bytes(again / "output" / "pytorch_lora_weights.safetensors") == \
+        tensor_bytes(first / "output" / "pytorch_lora_weights.safetensors")
+
+
+def _events(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
