@@ -2,7 +2,7 @@
 holds.
 
     cache/.leases/lease-PID-RANDOM.json   the keys one process uses, flock'ed (shared) while it lives
-    cache/.evict.lock                     leases are taken and entries evicted under it, one at a time
+    cache/.leases/lock                    leases are taken and entries evicted under it, one at a time
 
 Use: an entry's last use is its entry file's mtime, set when it is written and touched each time a job finds it
 valid (`touch`). Limit: the daemon's `cache_max_bytes`, passed to each trainer on its command line
@@ -11,7 +11,7 @@ valid (`touch`). Limit: the daemon's `cache_max_bytes`, passed to each trainer o
 Running jobs: a job takes a lease on every key it needs before it verifies or encodes any (`Lease`), and holds
 it (an open descriptor with a shared flock) until its Cache is closed or its process ends; a SIGKILL releases it
 with the process. Eviction skips every key of a live lease (one that cannot be locked exclusively) and removes
-the lease files of dead ones. Taking a lease and evicting are serialised by .evict.lock, so an entry is either
+the lease files of dead ones. Taking a lease and evicting are serialised by .leases/lock, so an entry is either
 leased before the evicter looks, or evicted before the job verifies it (and then the job encodes it again).
 
 Crash safety: an entry goes whole, its entry file first (the commit: from then on it is absent to every reader),
@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 ENTRY = ".entry.json"
-LEASES = ".leases"
-LOCK = ".evict.lock"
+LEASES = ".leases"  # the one name the cache's own bookkeeping adds to the cache directory
+LOCK = "lock"
 
 _limit: list[int | None] = [None]  # bytes; set once by the trainer from its command line (engine/run.py)
 
@@ -52,7 +52,8 @@ def limit() -> int | None:
 
 @contextmanager
 def _locked(root: Path, how: int):
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    os.makedirs(root / LEASES, exist_ok=True)
+    fd = os.open(root / LEASES / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
         fcntl.flock(fd, how)
         yield
@@ -67,7 +68,6 @@ class Lease:
         self.path: Path | None = None
         self._file = None
         d = root / LEASES
-        os.makedirs(d, exist_ok=True)
         with _locked(root, fcntl.LOCK_SH):
             path = d / f"lease-{os.getpid()}-{secrets.token_hex(6)}.json"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
@@ -96,6 +96,8 @@ def _live_keys(root: Path) -> set[str]:
     except FileNotFoundError:
         return live
     for name in names:
+        if not name.startswith("lease-"):
+            continue
         try:
             fd = os.open(d / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from daemon.client.cli import main as lorad
 from engine.config.job import load_job
 from engine.families.image.flux import Flux
+from engine.storage.cache_evict import LEASES
 from tests.helpers import images as fh
 from tests.helpers.fakes import RecLog
 from tests.helpers.images import IMAGES, make_images, write_flux_job
@@ -47,7 +49,7 @@ def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_pat
     entries = _entries(wd / "cache")
     assert len(entries) == 17
     files = sorted(p.name for p in (wd / "cache").iterdir() if not p.name.endswith(".entry.json"))
-    assert files == sorted(e["file"] for e in entries.values())  # nothing half-written left
+    assert files == sorted([LEASES, *(e["file"] for e in entries.values())])  # nothing half-written left
     # flip: true caches the mirrored latent next to the plain one
     lat = fam.cache.load(fam.plan.item_latent[0])
     assert set(lat) == {"latent", "latent_flip"} and lat["latent"].shape[0] == 4
@@ -112,10 +114,14 @@ def _entries(root: Path) -> dict[str, dict]:
     return {p.name[: -len(".entry.json")]: json.loads(p.read_text()) for p in root.glob("*.entry.json")}
 
 
-def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, tmp_path):
+def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, tmp_path, capsys):
     home = tmp_path / "home"
-    assert lorad(["cache", str(job), "--home", str(home), "--quiet"]) == 0
+    (tmp_path / "daemon.yaml").write_text("cache_max_bytes: 1073741824\n")
+    assert lorad(["cache", str(job), "--home", str(home), "--quiet", "--config", str(tmp_path / "daemon.yaml")]) == 0
     assert len(_entries(home / "cache")) == 17  # HOME/cache, not jobs/NAME/cache
+    said = capsys.readouterr().err.splitlines()[-1]  # its size and the daemon's limit
+    assert re.fullmatch(rf"lorad: cache {re.escape(str((home / 'cache').resolve()))}: 17 entries, \d+\.\d MiB; "
+                        r"limit 1024\.0 MiB", said), said
     # the daemon runs the job in jobs/<name>-<id>, a directory `lorad cache` never saw
     rep, log, _ = prepare(job, home / "jobs" / "tiny-flux-3f9c2a")
     assert rep.encoded == {"latent": [], "text": []} and rep.reused == 17
