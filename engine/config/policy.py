@@ -105,8 +105,8 @@ class JobPolicy:
                 raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
                                  "add a root to allowed_roots in the daemon config")
             if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
-                raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the allowed roots "
-                                 f"({shown}); every file in a data folder must lie under one "
+                raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
+                                 f"allowed roots ({shown}); every file in a data folder must lie under one "
                                  "(add a root to allowed_roots in the daemon config)")
 
     def allows_path(self, path: Path) -> bool:

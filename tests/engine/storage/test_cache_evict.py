@@ -106,7 +106,7 @@ def test_a_lease_dies_with_its_process_even_by_sigkill(tmp_path, limit):
     root = tmp_path / "cache"
     ensure(root, [squares([1, 2], [])], RecLog())[0].close()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from engine.storage.cache_evict import Lease;"
+        [sys.executable, "-c", "import time; from pathlib import Path; from engine.storage.cache_evict import Lease;"
          f"lease = Lease(Path({str(root)!r}), [{key(1)!r}]); print('held', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True, cwd=REPO, env=child_env())
     try:
