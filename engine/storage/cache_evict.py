@@ -9,8 +9,8 @@ valid (`touch`). Limit: the daemon's `cache_max_bytes`, passed to each trainer o
 (engine/config/policy.py); none (`lorad run`, `lorad cache` without a daemon) = no eviction.
 
 Running jobs: a job takes a lease on every key it needs before it verifies or encodes any (`Lease`), and holds
-it (an open descriptor with a shared flock) until its Cache is closed or its process ends; a SIGKILL releases it
-with the process. Eviction skips every key of a live lease (one that cannot be locked exclusively) and removes
+it (an open descriptor with a shared flock) while its Cache lives (the family's dataset keeps it for the whole
+training; closed by Cache.close, collected, or the process's end, a SIGKILL included). Eviction skips every key of a live lease (one that cannot be locked exclusively) and removes
 the lease files of dead ones. Taking a lease and evicting are serialised by .leases/lock, so an entry is either
 leased before the evicter looks, or evicted before the job verifies it (and then the job encodes it again).
 
