@@ -22,6 +22,7 @@ from engine.distributed.ddp import die_with_parent
 from engine.distributed.liveness import Liveness
 from engine.errors import JobInvalid
 from engine.recipe import say, train
+from engine.storage import cache_evict
 from engine.training.stop import EXIT_INVALID, StopFlag
 
 
@@ -38,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         alive.start()
     stop = StopFlag()
     stop.install()
+    policy = job_policy.from_args(args)
+    if policy is not None:
+        cache_evict.set_limit(policy.cache_max_bytes)
     try:
         # The daemon's policy, from our argv (which no one but the daemon set), over the job.yaml on disk now.
-        cfg = load_job(args.job, policy=job_policy.from_args(args))
+        cfg = load_job(args.job, policy=policy)
     except JobInvalid as e:
         say(f"lorad: invalid job: {e}")
         return EXIT_INVALID

@@ -185,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_.add_argument("--config", help="daemon config YAML whose cache_max_bytes applies (as to the daemon's jobs)")
     p_.set_defaults(fn=cmd_cache, needs_training_stack=True)
 
     p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
