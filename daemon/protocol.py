@@ -95,7 +95,7 @@ class WebUrl(_Msg):
 
 class Exports(_Msg):
     """`lorad export`: a job's saved steps and their user-format files (step: only that one, refused if absent)."""
-    verb: Literal["exports"] = "exports"
+    verb: Literal["export"] = "export"
     job: str = JOB_REF
     step: int | None = Field(None, ge=0, le=99_999_999)  # checkpoint directories name 8 digits
 

@@ -303,7 +303,7 @@ def exports(ctx: Context, req: p.Exports) -> p.ExportsReply:
 HANDLERS: dict[str, Callable[[Context, Any], Any]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
     "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
-    "exports": exports,
+    "export": exports,
 }
 
 
