@@ -52,6 +52,12 @@ class CheckpointExports:
         """On the writer's thread, after the host copies are complete: the export files under `out`; their names."""
         if self._twin is None:
             self._twin = _Twin(self.model)
+        try:
+            return self._export(snap, evals, out)
+        finally:
+            self._twin.unload()  # holds no host copy (pinned memory on a GPU) between saves
+
+    def _export(self, snap: Snapshot, evals: dict[str, tuple[str, float]], out: Path) -> list[str]:
         trained = dict(snap.adapter)
         for name, (z, weight) in evals.items():  # schedule-free: p.lerp_(z, 1 - 1/beta1), as its eval() does
             trained[name] = trained[name].clone().lerp_(snap.optimizer_tensors[z], weight)
@@ -93,12 +99,21 @@ class _Twin:
 
     def __init__(self, model: torch.nn.Module):
         self.root = _shallow(model, {})
+        self.loaded: list[str] = []  # the parameters that hold a save's host copies now
 
     def load(self, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
         for name, t in tensors.items():
             path, _, leaf = name.rpartition(".")
             self.root.get_submodule(path)._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+        self.loaded = list(tensors)
         return self.root
+
+    def unload(self) -> None:
+        for name in self.loaded:
+            path, _, leaf = name.rpartition(".")
+            mod = self.root.get_submodule(path)
+            mod._parameters[leaf] = torch.nn.Parameter(_meta(mod._parameters[leaf]), requires_grad=False)
+        self.loaded = []
 
 
 def _meta(t: torch.Tensor) -> torch.Tensor:

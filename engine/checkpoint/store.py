@@ -10,6 +10,8 @@ Layout of one checkpoint (`checkpoints/step-00000420/`):
     state.json              step, data cursor, python/numpy RNG, anything else the loop needs
     ema.safetensors         only with train.ema: the averaged adapter weights (any optional NAME.safetensors
                             is listed in the manifest and verified like the rest)
+    export/                 the step's LoRA in the user's formats, as output/ would hold it
+                            (engine/checkpoint/exports.py; listed and verified like the rest)
     manifest.json           written last: size and sha256 of every file above, step, config hash
 
 A sharded checkpoint (train.sharding: fsdp, engine/distributed/fsdp.py) holds the adapter and the optimizer in
