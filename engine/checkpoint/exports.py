@@ -29,6 +29,7 @@ from engine.report import model_card as card
 from engine.storage.fsio import normal_file_mode
 from engine.version import lorad_version
 
+
 def export_meta(cfg, step: int, dataset_size: int) -> dict[str, Any]:
     """What every exported file says about itself (the final output's and each checkpoint's alike)."""
     return {"steps": step, "lorad_version": lorad_version(), "base_model": cfg.model.path, "rank": cfg.lora.rank,

@@ -13,8 +13,8 @@ from pathlib import Path
 import yaml
 
 from daemon.supervisor.disk_progress import committed_checkpoints
-from tests.helpers.forked import ForkedTrainer, run_to_end
 from tests.helpers import images
+from tests.helpers.forked import ForkedTrainer, run_to_end
 from tests.helpers.images import flux_job_dict, make_images, tensor_bytes
 
 tiny_flux = images.tiny_flux  # shared session fixture
