@@ -1,6 +1,7 @@
 """The `lorad` command line: the parser and one dispatch; each verb is one function in its own room.
 
     daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
+    daemon/client/export.py           export
     daemon/client/foreground.py       run cache
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon.client.export import cmd_export
 from daemon.client.verbs import (
     cmd_cancel,
     cmd_drain,
@@ -241,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)
+    p_ = sub.add_parser("export", parents=[common], help="a saved step's LoRA files: list the steps, or copy one out")
+    p_.add_argument("job", type=_job_ref)
+    p_.add_argument("--step", type=_int_in(p.Exports, "step"), metavar="N", help="the step to copy (omit: list them)")
+    p_.add_argument("--to", metavar="DIR", help="where to copy the files (default: ./ID-step-N/)")
+    p_.add_argument("--force", action="store_true", help="overwrite files already in DIR")
+    p_.set_defaults(fn=cmd_export)
     p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
     p_.set_defaults(fn=cmd_web_url)
     return ap
