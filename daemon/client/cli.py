@@ -167,16 +167,8 @@ def _job_file(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="lorad", description="Resilient LoRA training service.")
-    ap.add_argument("--version", action="version", version=f"lorad {lorad_version()}")
-    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
-
-    common = _Parser(add_help=False)
-    common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
-    common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
-    common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
-
+def _local_verbs(sub) -> None:
+    """The verbs that run here, without the daemon's socket: run, cache, serve, install-service, power-helper."""
     p_ = sub.add_parser("run", help="train a job in the foreground; run again to resume")
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
@@ -209,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
     p_.set_defaults(fn=cmd_power_helper)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="lorad", description="Resilient LoRA training service.")
+    ap.add_argument("--version", action="version", version=f"lorad {lorad_version()}")
+    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    common = _Parser(add_help=False)
+    common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
+    common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
+    common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+
+    _local_verbs(sub)
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
     p_ = sub.add_parser("submit", parents=[common], help="validate a job file and queue it; prints the job id")
