@@ -13,6 +13,7 @@ cleanly after a checkpoint (resumable), anything else is a crash.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -56,4 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The daemon records a pause, a stop or the end of a job when the trainer exits, and interpreter shutdown's
+    # last garbage collection walks every object torch and transformers made: 1.6-2.6 s of a micro-model
+    # trainer's exit on a loaded 2-core machine, 0.2-0.3 s with the heap frozen out of its reach. Everything
+    # the run leaves is committed (fsynced) by now; nothing relies on a cycle's finalizer at exit (the trainers
+    # the tests fork skip interpreter shutdown altogether).
+    gc.freeze()
+    sys.exit(code)
