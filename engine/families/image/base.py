@@ -47,13 +47,13 @@ import torch
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, scan_images
+from engine.families.image.dop import with_preservation
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,
     sample_sigmas,
     scheduler_settings,
 )
-from engine.families.image.dop import with_preservation
 from engine.families.image.masked_loss import batch_flow_loss
 from engine.families.image.model import ImageModel
 from engine.report.quiet import quiet_libraries

@@ -73,7 +73,7 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.errors import JobInvalid
-from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
+from engine.families.image.export import folded_comfyui_file, output_files
 
 _BLOCK = r"(txt_mode_blocks\.\d+|mode_blocks\.image\.\d+|single_transformer_blocks\.\d+)"
 DEFAULT_TARGETS = rf"^{_BLOCK}\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.(linear_in|linear_out))$"
@@ -252,21 +252,9 @@ class Flux3Model:
                 "negative_prompt_embeds": negative["prompt_embeds"][None].to(device, dtype)}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        md = metadata(cfg, meta)
-        names = []
-        if "diffusers" in cfg.output.formats:
-            names.append(diffusers_lora_file(model, out_dir, md))
-        if "comfyui" in cfg.output.formats:
-            # alpha / r folded into lora_B, no `.alpha` keys: diffusers' FLUX.3 loader refuses them.
-            scale = cfg.lora.alpha / cfg.lora.rank
-            sd = {}
-            for name, (a, b, _base) in lora_modules(model).items():
-                key = f"diffusion_model.{bfl_name(name)}"
-                sd.update({f"{key}.lora_A.weight": a, f"{key}.lora_B.weight": b * scale})
-            names.append(save(sd, Path(out_dir) / COMFYUI_FILE, {
-                **md, "ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.rank),
-                "ss_base_model_version": "flux3", "lorad_alpha_folded": "true"}))
-        return names
+        # Both files: alpha / r folded into lora_B, no `.alpha` keys (diffusers' FLUX.3 loader refuses them).
+        return output_files(model, cfg, out_dir, meta, lambda md: folded_comfyui_file(
+            model, cfg, out_dir, md, COMFYUI_FILE, "flux3", bfl_name))
 
 
 def Flux3():  # noqa: N802 - reads as the family's class at get_family's call site

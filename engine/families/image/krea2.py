@@ -79,8 +79,8 @@ from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.base import ImageFamily
 from engine.families.image.dataset import pad_texts
-from engine.families.image.export import diffusers_lora_file, lora_modules, metadata, save
-from engine.families.image.model import pipeline_shift_mu
+from engine.families.image.export import folded_comfyui_file, output_files
+from engine.families.image.model import pipeline_shift_mu, qwen_vae_latent, tokenizer_text_len
 
 DEFAULT_TARGETS = r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_gate|to_out\.0)|ff\.(gate|up|down))$"
 # Kept in the model dtype under fp8: the embedders, the time modulation, the text projector (12 inputs) and the
@@ -132,19 +132,10 @@ class Krea2Model:
 
     def text_max_len(self, model_path: str, revision: str | None) -> int:
         """Tokens per caption: the pipeline's 512, capped by the tokenizer's own limit (the tiny one has 48)."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer", revision=revision)
-        return int(min(MAX_TEXT_LEN, getattr(tok, "model_max_length", MAX_TEXT_LEN) or MAX_TEXT_LEN))
+        return tokenizer_text_len(model_path, revision, MAX_TEXT_LEN)
 
     def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
-
-        vae = pipe.vae
-        lat = retrieve_latents(vae.encode(pixels[:, :, None]), sample_mode="argmax")  # [1, C, 1, h, w]
-        mean = torch.tensor(vae.config.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
-        return ((lat - mean) / std)[0, :, 0]
+        return qwen_vae_latent(pipe, pixels)
 
     def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
         embeds, mask = pipe.encode_prompt(text, device=device, max_sequence_length=max_len)
@@ -184,25 +175,9 @@ class Krea2Model:
                 "negative_prompt_embeds": padded[1:], "negative_prompt_embeds_mask": mask[1:]}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        md = metadata(cfg, meta)
-        names = []
-        if "diffusers" in cfg.output.formats:
-            names.append(diffusers_lora_file(model, out_dir, md))
-        if "comfyui" in cfg.output.formats:
-            names.append(comfyui_file(model, cfg, out_dir, md))
-        return names
-
-
-def comfyui_file(model, cfg: JobConfig, out_dir: Path, md: dict[str, str]) -> str:
-    """krea2_lora_comfyui.safetensors: diffusion_model.<ComfyUI name>.lora_A / lora_B, alpha / r folded into B."""
-    scale = cfg.lora.alpha / cfg.lora.rank
-    sd = {}
-    for name, (a, b, _base) in lora_modules(model).items():
-        key = f"diffusion_model.{comfyui_name(name)}"
-        sd[f"{key}.lora_A.weight"], sd[f"{key}.lora_B.weight"] = a, b * scale
-    return save(sd, Path(out_dir) / COMFYUI_FILE, {**md, "ss_network_dim": str(cfg.lora.rank),
-                                                   "ss_network_alpha": str(cfg.lora.rank),
-                                                   "ss_base_model_version": "krea2", "lorad_alpha_folded": "true"})
+        # krea2_lora_comfyui.safetensors: diffusion_model.<ComfyUI name>, alpha / r folded into B.
+        return output_files(model, cfg, out_dir, meta, lambda md: folded_comfyui_file(
+            model, cfg, out_dir, md, COMFYUI_FILE, "krea2", comfyui_name))
 
 
 class Krea2Family(ImageFamily):
