@@ -107,7 +107,8 @@ def image_output_formats(cfg: JobConfig) -> list[Problem]:
 # not named here trains plain LoRA only until its exports are checked.
 IMAGE_LORA_TYPES = {"flux": ("lora", "dora", "lokr", "loha"), "chroma": ("lora", "dora", "lokr", "loha"),
                     "qwen_image": ("lora", "dora", "lokr", "loha"), "z_image": ("lora", "dora", "lokr", "loha"),
-                    "flux2": ("lora", "dora")}
+                    "flux2": ("lora", "dora"), "krea2": ("lora", "dora", "lokr", "loha"),
+                    "flux3": ("lora", "dora", "lokr", "loha")}
 _WHY_NOT = {
     "flux2": "ComfyUI's FLUX.2 model fuses q, k and v (and the single blocks' q, k, v and MLP input) into one "
              "linear and maps FLUX.2 LoRA keys by those fused BFL names only; a LoKr or LoHa update of each part "

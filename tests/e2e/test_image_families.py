@@ -554,7 +554,8 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     ("chroma", {"lora": {"type": "loha", "dropout": 0}, "output": {"formats": ["diffusers"]}},
      ["lora.type", "loha", "comfyui"]),
     ("flux3", {"model": {"path": "builtin:tiny-z-image"}}, ["model.path", "z_image model", "flux3"]),
-    ("krea2", {"lora": {"type": "dora"}}, ["lora.type", "krea2"]),
+    ("krea2", {"lora": {"type": "lokr", "dropout": 0}, "output": {"formats": ["diffusers"]}},
+     ["lora.type", "lokr", "comfyui"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job

@@ -118,7 +118,16 @@ def folded_comfyui_file(model: torch.nn.Module, cfg, out_dir: Path, md: dict[str
                         base_model: str, name: Callable[[str], str]) -> str:
     """diffusion_model.<name(module)>.lora_A / lora_B with alpha / r folded into B and no `.alpha` keys: the
     layout for models whose diffusers converter refuses `.alpha` keys (FLUX.3, Krea 2); ComfyUI's generic rule,
-    with no alpha, applies scale 1, the trained strength."""
+    with no alpha, applies scale 1, the trained strength. LoKr and LoHa (lora.type) are LyCORIS tensors under the
+    same keys, with their `.alpha`: ComfyUI's LoKr and LoHa loaders read `<key>.lokr_w1`, ... from every key its
+    LoRA loader maps, and diffusers reads neither type, so no converter sees them."""
+    if cfg.lora.type in ("lokr", "loha"):
+        sd = lycoris_state_dict(model, lambda module: f"diffusion_model.{name(module)}")
+        return save(sd, Path(out_dir) / file_name, {**md, "ss_network_dim": str(cfg.lora.rank),
+                                                    "ss_network_alpha": str(cfg.lora.alpha),
+                                                    "ss_base_model_version": base_model,
+                                                    "ss_network_module": "lycoris.kohya",
+                                                    "ss_network_args": json.dumps({"algo": cfg.lora.type})})
     scale = cfg.lora.alpha / cfg.lora.rank
     sd = {}
     for module, (a, b, _base) in lora_modules(model).items():

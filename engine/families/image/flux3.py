@@ -59,6 +59,12 @@ ComfyUI's was read. The file follows ComfyUI's generic rule, read in that comfy/
 `diffusion_model.<module>` + `.lora_A/B.weight` patches the model's `diffusion_model.<module>.weight`, at scale 1
 without an `.alpha`. That holds for FLUX.3 if ComfyUI keeps the original checkpoint's names, as its FLUX.1 and
 FLUX.2 models do; not known.
+
+lora.type: DoRA goes in the diffusers file only (lora_magnitude_vector beside A and B; Flux3LoraLoaderMixin loads
+it as DoRA). LoKr and LoHa go in the ComfyUI file only, as LyCORIS tensors with their `.alpha` under the same
+`diffusion_model.<BFL name>` keys (export.folded_comfyui_file): ComfyUI's LoKr and LoHa adapters read
+`<key>.lokr_w1`, ... for every key its LoRA key map holds, so they rest on the LoRA key rule above and share its
+caveat; diffusers reads neither type.
 """
 
 from __future__ import annotations

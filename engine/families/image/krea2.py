@@ -64,6 +64,12 @@ not convert, an `.alpha` included. The stored ComfyUI snapshot's lora.py predate
 the names. Newer ComfyUI also maps diffusers' names for Krea 2 (`comfy.utils.krea2_to_diffusers`, with the
 `transformer.` / `diffusion_model.` / bare prefixes) — seen in third-party copies of that code, not checked
 here — which would let it read the diffusers file as well.
+
+lora.type: DoRA goes in the diffusers file only (lora_magnitude_vector beside A and B; Krea2LoraLoaderMixin loads
+it as DoRA). LoKr and LoHa go in the ComfyUI file only, as LyCORIS tensors with their `.alpha` under the same
+`diffusion_model.<ComfyUI name>` keys (export.folded_comfyui_file): ComfyUI's LoKr and LoHa adapters read
+`<key>.lokr_w1`, ... for every key its LoRA key map holds; diffusers reads neither type, so its converter never
+sees the `.alpha`.
 """
 
 from __future__ import annotations

@@ -15,13 +15,17 @@ from engine.config.rules import IMAGE_LORA_TYPES
 from engine.errors import JobInvalid
 from engine.families import get_family
 from engine.families.image.export import DIFFUSERS_FILE
+from engine.families.image.flux3 import bfl_name as flux3_name
+from engine.families.image.krea2 import comfyui_name as krea2_name
 from tests.helpers.images import IMAGE_FAMILIES, make_images
 from tests.helpers.lycoris import COMFY_LOHA, COMFY_LOKR, comfy_lycoris_delta, randomise_adapter
 
 # The key ComfyUI maps to a module's weight, per family (its docstring says why).
 COMFY_KEY = {"chroma": lambda name: "lycoris_" + name.replace(".", "_"),
              "qwen_image": lambda name: "diffusion_model." + name,
-             "z_image": lambda name: "diffusion_model." + name}
+             "z_image": lambda name: "diffusion_model." + name,
+             "krea2": lambda name: "diffusion_model." + krea2_name(name),
+             "flux3": lambda name: "diffusion_model." + flux3_name(name)}
 
 
 def _job(tmp_path, family: str, model, kind: str) -> dict:
@@ -31,9 +35,15 @@ def _job(tmp_path, family: str, model, kind: str) -> dict:
 
 
 def _loaded_transformer(model_path, out_dir):
-    """The family's own pipeline (no VAE or text encoder) after load_lora_weights of out_dir."""
-    from diffusers import DiffusionPipeline
+    """The family's own pipeline (no VAE or text encoder) after load_lora_weights of out_dir (FLUX.3's is a modular
+    pipeline: diffusers has no other)."""
+    from diffusers import DiffusionPipeline, ModularPipeline
 
+    if (model_path / "modular_model_index.json").exists():
+        pipe = ModularPipeline.from_pretrained(model_path)
+        pipe.load_components(names=["transformer"])
+        pipe.load_lora_weights(str(out_dir))
+        return pipe.transformer
     parts = DiffusionPipeline.load_config(model_path)
     drop = {k: None for k in parts if k.startswith(("text_encoder", "tokenizer", "processor", "vae"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, **drop)
