@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,7 @@ class StartPath:
         except Exception as e:  # noqa: BLE001 — heartbeats retry it every tick
             self.log.error("pid_not_recorded", job=job_id, pid=popen.pid, error=f"{type(e).__name__}: {e}")
         self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev, devices=devs,
-                      processes=processes)
+                      processes=processes, warm=not isinstance(popen, subprocess.Popen))
         job_event(workdir, job_id, "attempt_started", attempt=n, pid=popen.pid, gpu=dev)
         self._tell_policy("on_job_start", c.running_job())
         return True

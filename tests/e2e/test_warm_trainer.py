@@ -13,6 +13,8 @@ import pytest
 
 from daemon import protocol as p
 from daemon.system import proc
+from tests.helpers.processes import REPO
+from tests.helpers import daemon as helpers_daemon
 from tests.helpers.daemon import Daemon, adapter_file, daemon_job, fast_config, lorad_run, wait_until, write_yaml
 
 pytestmark = pytest.mark.slow
@@ -99,3 +101,39 @@ def test_a_daemon_sigkilled_under_a_warm_trainer_leaves_an_orphan_the_next_daemo
     j = d2.wait_state(jid, {"succeeded", "failed"}, 300)
     assert j["state"] == "succeeded", j
     assert adapter_file(d2.home / "jobs" / jid) == reference
+
+
+def test_a_stale_warm_trainer_is_never_used_and_a_killed_one_costs_no_job(tmp_path, monkeypatch, daemon, micro_model):
+    # lorad's own files, copied: the daemon (and its zygote) run from the copy, which the test may change.
+    tree = tmp_path / "lorad"
+    for pkg in ("engine", "daemon"):
+        shutil.copytree(REPO / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tree)
+    monkeypatch.setattr(helpers_daemon, "REPO", tree)
+    d = daemon()
+    job = daemon_job(micro_model, steps=3, every=3, seq_len=32)
+    job["data"]["path"] = str(shutil.copy(job["data"]["path"], tmp_path))  # under the allowed roots
+
+    def run(name: str) -> tuple[str, dict]:
+        write_yaml(d.home / "inbox" / f"{name}.yaml", {**job, "name": name})
+        jid = wait_until(lambda: [j["id"] for j in d.jobs() if j["name"] == name], 60, f"job {name} accepted")[0]
+        assert d.wait_state(jid, {"succeeded", "failed"}, 300)["state"] == "succeeded"
+        (started,) = [e for e in log_events(d, "trainer_started") if e["job"] == jid]
+        return jid, started
+
+    warm, started = run("a")
+    assert started["warm"] is True
+    recipe = tree / "engine" / "recipe.py"
+    st = recipe.stat()
+    os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # lorad "upgraded" underneath it
+    cold, started = run("b")
+    assert started["warm"] is False
+    assert [e["reason"] for e in log_events(d, "warm_trainer_skipped")] == [
+        "stale: lorad's files changed since it imported them"]
+    assert adapter_file(d.home / "jobs" / cold) == adapter_file(d.home / "jobs" / warm)
+    # The stale one was replaced; kill its successor: the next job still runs (forked by a third, or cold).
+    ready = wait_until(lambda: log_events(d, "warm_trainer_ready")[1:], 120, "a new warm trainer")
+    os.kill(ready[0]["pid"], signal.SIGKILL)
+    wait_until(lambda: not proc.alive(ready[0]["pid"]), 10, "the zygote gone")
+    third, _ = run("c")
+    assert adapter_file(d.home / "jobs" / third) == adapter_file(d.home / "jobs" / warm)
