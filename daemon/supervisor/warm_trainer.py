@@ -171,7 +171,11 @@ class WarmTrainer:
 
     def _drop(self) -> None:
         if self.sock is not None:
-            self.sock.close()  # EOF: it exits by itself
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)  # EOF: it exits by itself (close alone would wait for our reader)
+            except OSError:
+                pass
+            self.sock.close()
         if self.proc is not None:
             try:
                 self.proc.wait(5)
