@@ -19,7 +19,7 @@ from daemon.store import states
 from daemon.supervisor import cluster, gang, scheduling, trainer
 from daemon.supervisor.accepted_job import accepted_doc
 from daemon.supervisor.trainer import Child
-from daemon.supervisor.warm_trainer import WarmTrainer
+from daemon.supervisor.warm_trainer import WarmTrainer, forkable
 from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.lock import write_pid
@@ -53,7 +53,7 @@ class StartPath:
             job = self.store.next_queued(time.time())
             if job is None or job["id"] in tried:
                 return
-            if self.warm is not None:
+            if self.warm is not None and forkable(self.trainer_command(Path(job["workdir"]))):
                 self.warm.ensure()  # a job could start: the zygote imports in the background
                 if self.warm.warming():
                     return  # forked in a moment beats importing everything again in a cold trainer

@@ -38,6 +38,11 @@ STATUS_LOST = 255  # a warm trainer that outlived its zygote: its exit status we
 PER_TRAINER_ENV = {LIVENESS_DIR, "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS"}
 
 
+def forkable(cmd: list[str]) -> bool:
+    """A command the zygote can run: one `python -m engine.run` process (not torchrun, not a test's script)."""
+    return cmd[:3] == [sys.executable, "-m", "engine.run"]
+
+
 class WarmPopen:
     """A trainer forked by the zygote, as the supervisor uses a Popen: pid, stdout, poll, wait, send_signal.
 
@@ -205,7 +210,7 @@ class WarmTrainer:
             return "no warm trainer"
         if not self.ready.is_set():
             return "the warm trainer is still importing"
-        if cmd[:3] != [sys.executable, "-m", "engine.run"]:
+        if not forkable(cmd):
             return "not a single engine.run process"
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)} - PER_TRAINER_ENV
         if differ:
