@@ -127,16 +127,16 @@ def _spawn_warm(warm: WarmTrainer, cmd: list[str], workdir: Path, env: dict[str,
                 lock_fd: int) -> WarmPopen | None:
     r, w = os.pipe2(os.O_CLOEXEC)
     try:
-        pid = warm.spawn(cmd, str(workdir), env, TRAINER_UMASK, w, err_fd, lock_fd)
+        forked = warm.spawn(cmd, str(workdir), env, TRAINER_UMASK, w, err_fd, lock_fd)
     except BaseException:
         os.close(r)
         raise
     finally:
         os.close(w)
-    if pid is None:
+    if forked is None:
         os.close(r)
         return None
-    return WarmPopen(warm, pid, cmd, open(r, "rb"))
+    return WarmPopen(*forked, cmd, open(r, "rb"))
 
 
 def last_error_line(stderr_path: Path) -> str | None:

@@ -26,7 +26,7 @@ import time
 from typing import Any, Callable
 
 from daemon.supervisor import zygote
-from daemon.supervisor.warm_fingerprint import fingerprint
+from daemon.supervisor.warm_fingerprint import REPO, fingerprint
 from engine.distributed.liveness import LIVENESS_DIR
 
 WARMING_WAIT_S = 30.0  # a queued job waits this long for a zygote still importing, then starts cold
@@ -50,8 +50,8 @@ class WarmPopen:
     zygote frees the pid), so that Child.reap() can SIGKILL the trainer's group before its pid can be reused.
     """
 
-    def __init__(self, owner: WarmTrainer, pid: int, args: list[str], stdout) -> None:
-        self.owner, self.pid, self.args, self.stdout = owner, pid, args, stdout
+    def __init__(self, parent: Zygote, pid: int, args: list[str], stdout) -> None:
+        self.parent, self.pid, self.args, self.stdout = parent, pid, args, stdout
         self.returncode: int | None = None
         self._pidfd: int | None = None
         try:
@@ -62,8 +62,8 @@ class WarmPopen:
     def poll(self) -> int | None:
         if self.returncode is not None:
             return self.returncode
-        code = self.owner.exit_code(self.pid)
-        if code is None and not self.owner.alive() and self._pidfd is not None:
+        code = self.parent.exits.get(self.pid)
+        if code is None and self.parent.dead.is_set() and self._pidfd is not None:
             if select.select([self._pidfd], [], [], 0)[0]:
                 code = STATUS_LOST
         return code
@@ -76,7 +76,7 @@ class WarmPopen:
             time.sleep(0.01)
         if self.returncode is None:
             self.returncode = code
-            self.owner.release(self.pid)
+            self.parent.release(self.pid)
             if self._pidfd is not None:
                 os.close(self._pidfd)
         return code
@@ -92,8 +92,105 @@ class WarmPopen:
         self.send_signal(signal.SIGKILL)
 
 
+class Zygote:
+    """One zygote process, the daemon's side: its socket, a reader thread for its messages, its live children."""
+
+    def __init__(self, env: dict[str, str], popen_kwargs: dict[str, Any], log: Callable[..., None]) -> None:
+        self.log = log
+        self.ready, self.dead = threading.Event(), threading.Event()
+        self.answers: queue.Queue = queue.Queue()
+        self.exits: dict[int, int] = {}  # reported by the zygote, not yet collected
+        self.live: set[int] = set()  # forked, not yet collected
+        self.fp: str | None = None
+        self.retired = False  # replaced: it forks no more, and goes once its last child is collected
+        self.lock = threading.Lock()
+        self.started_at = time.monotonic()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "daemon.supervisor.zygote", str(theirs.fileno()), "x" * zygote.PADDING],
+                # Its imports' library noise stays out of the daemon's log; what goes wrong comes over the socket.
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                pass_fds=(theirs.fileno(),), cwd=str(REPO), start_new_session=True, **popen_kwargs)
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        threading.Thread(target=self._read, name="warm-trainer", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while msg := self.sock.recv(zygote.MAX_MSG):
+                m = json.loads(msg)
+                if "ready" in m:
+                    self.fp = m["ready"]
+                    self.ready.set()
+                    self.log("warm_trainer_ready", pid=m.get("pid"),
+                             after_s=round(time.monotonic() - self.started_at, 2))
+                elif "exited" in m:
+                    self.exits[m["exited"]] = m["code"]
+                else:
+                    if "error" in m and not self.ready.is_set():
+                        self.log("warm_trainer_failed", error=m["error"])
+                    self.answers.put(m)
+        except (OSError, ValueError):
+            pass
+        if not self.ready.is_set():
+            self.log("warm_trainer_failed", error="it exited before its imports were done")
+        self.dead.set()
+        self.answers.put({"error": "the warm trainer is gone"})
+
+    def fork(self, req: dict[str, Any], fds: list[int]) -> int | None:
+        """Ask for one trainer: its pid, or None (the reason logged). OSError if the zygote never answered."""
+        with self.lock:
+            try:
+                self.sock.sendmsg([json.dumps(req).encode()],
+                                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            except OSError as e:
+                self.log("warm_trainer_skipped", reason=f"request failed: {e}")
+                return None
+            try:
+                ans = self.answers.get(timeout=ANSWER_WAIT_S)
+            except queue.Empty:
+                raise OSError("the warm trainer took the request and never answered") from None
+            if "pid" not in ans:
+                self.log("warm_trainer_skipped", reason=ans.get("error"))
+                return None
+            self.live.add(int(ans["pid"]))
+            return int(ans["pid"])
+
+    def release(self, pid: int) -> None:
+        """A child's status is collected: the zygote may free its pid; a retired zygote goes with its last."""
+        with self.lock:
+            self.exits.pop(pid, None)
+            self.live.discard(pid)
+            try:
+                self.sock.send(json.dumps({"reap": pid}).encode())
+            except OSError:
+                pass
+        if self.retired and not self.live:
+            self.stop()
+
+    def stop(self) -> None:
+        """EOF on its socket: it exits by itself, leaving any children alone."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # close() alone would wait for our reader's recv
+        except OSError:
+            pass
+        self.sock.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.dead.set()
+
+
 class WarmTrainer:
-    """The daemon's side of one zygote at a time; thread-safe spawn, a reader thread for its messages."""
+    """The daemon's warm trainer: the current zygote (started on demand), and replaced ones that still have
+    children to report on."""
 
     def __init__(self, env: dict[str, str], popen_kwargs: dict[str, Any] | None = None,
                  log: Callable[..., None] | None = None, fingerprint_of: Callable[[], str] = fingerprint) -> None:
@@ -101,158 +198,72 @@ class WarmTrainer:
         self.log = log or (lambda *a, **k: None)
         self.fingerprint_of = fingerprint_of
         self.lock = threading.Lock()
-        self.proc: subprocess.Popen | None = None
-        self.sock: socket.socket | None = None
-        self.ready = threading.Event()
-        self.dead = threading.Event()
-        self.started_at = 0.0
-        self.fp: str | None = None
-        self.answers: queue.Queue = queue.Queue()
-        self.exits: dict[int, int] = {}
+        self.current: Zygote | None = None
 
-    # ------------------------------------------------------------ its life
     def ensure(self) -> None:
         """Start a zygote in the background unless one is starting or up."""
         with self.lock:
-            if self.proc is not None and not self.dead.is_set():
-                return
-            self._start()
+            if self.current is None or self.current.dead.is_set():
+                self._replace()
 
-    def _start(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.ready, self.dead, self.answers, self.exits, self.fp = threading.Event(), threading.Event(), queue.Queue(), {}, None
-        self.started_at = time.monotonic()
+    def _replace(self) -> None:
+        old, self.current = self.current, None
+        if old is not None:
+            old.retired = True
+            if not old.live:
+                old.stop()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.supervisor.zygote", str(theirs.fileno()), "x" * zygote.PADDING],
-                # Its imports' library noise stays out of the daemon's log; what goes wrong comes over the socket.
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env, pass_fds=(theirs.fileno(),),
-                cwd=str(zygote_root()), start_new_session=True, **self.popen_kwargs)
+            self.current = Zygote(self.env, self.popen_kwargs, self.log)
         except OSError as e:
             self.log("warm_trainer_failed", error=str(e))
-            self.proc, self.sock = None, None
-            ours.close()
-            self.dead.set()
-            return
-        finally:
-            theirs.close()
-        self.sock = ours
-        threading.Thread(target=self._read, args=(ours, self.ready, self.dead, self.answers, self.exits),
-                         name="warm-trainer", daemon=True).start()
-
-    def _read(self, sock, ready, dead, answers, exits) -> None:
-        try:
-            while msg := sock.recv(zygote.MAX_MSG):
-                m = json.loads(msg)
-                if "ready" in m:
-                    self.fp = m["ready"]
-                    ready.set()
-                    self.log("warm_trainer_ready", pid=m.get("pid"), after_s=round(time.monotonic() - self.started_at, 2))
-                elif "exited" in m:
-                    exits[m["exited"]] = m["code"]
-                else:
-                    if "error" in m and not ready.is_set():
-                        self.log("warm_trainer_failed", error=m["error"])
-                    answers.put(m)
-        except (OSError, ValueError):
-            pass
-        if not ready.is_set():
-            self.log("warm_trainer_failed", error="it exited before its imports were done")
-        dead.set()
-        answers.put({"error": "the warm trainer is gone"})
-
-    def alive(self) -> bool:
-        return not self.dead.is_set()
 
     def warming(self) -> bool:
         """Starting, not yet ready, and not past the wait a queued job gives it."""
-        return (self.proc is not None and not self.ready.is_set() and not self.dead.is_set()
-                and time.monotonic() - self.started_at < WARMING_WAIT_S)
+        z = self.current
+        return (z is not None and not z.ready.is_set() and not z.dead.is_set()
+                and time.monotonic() - z.started_at < WARMING_WAIT_S)
 
     def close(self) -> None:
         """Stop the zygote (not its children: they are trainers)."""
         with self.lock:
-            self._drop()
+            if self.current is not None:
+                self.current.stop()
+                self.current = None
 
-    def _drop(self) -> None:
-        if self.sock is not None:
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)  # EOF: it exits by itself (close alone would wait for our reader)
-            except OSError:
-                pass
-            self.sock.close()
-        if self.proc is not None:
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc, self.sock = None, None
-        self.dead.set()
-
-    # ------------------------------------------------------------ exits
-    def exit_code(self, pid: int) -> int | None:
-        return self.exits.get(pid)
-
-    def release(self, pid: int) -> None:
-        self.exits.pop(pid, None)
-        try:
-            with self.lock:
-                if self.sock is not None:
-                    self.sock.send(json.dumps({"reap": pid}).encode())
-        except OSError:
-            pass
-
-    # ------------------------------------------------------------ a trainer
     def why_cold(self, cmd: list[str], env: dict[str, str]) -> str | None:
         """Why this trainer cannot be forked warm now; None if it can."""
-        if self.proc is None or self.dead.is_set():
+        z = self.current
+        if z is None or z.dead.is_set():
             return "no warm trainer"
-        if not self.ready.is_set():
+        if not z.ready.is_set():
             return "the warm trainer is still importing"
         if not forkable(cmd):
             return "not a single engine.run process"
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)} - PER_TRAINER_ENV
         if differ:
             return f"environment read at import differs: {sorted(differ)[:5]}"
-        if self.fingerprint_of() != self.fp:
+        if self.fingerprint_of() != z.fp:
             return "stale: lorad's files changed since it imported them"
         return None
 
     def spawn(self, cmd: list[str], cwd: str, env: dict[str, str], umask: int, stdout_w: int, stderr_fd: int,
-              lock_fd: int) -> int | None:
-        """The pid of a trainer forked warm, or None (cold start: the reason is logged; a stale or broken
+              lock_fd: int) -> tuple[Zygote, int] | None:
+        """A trainer forked warm (its zygote and pid), or None (cold start: the reason is logged; a stale or dead
         zygote is replaced in the background). Raises OSError if the zygote took the request and never
         answered: a trainer may exist, so this start must fail rather than start a second one cold."""
         with self.lock:
             why = self.why_cold(cmd, env)
             if why is not None:
                 self.log("warm_trainer_skipped", reason=why)
-                if why.startswith("stale") or self.dead.is_set():
-                    self._drop()
-                    self._start()
+                if why.startswith("stale") or why == "no warm trainer":
+                    self._replace()
                 return None
-            assert self.sock is not None
+            z = self.current
+            assert z is not None
             req = {"argv": cmd, "env": env, "cwd": cwd, "umask": umask, "lock_fd": lock_fd}
-            fds = array.array("i", [stdout_w, stderr_fd, lock_fd])
             try:
-                self.sock.sendmsg([json.dumps(req).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-            except OSError as e:
-                self.log("warm_trainer_skipped", reason=f"request failed: {e}")
-                self._drop()
-                return None
-            try:
-                ans = self.answers.get(timeout=ANSWER_WAIT_S)
-            except queue.Empty:
-                self._drop()
-                raise OSError("the warm trainer took the request and never answered") from None
-            if "pid" not in ans:
-                self.log("warm_trainer_skipped", reason=ans.get("error"))
-                return None
-            return int(ans["pid"])
-
-
-def zygote_root():
-    from daemon.supervisor.warm_fingerprint import REPO
-
-    return REPO
+                pid = z.fork(req, [stdout_w, stderr_fd, lock_fd])
+            except OSError:
+                self._replace()
+                raise
+            return None if pid is None else (z, pid)
