@@ -174,17 +174,15 @@ class Zygote:
             self.stop()
 
     def stop(self) -> None:
-        """EOF on its socket: it exits by itself, leaving any children alone."""
+        """End it now, leaving any children alone (they lead sessions of their own): no wait for an EOF that a
+        zygote still importing would read only when done."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # close() alone would wait for our reader's recv
         except OSError:
             pass
         self.sock.close()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self.proc.kill()
+        self.proc.wait()
         self.dead.set()
 
 
@@ -233,12 +231,12 @@ class WarmTrainer:
     def why_cold(self, cmd: list[str], env: dict[str, str]) -> str | None:
         """Why this trainer cannot be forked warm now; None if it can."""
         z = self.current
+        if not forkable(cmd):
+            return "not a single engine.run process"
         if z is None or z.dead.is_set():
             return "no warm trainer"
         if not z.ready.is_set():
             return "the warm trainer is still importing"
-        if not forkable(cmd):
-            return "not a single engine.run process"
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)} - PER_TRAINER_ENV
         if differ:
             return f"environment read at import differs: {sorted(differ)[:5]}"
@@ -255,8 +253,8 @@ class WarmTrainer:
             why = self.why_cold(cmd, env)
             if why is not None:
                 self.log("warm_trainer_skipped", reason=why)
-                if why.startswith("stale") or why == "no warm trainer":
-                    self._replace()
+                if why.startswith("stale"):
+                    self._replace()  # a dead one is restarted by ensure(), when a job is next queued
                 return None
             z = self.current
             assert z is not None

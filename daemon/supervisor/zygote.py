@@ -84,7 +84,10 @@ def _child(req: dict, fds: list[int]) -> None:
 
             torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
         argv = req["argv"]
-        _set_cmdline(argv)
+        try:
+            _set_cmdline(argv)
+        except OSError:  # /proc/self/mem refused: it is still found by the pid the daemon records
+            pass
         sys.argv = [argv[0], *argv[3:]]  # [python, -m, engine.run, ...]: runpy puts the module's path first
         try:
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
