@@ -1,5 +1,5 @@
-"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image and Chroma families at their published
-shapes.
+"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image, Chroma, FLUX.3 and Krea 2 families at their
+published shapes.
 
     .venv/bin/python bench/image_memory.py
 
@@ -7,8 +7,11 @@ Builds each transformer on the `meta` device (no weights, no download) with
 diffusers' class defaults — FLUX.2-dev's transformer config (8 double + 48
 single blocks, 48 heads × 128), Qwen-Image's (60 blocks, 24 heads × 128) and
 Z-Image's (30 layers + 2 + 2 refiner blocks, 3840 wide; Turbo and Base share it),
-
-Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator) —
+Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator),
+FLUX.3's (5 per-mode blocks for each of image, reference image and text, 28 joint single blocks, 24 heads × 128;
+the distilled flow map adds one timestep embedder), and Krea 2's (28 single-stream
+blocks, 48 query heads × 128 over 12 key/value heads, the 2 + 2 text-fusion blocks; the class defaults are
+ComfyUI's SingleStreamDiT defaults, base and Turbo alike) —
 and prints: parameters and weight bytes in bf16 and fp8 (e4m3, 1 byte, plus
 one fp32 scale per output channel), the per-block sizes that decide
 `train.blocks_to_swap`, and the LoRA parameters of the family's default
@@ -73,17 +76,21 @@ def main() -> None:
     from diffusers import (
         ChromaTransformer2DModel,
         Flux2Transformer2DModel,
+        Flux3Transformer2DModel,
+        Krea2Transformer2DModel,
         QwenImageTransformer2DModel,
         ZImageTransformer2DModel,
     )
 
-    from engine.families.image import chroma, flux2, qwen_image, z_image
+    from engine.families.image import chroma, flux2, flux3, krea2, qwen_image, z_image
 
     with torch.device("meta"):
         f2 = Flux2Transformer2DModel()
         qi = QwenImageTransformer2DModel()
         zi = ZImageTransformer2DModel()
         ch = ChromaTransformer2DModel()
+        f3 = Flux3Transformer2DModel(flow_map=True)  # the distilled one: FLUX.3's plus its target-time embedder
+        k2 = Krea2Transformer2DModel()
     report("FLUX.2-dev transformer", f2, flux2.DEFAULT_TARGETS, flux2.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
     report("Qwen-Image transformer", qi, qwen_image.DEFAULT_TARGETS, qwen_image.FP8_SKIP, ["transformer_blocks"])
@@ -91,6 +98,9 @@ def main() -> None:
            ["layers", "noise_refiner", "context_refiner"])
     report("Chroma1-HD transformer", ch, chroma.DEFAULT_TARGETS, chroma.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
+    report("FLUX.3 (distilled) transformer", f3, flux3.DEFAULT_TARGETS, flux3.FP8_SKIP,
+           ["txt_mode_blocks", "single_transformer_blocks"])
+    report("Krea 2 transformer (base and Turbo)", k2, krea2.DEFAULT_TARGETS, krea2.FP8_SKIP, ["transformer_blocks"])
 
 
 if __name__ == "__main__":

@@ -93,10 +93,17 @@ class WebUrl(_Msg):
     verb: Literal["web-url"] = "web-url"
 
 
+class Exports(_Msg):
+    """`lorad export`: a job's saved steps and their user-format files (step: only that one, refused if absent)."""
+    verb: Literal["export"] = "export"
+    job: str = JOB_REF
+    step: int | None = Field(None, ge=0, le=99_999_999)  # checkpoint directories name 8 digits
+
+
 # A new verb: a request class above, added here, its reply model in REPLY_TYPES below, and a handler in
 # daemon/service/handlers.py.
 REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, Retry, SetPriority, Drain, Power,
-                                   WebUrl]
+                                   WebUrl, Exports]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
@@ -264,12 +271,30 @@ class WebUrlReply(_Data):
     base: str
 
 
+class ExportFile(BaseModel):
+    name: str  # relative to the step's export/ directory
+    size: int
+    sha256: str
+
+
+class SavedStep(BaseModel):
+    step: int
+    path: str  # the checkpoint directory; its files are in path/export/
+    files: list[ExportFile]
+
+
+class ExportsReply(_Data):
+    job: str
+    state: str
+    steps: list[SavedStep]  # newest first
+
+
 # Each request type's reply type; `status` answers the queue or one job.
 StatusReply = QueueReply | JobStatusReply
 REPLY_TYPES: dict[type[_Msg], Any] = {
     Ping: PingReply, Submit: SubmitReply, Status: StatusReply, Logs: LogsReply, Pause: JobActionReply,
     Resume: JobActionReply, Cancel: JobActionReply, Retry: JobActionReply, SetPriority: PriorityReply,
-    Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply,
+    Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply, Exports: ExportsReply,
 }
 _REPLY_ADAPTERS = {req: TypeAdapter(reply) for req, reply in REPLY_TYPES.items()}
 

@@ -21,6 +21,7 @@ contract with a trainer needs and torchrun does not give:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -140,4 +141,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # as engine.run: no last full collection of torch's heap at exit (~0.16 s) before the daemon sees it
+    sys.exit(code)

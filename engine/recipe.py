@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint.cadence import SaveCadence
+from engine.checkpoint.exports import CheckpointExports, export_meta
 from engine.checkpoint.output import export_output, output_step
 from engine.checkpoint.position import Position
 from engine.checkpoint.saving import commit_now, save_if_due
@@ -101,8 +102,7 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
         return EXIT_IO
     except OSError as e:
         if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
-            msg = (f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run "
-                   "again")
+            msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
             log.error("disk_error", message=msg)
             say(f"lorad: {msg}")
             return EXIT_IO
@@ -266,13 +266,14 @@ class Loop:
         pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, cfg.train.batch_size
         self.batches = Prefetcher(lambda cursor: run.dataset.collate(pick(seed, cursor, micro)), run.device)
         self.step_times: list[float] = []
+        self.exports = CheckpointExports(run.family, run.model, cfg, len(run.dataset))  # each save's user files
 
     def checkpoint(self) -> Snapshot:
         run, at = self.run, self.at
         if self.sharded:  # adapter and optimizer go to the shards every rank writes
             return rng_snapshot(at.step, run.generator, at.state(len(run.dataset), self.cfg))
-        return snapshot(at.step, run.params, run.optimizer, run.generator, at.state(len(run.dataset), self.cfg),
-                        run.ema)
+        return self.exports.attach(snapshot(at.step, run.params, run.optimizer, run.generator,
+                                            at.state(len(run.dataset), self.cfg), run.ema), run.optimizer, run.params)
 
     def steps(self, stop: StopFlag) -> None:
         """Train step after step until the last one, or until a stop every rank agrees on."""
@@ -384,8 +385,7 @@ def finish(run: Run, at: Position, cfg: JobConfig, workdir: Path, fs: FileLayer,
     if not run.ranks.is_main:
         run.ranks.barrier()  # while rank 0 exports
         return EXIT_OK
-    meta = {"steps": at.step, "lorad_version": VERSION, "base_model": cfg.model.path, "rank": cfg.lora.rank,
-            "alpha": cfg.lora.alpha, "config_hash": cfg.identity_hash(), "dataset_size": len(run.dataset)}
+    meta = export_meta(cfg, at.step, len(run.dataset))
     use_eval_weights(run.optimizer)  # schedule-free: export the averaged weights, not the training iterate
     try:
         with adapter_swapped_in(run.model, whole):  # fsdp: the whole adapter, not rank 0's shard

@@ -13,6 +13,7 @@ cleanly after a checkpoint (resumable), anything else is a crash.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine.distributed.ddp import die_with_parent
 from engine.distributed.liveness import Liveness
 from engine.errors import JobInvalid
 from engine.recipe import say, train
+from engine.storage import cache_evict
 from engine.training.stop import EXIT_INVALID, StopFlag
 
 
@@ -38,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         alive.start()
     stop = StopFlag()
     stop.install()
+    policy = job_policy.from_args(args)
+    if policy is not None:
+        cache_evict.set_limit(policy.cache_max_bytes)
     try:
         # The daemon's policy, from our argv (which no one but the daemon set), over the job.yaml on disk now.
-        cfg = load_job(args.job, policy=job_policy.from_args(args))
+        cfg = load_job(args.job, policy=policy)
     except JobInvalid as e:
         say(f"lorad: invalid job: {e}")
         return EXIT_INVALID
@@ -52,4 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The daemon records a pause, a stop or the end of a job when the trainer exits, and interpreter shutdown's
+    # last garbage collection walks every object torch and transformers made: 1.6-2.6 s of a micro-model
+    # trainer's exit on a loaded 2-core machine, 0.2-0.3 s with the heap frozen out of its reach. Everything
+    # the run leaves is committed (fsynced) by now; nothing relies on a cycle's finalizer at exit (the trainers
+    # the tests fork skip interpreter shutdown altogether).
+    gc.freeze()
+    sys.exit(code)

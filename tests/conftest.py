@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers.images import tiny_image_model  # noqa: F401 - a session fixture for every test module
 from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict
 
 # Tables are as wide as the terminal; tests read their cells. Without this, the width depended on how pytest

@@ -1,6 +1,7 @@
 """The `lorad` command line: the parser and one dispatch; each verb is one function in its own room.
 
     daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
+    daemon/client/export.py           export
     daemon/client/foreground.py       run cache
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon.client.export import cmd_export
 from daemon.client.verbs import (
     cmd_cancel,
     cmd_drain,
@@ -165,16 +167,8 @@ def _job_file(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="lorad", description="Resilient LoRA training service.")
-    ap.add_argument("--version", action="version", version=f"lorad {lorad_version()}")
-    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
-
-    common = _Parser(add_help=False)
-    common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
-    common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
-    common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
-
+def _local_verbs(sub) -> None:
+    """The verbs that run here, without the daemon's socket: run, cache, serve, install-service, power-helper."""
     p_ = sub.add_parser("run", help="train a job in the foreground; run again to resume")
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
@@ -185,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
+    p_.add_argument("--config", help="daemon config YAML whose cache_max_bytes applies (as to the daemon's jobs)")
     p_.set_defaults(fn=cmd_cache, needs_training_stack=True)
 
     p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
@@ -206,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
     p_.set_defaults(fn=cmd_power_helper)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="lorad", description="Resilient LoRA training service.")
+    ap.add_argument("--version", action="version", version=f"lorad {lorad_version()}")
+    sub = ap.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    common = _Parser(add_help=False)
+    common.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad, /var/lib/lorad under systemd)")
+    common.add_argument("--socket", help="the daemon's socket (default: HOME/lorad.sock or /run/lorad/lorad.sock)")
+    common.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+
+    _local_verbs(sub)
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
     p_ = sub.add_parser("submit", parents=[common], help="validate a job file and queue it; prints the job id")
@@ -240,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--gpu", type=_int_in(p.Power, "gpu"), metavar="N", help="the GPU for --limit (default: every GPU)")
     p_.add_argument("--clear", action="store_true", help="drop the manual limit")
     p_.set_defaults(fn=cmd_power)
+    p_ = sub.add_parser("export", parents=[common], help="a saved step's LoRA files: list the steps, or copy one out")
+    p_.add_argument("job", type=_job_ref)
+    p_.add_argument("--step", type=_int_in(p.Exports, "step"), metavar="N", help="the step to copy (omit: list them)")
+    p_.add_argument("--to", metavar="DIR", help="where to copy the files (default: ./ID-step-N/)")
+    p_.add_argument("--force", action="store_true", help="overwrite files already in DIR")
+    p_.set_defaults(fn=cmd_export)
     p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
     p_.set_defaults(fn=cmd_web_url)
     return ap

@@ -99,10 +99,23 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if (job := _local_job(args)) is None:
         return EXIT_INVALID
     cfg, workdir = job
+    from daemon.config.daemon import ConfigInvalid, load_config
+    from engine.storage import cache_evict
     from engine.storage.home import cache_dir
 
-    print(f"lorad: cache of job {cfg.name} in {cache_dir(workdir)}", file=sys.stderr)
-    return cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
+    try:
+        limit = load_config(args.config).cache_max_bytes if args.config else 0
+    except ConfigInvalid as e:
+        print(f"lorad: {e}", file=sys.stderr)
+        return 78
+    cache_evict.set_limit(limit)  # as the daemon's trainers do: least-recently-used entries go after the fill
+    where = cache_dir(workdir)
+    print(f"lorad: cache of job {cfg.name} in {where}", file=sys.stderr)
+    code = cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
+    n, size = cache_evict.usage(where)
+    bound = f"limit {limit / 2**20:.1f} MiB" if limit else "no limit (--config: the daemon's cache_max_bytes)"
+    print(f"lorad: cache {where}: {n} entries, {size / 2**20:.1f} MiB; {bound}", file=sys.stderr)
+    return code
 
 
 def has_cache(family: Any) -> bool:

@@ -59,6 +59,7 @@ class DaemonConfig(BaseModel):
     run_as_root: bool = False  # a root daemon starts only in a container, and only with this (daemon/system/privilege.py)
     warm_trainer: bool = True  # fork trainers from one pre-imported process (cold start whenever it cannot)
     trainer_user: str | None = None  # such a root daemon runs trainers as this user (else as root); else unused
+    cache_max_bytes: int = Field(100 << 30, ge=0)  # HOME/cache's size limit (LRU eviction after a fill); 0: none
 
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)
@@ -74,7 +75,8 @@ class DaemonConfig(BaseModel):
 
     def job_policy(self, home: Path) -> JobPolicy:
         """What jobs may name: checked at intake, and by each trainer from its arguments."""
-        return JobPolicy(allow_trust_remote_code=self.allow_trust_remote_code, roots=tuple(self.roots(home)))
+        return JobPolicy(allow_trust_remote_code=self.allow_trust_remote_code, roots=tuple(self.roots(home)),
+                         cache_max_bytes=self.cache_max_bytes or None)
 
     def socket_path(self, home: Path) -> Path:
         if self.socket:

@@ -1,6 +1,6 @@
 """`lorad serve`: put the parts together, reconcile, say READY, run the loop, stop cleanly.
 
-    lock → store → intake → reconcile → policy → socket → inbox watcher → READY → loop → shutdown
+    lock → store → intake → reconcile → policy → inbox watcher → socket → READY → loop → shutdown
 
 SIGTERM or SIGINT ends the loop: every trainer is asked to checkpoint and
 stop (SIGKILL after stop_grace_s), their jobs are recorded as interrupted,
@@ -111,19 +111,24 @@ def serve(home: Path, config_path: str | None) -> int:
         print(f"lorad: {e}", file=sys.stderr)
         return 1
     t0 = time.time()
+    parts = None
     try:
         store = open_store(home, cfg, config_path, log)
         stop, sups = threading.Event(), []
         on_signals(stop, sups)
         parts = build_parts(home, cfg, config_path, store, log, stop, t0)
         sups.append(parts.sup)
+        # Watching before anyone can reach the socket: a client that sees the daemon answer and then drops a file
+        # into the inbox is seen at once, not at the next rescan (inbox_rescan_s, 10 s by default).
+        parts.inbox.start()
         server = start_socket(cfg, parts.ctx, log)
     except CannotStart as e:
+        if parts is not None:
+            parts.inbox.stop()
         print(f"lorad: {e}", file=sys.stderr)
         lock.release()
         return e.code
     web = start_dashboard(home, cfg, parts.ctx, log)
-    parts.inbox.start()
     log.info("ready", socket=str(parts.ctx.socket_path), devices=list(parts.sup.devices),
              seconds=round(time.time() - t0, 3))
     parts.notifier.ready(parts.sup.status_line())

@@ -1,7 +1,8 @@
 """What a job's directory says about its progress, read without the engine (no torch in the daemon):
 its committed checkpoints (`checkpoints/step-N/` with a manifest whose files are all there, at their size)
 and the last step its events file reached. Start-up recovery trusts these over state.db, which a SIGKILLed
-daemon may have left behind; a full disk's wait is sized by the newest checkpoint.
+daemon may have left behind; a full disk's wait is sized by the newest checkpoint. Each checkpoint's export
+files (its manifest's `export/...` entries) are what `lorad export` and the dashboard offer.
 
 The sha256 of each file is not checked here (that is a full read of every checkpoint at every start); the
 trainer verifies what it resumes from, and walks back past a checkpoint that does not verify.
@@ -20,11 +21,21 @@ from pathlib import Path
 
 from daemon.supervisor.trainer_output import Refused, parse
 from daemon.system.file_tail import tail_lines
-from daemon.system.safe_files import read_bytes
+from daemon.system.safe_files import open_at, opened_dir, read_bytes
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")  # engine/checkpoint/store.py's layout (the daemon must not import torch)
 EVENTS_TAIL_BYTES = 1 << 20  # the last step is near the end of events.jsonl
 MANIFEST_MAX_BYTES = 16 << 20  # a manifest lists a checkpoint's files: far below this
+
+
+EXPORT_DIR = "export"  # a checkpoint's user-format files (engine/checkpoint/exports.py)
+
+
+@dataclass(frozen=True)
+class ExportFile:
+    name: str  # relative to the checkpoint's export/ (raw/... with train.ema.export_raw)
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -32,6 +43,7 @@ class Committed:
     step: int
     path: Path
     bytes: int
+    exports: tuple[ExportFile, ...] = ()  # the step's user-format files, as its manifest lists them
 
 
 def committed_checkpoints(workdir: Path) -> list[Committed]:
@@ -57,10 +69,31 @@ def committed_checkpoints(workdir: Path) -> list[Committed]:
                    for name, meta in files.items()):
                 continue
             size = sum(int(meta["size"]) for meta in files.values())
+            exports = tuple(ExportFile(name.removeprefix(f"{EXPORT_DIR}/"), int(meta["size"]), str(meta["sha256"]))
+                            for name, meta in sorted(files.items()) if name.startswith(f"{EXPORT_DIR}/"))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # not committed (a save cut short), or unreadable: not a checkpoint
-        out.append(Committed(int(m.group(1)), Path(e.path), size))
+        out.append(Committed(int(m.group(1)), Path(e.path), size, exports))
     return sorted(out, key=lambda c: c.step, reverse=True)
+
+
+def open_export(workdir: Path, step: int, name: str) -> int:
+    """A read descriptor of checkpoints/step-N/export/NAME, reached from the job directory through directory
+    descriptors that never follow a symlink (the trainer user writes below it); the caller checks `name` against
+    the manifest."""
+    parts = name.split("/")
+    if not _inside(name) or "" in parts:
+        raise FileNotFoundError(name)
+    dirs = ["checkpoints", f"step-{step:08d}", EXPORT_DIR, *parts[:-1]]
+    with opened_dir(Path(workdir)) as top:
+        fds = [top]
+        try:
+            for d in dirs:
+                fds.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+            return open_at(fds[-1], parts[-1])
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
 
 
 def _inside(name: str) -> bool:

@@ -18,7 +18,6 @@ systemd is told, daemon/supervisor/systemd_status.py; the clean stop, daemon/sup
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 import time
@@ -32,6 +31,7 @@ from daemon.store import states
 from daemon.store.bookkeeping import PendingWrites
 from daemon.store.db import Store
 from daemon.supervisor import disk_wait
+from daemon.supervisor.beats import BeatQueue
 from daemon.supervisor.lock_contention import TrainerLockContention
 from daemon.supervisor.reap_path import ReapPath
 from daemon.supervisor.shutdown import shut_down
@@ -67,7 +67,8 @@ class Supervisor(ReapPath, StartPath):
         self.locks = TrainerLockContention(self.home, store, log)
         self.stuck = StuckTrainers(log)  # trainers that outlived SIGKILL; their GPUs are not scheduled
         self.systemd = SystemdReporter(notifier)
-        self.beats: queue.Queue = queue.Queue()
+        self.beats = BeatQueue()
+        self._beats_lost_said = False
         self.may_start = True
         self.notes: list[str] = []
         self.shutting_down = False
@@ -149,11 +150,9 @@ class Supervisor(ReapPath, StartPath):
                 self._flush(c)
 
     def _drain_beats(self, now: float) -> None:
-        while True:
-            try:
-                job_id, attempt, ev = self.beats.get_nowait()
-            except queue.Empty:
-                break
+        self._say_beats_lost()
+        while (item := self.beats.pop()) is not None:
+            job_id, attempt, ev = item
             c = self.children.get(job_id)
             if c is None or c.attempt != attempt:
                 continue
@@ -164,6 +163,14 @@ class Supervisor(ReapPath, StartPath):
                           reason=ev.reason)
                 continue
             self._beat(c, ev, now)
+
+    def _say_beats_lost(self) -> None:
+        if self._beats_lost_said or not (self.beats.merged or self.beats.dropped):
+            return
+        self._beats_lost_said = True
+        self.log.warning("heartbeats_dropped", merged_steps=self.beats.merged, dropped=self.beats.dropped,
+                         limit=self.beats.limit, message="the heartbeat queue was full (the loop fell behind its "
+                         "trainers): oldest step events dropped for later ones first; said once")
 
     def _beat(self, c: Child, ev: dict[str, Any], now: float) -> None:
         kind = ev.get("event")

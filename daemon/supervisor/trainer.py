@@ -17,7 +17,6 @@ The supervisor (daemon/supervisor/loop.py) decides when each happens and writes 
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from daemon.config.daemon import ConfigInvalid
 from daemon.power.run_policy import RunningJob
 from daemon.supervisor import gang, trainer_output
+from daemon.supervisor.beats import BeatQueue
 from daemon.supervisor.exit_policy import describe_exit
 from daemon.supervisor.warm_trainer import WarmPopen, WarmTrainer
 from daemon.system import proc
@@ -196,12 +196,12 @@ class Child:
                           doc=self.doc)
 
     # ------------------------------------------------------------ stdout → heartbeats
-    def start_reader(self, beats: queue.Queue, wake: threading.Event) -> None:
+    def start_reader(self, beats: BeatQueue, wake: threading.Event) -> None:
         self.reader = threading.Thread(target=self._read, args=(beats, wake), name=f"trainer-{self.job_id}",
                                        daemon=True)
         self.reader.start()
 
-    def _read(self, beats: queue.Queue, wake: threading.Event) -> None:
+    def _read(self, beats: BeatQueue, wake: threading.Event) -> None:
         """Reader thread: the trainer's stdout, bounded lines of checked JSON events → the heartbeat queue; other
         lines are tolerated, bad events dropped (trainer_output.py) and the first of each kind queued as Refused."""
         assert self.popen.stdout is not None

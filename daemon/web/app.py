@@ -10,6 +10,7 @@ source of truth. `call` returns the reply as a dict: {"ok": true, "data": …} o
 from __future__ import annotations
 
 import bisect
+import os
 import re
 import time
 from collections.abc import Callable
@@ -24,11 +25,19 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.routing import Route
 
 from daemon import protocol as p
 from daemon.config.web import WebSettings, is_loopback
+from daemon.supervisor.disk_progress import committed_checkpoints, open_export
 from daemon.web import auth, pages
 from daemon.web import submit as submit_help
 from daemon.web.charts import Line, line_chart
@@ -145,7 +154,9 @@ class Dashboard:
             pages.job_summary(j), pages.actions(j, self.csrf(request)),
             "<section><h2>Training</h2>", pages.history_note(h.read, h.size),
             "<div class=charts>", self.job_charts(job_id, h), "</div></section>",
-            pages.samples_grid(job_id, h.samples), pages.checkpoints_table(h.checkpoints),
+            pages.samples_grid(job_id, h.samples),
+            pages.saved_steps(job_id, [c for c in committed_checkpoints(workdir) if c.exports], h.samples),
+            pages.checkpoints_table(h.checkpoints),
             pages.attempts_table(self.view.attempts(job_id)),
             pages.events_list("Events (events.jsonl, newest last)", self.view.events_tail(workdir), "events"),
             pages.events_list("State changes", [{"ts": pages.when(r["ts"]), "event": r["kind"], **r["data"]}
@@ -200,6 +211,32 @@ class Dashboard:
         if root not in path.parents or not path.is_file():
             return PlainTextResponse("not found", status_code=404)
         return FileResponse(path, media_type="image/png")
+
+    def export_file(self, request: Request) -> Response:
+        """One export file of a saved step: its name must be one the step's manifest lists; opened by descriptor
+        (no symlink anywhere below the job directory) and streamed from it."""
+        if (denied := self.check(request)) is not None:
+            return denied
+        j = self.view.job(request.path_params["job"])
+        step, name = int(request.path_params["step"]), request.path_params["name"]
+        listed = next((c for c in committed_checkpoints(Path(j["workdir"])) if c.step == step), None) if j else None
+        if listed is None or name not in {f.name for f in listed.exports}:
+            return PlainTextResponse("not found", status_code=404)
+        try:
+            fd = open_export(Path(j["workdir"]), step, name)
+        except OSError:
+            return PlainTextResponse("not found", status_code=404)
+        size = os.fstat(fd).st_size
+
+        def chunks():
+            with os.fdopen(fd, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+
+        leaf = re.sub(r"[^\w.-]", "_", name.rsplit("/", 1)[-1])  # the manifest's name, made safe for a header
+        return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
+            "Content-Length": str(size),
+            "Content-Disposition": f"attachment; filename=\"{j['id']}-step-{step}-{leaf}\""})
 
     async def action(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:
@@ -304,6 +341,7 @@ def build_app(dash: Dashboard) -> Starlette:
         Route("/jobs", dash.jobs),
         Route("/jobs/{job}", dash.job),
         Route("/jobs/{job}/samples/{step:int}/{name}", dash.sample_image),
+        Route("/jobs/{job}/exports/{step:int}/{name:path}", dash.export_file),
         Route("/jobs/{job}/{verb}", dash.action, methods=["POST"]),
         Route("/submit", dash.submit_page, methods=["GET"]),
         Route("/submit", dash.submit, methods=["POST"]),

@@ -34,6 +34,7 @@ table.summary{width:auto;min-width:420px}td.path{white-space:normal;word-break:b
 .st-running{background:#d6f5d6}.st-failed{background:#ffd9d4}.st-succeeded{background:#d4e7ff}
 .st-paused,.st-interrupted{background:#fff1c2}.st-cancelled{background:#eee;color:#777}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr));gap:10px}
+img.thumb{height:64px;margin-right:4px}
 svg.chart{width:100%;background:#fff;border:1px solid #e3e6ea}
 svg .frame{fill:none;stroke:#c9ced6}svg .grid{stroke:#eef0f3}svg .tick{font-size:10px;fill:#667}
 svg .ct{font-size:12px;font-weight:600;fill:#333}svg .empty{fill:#999}
@@ -203,6 +204,23 @@ def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: in
         rows.append(f"<tr><td style='white-space:normal;max-width:260px'>{e(label)}</td>{''.join(cells)}</tr>")
     return ("<section><h2>Samples</h2><table class=grid-samples>" + head + "".join(rows) + "</table>"
             + "".join(boxes) + "</section>")
+
+
+def saved_steps(job_id: str, saved: Sequence[Any], samples: dict[int, dict[str, Any]]) -> str:
+    """Each committed checkpoint still on disk (newest first): that step's samples beside its export files, each a
+    download (`lorad export ID --step N` copies the same files)."""
+    if not saved:
+        return ""
+    rows = []
+    for c in saved:
+        names = [str(x).rsplit("/", 1)[-1] for x in samples.get(c.step, {}).get("paths", [])]
+        imgs = "".join(f"<img loading=lazy class=thumb src='/jobs/{quote(job_id)}/samples/{c.step}/{quote(n)}' "
+                       f"alt='step {c.step} sample'>" for n in names)
+        links = "<br>".join(f"<a download href='/jobs/{quote(job_id)}/exports/{c.step}/{quote(f.name)}'>{e(f.name)}</a>"
+                            f" <small>{num(f.size / 1024, '{:.0f}')} KiB</small>" for f in c.exports)
+        rows.append(f"<tr><td class=num>{c.step}</td><td>{imgs}</td><td>{links}</td></tr>")
+    return ("<section><h2>Saved steps</h2><table id=saved-steps><tr><th class=num>Step</th><th>Samples</th>"
+            "<th>LoRA files</th></tr>" + "".join(rows) + "</table></section>")
 
 
 def checkpoints_table(cks: Iterable[dict[str, Any]]) -> str:

@@ -8,7 +8,9 @@ nothing is downloaded. `builtin:tiny-flux` does the same for a FLUX.1-shaped
 pipeline (engine/builtin/tiny_flux.py), `builtin:tiny-flux2` and `builtin:tiny-qwen-image`
 for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-image` for Z-Image
 (engine/builtin/tiny_z_image.py), `builtin:tiny-chroma`
-for Chroma (engine/builtin/tiny_chroma.py).
+for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-flux3` for FLUX.3 (engine/builtin/tiny_flux3.py; a modular
+pipeline, so its marker is modular_model_index.json).
+`builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -104,6 +106,18 @@ def _build_tiny_z_image(dest: Path) -> None:
     build_tiny_z_image(dest)
 
 
+def _build_tiny_flux3(dest: Path) -> None:
+    from engine.builtin.tiny_flux3 import build_tiny_flux3
+
+    build_tiny_flux3(dest)
+
+
+def _build_tiny_krea2(dest: Path) -> None:
+    from engine.builtin.tiny_krea2 import build_tiny_krea2
+
+    build_tiny_krea2(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -123,6 +137,12 @@ BUILTIN_MODELS = {
     "tiny-chroma": BuiltinModel(
         "chroma", "A Chroma-shaped pipeline (2 double + 2 single blocks, approximator, tiny VAE, T5) with random weights.",
         "model_index.json", _build_tiny_chroma),
+    "tiny-flux3": BuiltinModel(
+        "flux3", "A FLUX.3-shaped modular pipeline (1 block per mode + 4 single blocks, tiny FLUX.2 VAE, Qwen3-VL) "
+        "with random weights.", "modular_model_index.json", _build_tiny_flux3),
+    "tiny-krea2": BuiltinModel(
+        "krea2", "A Krea-2-shaped pipeline (4 single-stream blocks + 2 + 2 text-fusion blocks, tiny Qwen-Image VAE, "
+        "Qwen3-VL) with random weights.", "model_index.json", _build_tiny_krea2),
 }
 
 

@@ -10,6 +10,8 @@ Layout of one checkpoint (`checkpoints/step-00000420/`):
     state.json              step, data cursor, python/numpy RNG, anything else the loop needs
     ema.safetensors         only with train.ema: the averaged adapter weights (any optional NAME.safetensors
                             is listed in the manifest and verified like the rest)
+    export/                 the step's LoRA in the user's formats, as output/ would hold it
+                            (engine/checkpoint/exports.py; listed and verified like the rest)
     manifest.json           written last: size and sha256 of every file above, step, config hash
 
 A sharded checkpoint (train.sharding: fsdp, engine/distributed/fsdp.py) holds the adapter and the optimizer in
@@ -31,6 +33,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 MANIFEST = "manifest.json"
+EXPORT_DIR = "export"  # the user-format files of the step (engine/checkpoint/exports.py)
 KEEP_INVALID = 2  # newest set-aside invalid checkpoint directories kept for inspection
 
 
@@ -66,6 +70,9 @@ class Snapshot:
     extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # optional NAME.safetensors files
     ready: CopyDone = field(default_factory=CopyDone)  # when the device→host copies are complete
     sharded: bool = False  # adapter and optimizer are in the ranks' shards/, not in this snapshot
+    # Writes the step's user-format files into the directory it is given (on the writer's thread, after the
+    # copies are complete); committed, listed and checksummed with the rest.
+    export: Callable[[Path], list[str]] | None = None
 
     def files(self) -> dict[str, bytes]:
         self.ready.wait()  # on the writer's thread: the training loop never waits for the copies
@@ -167,11 +174,14 @@ class CheckpointStore:
             tmp = self.begin(snap.step)
         try:
             files = snap.files()
+            if snap.export is not None:
+                snap.export(tmp / EXPORT_DIR)
+            # Files already in tmp: the ranks' shards/, the export/.
             written = {p.relative_to(tmp).as_posix(): p.read_bytes() for p in sorted(tmp.rglob("*")) if p.is_file()}
             for name in written:
                 fs.fsync(tmp / name)
-            if written:
-                fs.fsync_dir(tmp / SHARDS)
+            for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):  # deepest first
+                fs.fsync_dir(d)
             files = {**written, **files}
             manifest = {
                 "format": FORMAT_VERSION,
@@ -298,7 +308,7 @@ class CheckpointStore:
                     rng_tensors=st_load(blobs["rng.safetensors"]),
                     state=json.loads(blobs["state.json"]),
                     extra={n.removesuffix(".safetensors"): st_load(b) for n, b in blobs.items()
-                           if n.endswith(".safetensors") and n not in CHECKPOINT_FILES},
+                           if n.endswith(".safetensors") and n not in CHECKPOINT_FILES and "/" not in n},
                     shards=path / SHARDS if sharded else None,
                 )
             except Exception as e:  # noqa: BLE001 — checksums matched files the writer itself got wrong: walk back

@@ -13,7 +13,7 @@ from pydantic_core import PydanticUndefined
 
 LM = ("causal_lm",)
 # The families that train on images (engine/families/image/).
-IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma")
+IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
 FAMILIES = (*LM, *IMAGE_FAMILIES)
 
 # identity=PARTS: the section's presence alone does not change the weights; only its own identity keys count,

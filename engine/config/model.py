@@ -10,7 +10,7 @@ from engine.config.declare import Strict
 
 
 class ModelConfig(Strict):
-    family: Literal["causal_lm", "flux", "flux2", "qwen_image", "z_image", "chroma"] = "causal_lm"
+    family: Literal["causal_lm", "flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2"] = "causal_lm"
     path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"

@@ -75,7 +75,7 @@ def check_paths(cfg: JobConfig) -> None:
     elif cfg.model.family in IMAGE_FAMILIES:
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
             what = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image", "z_image": "Z-Image",
-                    "chroma": "Chroma"}[cfg.model.family]
+                    "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2"}[cfg.model.family]
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
         check_image_folder(dp)
         if cfg.data.masks is not None and cfg.data.masks.path is not None and not Path(cfg.data.masks.path).is_dir():

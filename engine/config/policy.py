@@ -8,6 +8,15 @@ start must not be able to widen the policy; a trainer's argv is the daemon's alo
     python -m engine.run --job J --workdir W --enforce-policy --allowed-root /srv/data [--allow-trust-remote-code]
 
 Without --enforce-policy (`lorad run` in a terminal) nothing is restricted: the user runs their own job.
+
+A data folder is checked file by file: a symlink inside an allowed folder (to /etc/shadow, to another user's
+file, to a folder elsewhere) would otherwise be read and trained on. Every symlink in the folder's tree is
+resolved, and symlinked subfolders are walked as the data readers follow them; the first entry that resolves
+outside the roots refuses the whole job (JobInvalid: exit 65 in the trainer, a rejection at intake), naming the
+entry, where it leads and the roots. Refused rather than skipped: a job silently trained on less data than its
+folder shows would be a quieter surprise. A link that stays inside the roots is fine. What the check cannot
+see: an entry swapped for a link after it ran, by whoever can write the data folder (the job's own submitter),
+and a model folder's files (a hub cache's snapshot links into its blobs; model.path itself is checked).
 """
 
 from __future__ import annotations
@@ -24,6 +33,36 @@ from engine.errors import JobInvalid
 # Every path a trainer reads: a key missing here would let a job read outside the roots.
 PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
              ("data", "regularisation", "path"))
+WALKED = "data"  # the section whose folders are checked file by file
+
+
+def _outside(top: Path, roots: tuple[Path, ...]) -> tuple[Path, Path] | None:
+    """The first entry in the tree of the folder `top` (already resolved, under the roots) that is a symlink
+    leading outside the roots: (the entry as the readers reach it, its real path). Symlinked folders inside the
+    roots are walked too, each once (a link loop ends). Only links need resolving: any other entry lies in its
+    folder's real path."""
+    seen: set[Path] = set()
+    stack = [(top, top)]  # (the folder as reached, its real path)
+    while stack:
+        shown, real = stack.pop()
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = list(os.scandir(real))
+        except OSError:
+            continue  # unreadable: the reader fails on it with its own message
+        for e in entries:
+            here = shown / e.name
+            if e.is_symlink():
+                target = Path(os.path.realpath(e.path))
+                if not _under(target, roots):
+                    return here, target
+                if target.is_dir():
+                    stack.append((here, target))
+            elif e.is_dir(follow_symlinks=False):
+                stack.append((here, Path(e.path)))
+    return None
 
 
 def _under(path: Path, roots: tuple[Path, ...]) -> bool:
@@ -34,6 +73,7 @@ def _under(path: Path, roots: tuple[Path, ...]) -> bool:
 class JobPolicy:
     allow_trust_remote_code: bool
     roots: tuple[Path, ...]  # resolved
+    cache_max_bytes: int | None = None  # HOME/cache's size limit (engine/storage/cache_evict.py); None: none
 
     def check(self, raw: dict[str, Any], base_dir: Path) -> None:
         """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping)."""
@@ -64,6 +104,10 @@ class JobPolicy:
             if not _under(real, self.roots):
                 raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
                                  "add a root to allowed_roots in the daemon config")
+            if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
+                raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
+                                 f"allowed roots ({shown}); every file in a data folder must lie under one "
+                                 "(add a root to allowed_roots in the daemon config)")
 
     def allows_path(self, path: Path) -> bool:
         return _under(Path(os.path.realpath(path)), self.roots)
@@ -75,6 +119,8 @@ class JobPolicy:
             out += ["--allowed-root", str(r)]
         if self.allow_trust_remote_code:
             out.append("--allow-trust-remote-code")
+        if self.cache_max_bytes:
+            out += ["--cache-max-bytes", str(self.cache_max_bytes)]
         return out
 
 
@@ -84,10 +130,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--allowed-root", action="append", default=[], metavar="DIR",
                     help="model.path / data.path must lie under one of these (repeatable)")
     ap.add_argument("--allow-trust-remote-code", action="store_true")
+    ap.add_argument("--cache-max-bytes", type=int, default=None, metavar="N",
+                    help="evict least-recently-used entries of the shared cache beyond N bytes after a cache fill")
 
 
 def from_args(args: argparse.Namespace) -> JobPolicy | None:
     if not args.enforce_policy:
         return None
     return JobPolicy(allow_trust_remote_code=args.allow_trust_remote_code,
-                     roots=tuple(Path(r).resolve() for r in args.allowed_root))
+                     roots=tuple(Path(r).resolve() for r in args.allowed_root), cache_max_bytes=args.cache_max_bytes)

@@ -30,4 +30,12 @@ def get_family(name: str) -> Family:
         from engine.families.image.chroma import Chroma
 
         return Chroma()
+    if name == "flux3":
+        from engine.families.image.flux3 import Flux3
+
+        return Flux3()
+    if name == "krea2":
+        from engine.families.image.krea2 import Krea2
+
+        return Krea2()
     raise ValueError(f"unknown model family {name!r}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 FAMILY_NAMES = {"causal_lm": "causal language model", "flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image",
-                "z_image": "Z-Image", "chroma": "Chroma"}
+                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2"}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # engine/families/image/export.py writes it
 PEFT_FILE = "adapter_model.safetensors"
 MAX_SAMPLES = 4
@@ -110,13 +110,17 @@ def _loading(f: dict[str, Any]) -> list[str]:
     out = []
     files = set(f["files"])
     if DIFFUSERS_FILE in files:
-        out += ["**diffusers** (the scale is in the file; load it at strength 1):", "", "```python",
-                "import torch", "from diffusers import DiffusionPipeline", "",
-                f'pipe = DiffusionPipeline.from_pretrained("{f["base_model"]}", torch_dtype=torch.bfloat16)',
-                f'pipe.load_lora_weights("path/to/this/folder", weight_name="{DIFFUSERS_FILE}")', "```", ""]
+        load = [f'pipe = DiffusionPipeline.from_pretrained("{f["base_model"]}", torch_dtype=torch.bfloat16)']
+        if f["family"] == "flux3":  # diffusers has FLUX.3's pipelines as modular pipelines only
+            load = [f'pipe = ModularPipeline.from_pretrained("{f["base_model"]}")',
+                    "pipe.load_components(dtype=torch.bfloat16)"]
+        out += ["**diffusers** (the scale is in the file; load it at strength 1):", "", "```python", "import torch",
+                f"from diffusers import {'ModularPipeline' if f['family'] == 'flux3' else 'DiffusionPipeline'}", "",
+                *load, f'pipe.load_lora_weights("path/to/this/folder", weight_name="{DIFFUSERS_FILE}")', "```", ""]
     for name in sorted(n for n in files if n.endswith("_comfyui.safetensors")):
         out += [f"**ComfyUI**: copy `{name}` into `ComfyUI/models/loras/` and load it with *LoraLoaderModelOnly* "
-                "on the base model (strength 1 is the trained strength).", ""]
+                "on the base model (strength 1 is the trained strength)."
+                + (" ComfyUI's FLUX.3 key rules were not available to check." if f["family"] == "flux3" else ""), ""]
     if PEFT_FILE in files:
         loader = "AutoModelForCausalLM" if f["family"] == "causal_lm" else "the base model's transformer class"
         out += [f"**peft** (`{PEFT_FILE}` with `adapter_config.json`):", "", "```python",

@@ -24,9 +24,11 @@ no entry, or an entry whose file is complete; two writers of one key each
 commit a complete file, and the last entry renamed in wins. A kill leaves at
 most a temp file or a data file no entry names: they are swept once older than
 an hour (a live writer's are younger). A file whose size or sha256 does not
-match its entry is reported (`cache_corrupt`) and encoded again. Entries are
-never pruned by a job (another job may need them); deleting HOME/cache while
-no job runs only costs re-encoding.
+match its entry is reported (`cache_corrupt`) and encoded again. A job never
+prunes entries it does not need (another job may); with the daemon's
+`cache_max_bytes`, least-recently-used whole entries that no running job
+holds are evicted after each fill (engine/storage/cache_evict.py). Deleting
+HOME/cache while no job runs only costs re-encoding.
 
 `ensure` is the skeleton a family fills in: the entries the job needs, in
 groups of one kind, each group with an encoder that loads its model, encodes
@@ -51,6 +53,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from engine.storage import cache_evict
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 from engine.storage.home import cache_dir
 
@@ -90,6 +93,7 @@ class Cache:
         self.root = Path(root)
         self.fs = fs or RealFs()
         self.entries: dict[str, dict[str, Any]] = {}
+        self.lease: cache_evict.Lease | None = None  # the keys this job uses, kept from eviction while it lives
         if self.root.is_dir():
             for p in self.root.glob("*" + ENTRY):
                 self._read_entry(p.name[: -len(ENTRY)])
@@ -136,6 +140,12 @@ class Cache:
                "source": source}
         write_file_durable(self.fs, self.root / (key + ENTRY), json.dumps(doc, indent=1).encode())
         self.entries[key] = doc
+
+    def close(self) -> None:
+        """Give up this cache's lease: its entries may be evicted from now on (also when the process ends)."""
+        if self.lease is not None:
+            self.lease.close()
+            self.lease = None
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Remove a killed writer's leftovers older than STALE_S: temp files, data files no entry names."""
@@ -200,6 +210,7 @@ def _missing(cache: Cache, needs: dict[str, Need], corrupt: list[str], log) -> d
     for key, need in needs.items():
         why = cache.verify(key)
         if why is None:
+            cache_evict.touch(cache.root / (key + ENTRY))  # used now: the last to be evicted
             continue
         if why != "not cached":
             corrupt.append(cache.entries[key]["file"])
@@ -210,13 +221,18 @@ def _missing(cache: Cache, needs: dict[str, Need], corrupt: list[str], log) -> d
 
 def ensure(root: Path, groups: list[Group], log, bar=None, fs: FileLayer | None = None) -> tuple[Cache, CacheReport]:
     """Make every entry of `groups` present and valid under `root`, encoding only what is not (nothing is pruned:
-    another job may need what this one does not; a killed writer's old leftovers are swept).
+    another job may need what this one does not; a killed writer's old leftovers are swept). The job's keys are
+    leased for as long as the returned Cache lives; then, with a size limit (cache_evict.set_limit), the least
+    recently used entries no running job holds are evicted.
 
     Groups are encoded in order, each encoder's model freed before the next loads. `bar(done, total, label)`
     is called after each entry, as is a `cache_progress` event.
     """
     t0 = time.monotonic()
     cache = Cache(root, fs)
+    ensure_dir_durable(cache.fs, cache.root)
+    # Leased before anything is verified: an evicter either sees the lease or has finished before we look.
+    cache.lease = cache_evict.Lease(cache.root, [k for g in groups for k in g.needs])
     corrupt: list[str] = []
     todo = {g.kind: _missing(cache, g.needs, corrupt, log) for g in groups}
     total = sum(len(t) for t in todo.values())
@@ -238,6 +254,8 @@ def ensure(root: Path, groups: list[Group], log, bar=None, fs: FileLayer | None 
             _release()
     for name in cache.sweep():
         log.info("cache_swept", file=name)
+    if (max_bytes := cache_evict.limit()) is not None:
+        cache_evict.evict(cache.root, max_bytes, log)
     report = CacheReport(encoded={g.kind: sorted(n.source for n in todo[g.kind].values()) for g in groups},
                          reused=reused, corrupt=corrupt, seconds=round(time.monotonic() - t0, 3))
     log.info("cache_done", **{f"{g.kind}s_encoded": len(report.encoded[g.kind]) for g in groups}, reused=reused,

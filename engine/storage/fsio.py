@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,14 +31,16 @@ class FileLayer(Protocol):
 
 
 class RealFs:
-    """Plain POSIX operations. `write` creates or truncates the file and does not sync."""
+    """Plain POSIX operations. `write` creates or truncates the file and does not sync; it never writes through a
+    symlink at the name (O_NOFOLLOW: ELOOP instead)."""
 
     def mkdir(self, path: Path) -> None:
         os.mkdir(path)
 
     def write(self, path: Path, chunks: Iterable[bytes]) -> int:
         n = 0
-        with open(path, "wb") as f:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with open(fd, "wb") as f:
             for chunk in chunks:
                 f.write(chunk)
                 n += len(chunk)
@@ -85,9 +88,16 @@ def ensure_dir_durable(fs: FileLayer, path: Path) -> None:
 
 
 def write_file_durable(fs: FileLayer, path: Path, data: bytes) -> None:
-    """Write a whole file atomically: temp name, fsync, rename, fsync the directory."""
+    """Write a whole file atomically: temp name, fsync, rename, fsync the directory.
+
+    The temp name is unpredictable and made with O_EXCL before anything is written to it: a symlink planted at a
+    guessable name (a daemon's pid is no secret) would otherwise be followed and its target overwritten. The same
+    rules as daemon/system/safe_files.write_durable, by path here: the engine does not import the daemon, and
+    the crash-state tests record the file layer's operations.
+    """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
     fs.write(tmp, [data])
     fs.fsync(tmp)
     fs.rename(tmp, path)

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -71,9 +70,10 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
     browser = None
     try:
         d.start()
+        # Submitted first: the trainer imports torch while Chromium starts, side by side on the two cores.
+        job_id = d.call(p.Submit(name="quickstart.yaml", text=quickstart(tmp_path, steps=150)))["job"]
         browser = _browser(tmp_path / "chromium-profile")
         browser.set_page_load_timeout(20)
-        job_id = d.call(p.Submit(name="quickstart.yaml", text=quickstart(tmp_path, steps=150)))["job"]
         workdir = d.home / "jobs" / job_id
         d.wait_job(lambda js: js[0]["state"] == "running" and js[0]["step"] >= 2, PATIENCE, "the job to train")
 
@@ -123,7 +123,7 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
         wait_until(lambda: "queued" in shown(".said"), 20, "the handler's answer on the page")
         wait_until(lambda: state_shown() == "running", PATIENCE, "the page to show the job running again", poll=0.2)
         wait_until(lambda: steps_reported(workdir) >= n + 5, PATIENCE, "steps after the resume")
-        time.sleep(1.2)  # one more refresh of the live part
+        wait_until(lambda: loss_line()[0] >= n + 5, 10, "a refresh of the live part with those steps", poll=0.1)
         points, pairs = loss_line()
         assert n + 5 <= points == pairs <= steps_reported(workdir)
         assert re.search(r"\d+/150", shown("table.summary"))

@@ -1,9 +1,9 @@
-"""FLUX.2, Qwen-Image, Z-Image and Chroma LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
+"""FLUX.2, Qwen-Image, Z-Image, Chroma, FLUX.3 and Krea 2 LoRA on their tiny random pipelines: exact resume, the two output formats, the cache, fp8 + swap.
 
 Each family's killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint half-written, then resumed) runs
 as real processes (the trainer's command line, engine/run.py) in the background of a module fixture while the same job trains
 uninterrupted in the test process; the other tests read the uninterrupted run's files. The processes are forked
-from a server that imported the training stack once (tests/helpers/forked.py): this file needs nine of them.
+from a server that imported the training stack once (tests/helpers/forked.py): this file needs fifteen of them.
 """
 
 from __future__ import annotations
@@ -26,21 +26,26 @@ from tests.helpers.forked import ForkedTrainer
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 
-FAMILIES = ("flux2", "qwen_image", "z_image", "chroma")
+FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
           ("square-0.png", 32, 32, "a yellow sun")]
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 COMFY = {"flux2": "flux2_lora_comfyui.safetensors", "qwen_image": "qwen_image_lora_comfyui.safetensors",
-         "z_image": "z_image_lora_comfyui.safetensors", "chroma": "chroma_lora_comfyui.safetensors"}
+         "z_image": "z_image_lora_comfyui.safetensors", "chroma": "chroma_lora_comfyui.safetensors",
+         "flux3": "flux3_lora_comfyui.safetensors",
+         "krea2": "krea2_lora_comfyui.safetensors"}
 
 
 def _build(family: str, dest: Path) -> Path:
     from engine.builtin.tiny_chroma import build_tiny_chroma
+    from engine.builtin.tiny_flux3 import build_tiny_flux3
+    from engine.builtin.tiny_krea2 import build_tiny_krea2
     from engine.builtin.tiny_pipelines import build_tiny_flux2, build_tiny_qwen_image
     from engine.builtin.tiny_z_image import build_tiny_z_image
 
     {"flux2": build_tiny_flux2, "qwen_image": build_tiny_qwen_image, "z_image": build_tiny_z_image,
-     "chroma": build_tiny_chroma}[family](dest)
+     "chroma": build_tiny_chroma, "flux3": build_tiny_flux3,
+     "krea2": build_tiny_krea2}[family](dest)
     return dest
 
 
@@ -63,6 +68,11 @@ def _tmp_dirs(wd: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if ".tmp-" in p.name) if root.is_dir() else []
 
 
+def _committed(wd: Path) -> list[str]:
+    root = wd / "checkpoints"
+    return sorted(p.name for p in root.glob("step-*") if ".tmp-" not in p.name) if root.is_dir() else []
+
+
 def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     """SIGKILL while encoding the cache, then while a checkpoint is half-written; resume to the end."""
     story: list[str] = []
@@ -72,18 +82,22 @@ def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
     t.kill()
     story.append(f"run1 SIGKILL while caching ({t.named('cache_progress')[-1]['done']} encoded)")
 
+    # Killed inside the second save (step 4), once step 2 is committed: run 3 must resume from a committed
+    # checkpoint (optimizer, RNG, data order), not start over, and never load the torn one.
     t = ForkedTrainer(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
-    t.wait_for(lambda: any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
+    t.wait_for(lambda: _committed(wd) and any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
     t.kill()
     torn = _tmp_dirs(wd)
     start = t.named("cache_start")[0]
-    story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {[d.name for d in torn]} half-written")
+    story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {_committed(wd)} committed and "
+                 f"{[d.name for d in torn]} half-written")
     assert torn and start["reused"] >= 2, story
 
     t = ForkedTrainer(job, wd)
     assert t.finish(timeout=300) == 0, t.events[-5:]
     story.append(f"run3 resumed from {[e['from_step'] for e in t.named('resumed')]}")
     assert t.named("cache_start")[0]["to_encode"] == 0, story
+    assert [e["from_step"] for e in t.named("resumed")] == [2], story
     return wd, story
 
 
@@ -152,6 +166,13 @@ def _inputs(family: str, model) -> dict:
     """Fixed transformer inputs for a 4x6 latent and 9 text tokens, in each model's own layout."""
     g = torch.Generator().manual_seed(0)
     c = model.config.in_channels
+    if family == "krea2":  # packed latents, the tapped text layers per token, σ itself as the time
+        from diffusers import Krea2Pipeline
+
+        text = torch.randn(1, 9, model.config.num_text_layers, model.config.text_hidden_dim, generator=g)
+        return dict(hidden_states=torch.randn(1, 2 * 3, c, generator=g), encoder_hidden_states=text,
+                    timestep=torch.tensor([0.6]), position_ids=Krea2Pipeline.prepare_position_ids(9, 2, 3, "cpu"),
+                    encoder_attention_mask=torch.ones(1, 9, dtype=torch.bool), return_dict=False)
     text = torch.randn(1, 9, model.config.get("joint_attention_dim") or model.config.cap_feat_dim, generator=g)
     if family == "z_image":  # a list of [C, 1, h, w] latents and a list of unpadded captions, the time as 1 - σ
         lat = torch.randn(1, c, 1, 4, 6, generator=g)
@@ -163,6 +184,15 @@ def _inputs(family: str, model) -> dict:
         return dict(hidden_states=Flux2Pipeline._pack_latents(lat), encoder_hidden_states=text,
                     timestep=torch.tensor([0.6]), img_ids=Flux2Pipeline._prepare_latent_ids(lat),
                     txt_ids=Flux2Pipeline._prepare_text_ids(text), return_dict=False)
+    if family == "flux3":  # tokens in row order, ids from the modular blocks' helpers
+        from diffusers.modular_pipelines.flux3.before_denoise import (
+            Flux3TextRoPEInputsStep,
+            _prepare_image_ids,
+        )
+
+        return dict(hidden_states=torch.randn(1, 24, c, generator=g), encoder_hidden_states=text,
+                    timestep=torch.tensor([0.6]), img_ids=_prepare_image_ids(4, 6, 0.5),
+                    txt_ids=Flux3TextRoPEInputsStep._prepare_text_ids(text), return_dict=False)
     if family == "chroma":
         from diffusers import ChromaPipeline
 
@@ -185,26 +215,40 @@ def _forward(model, x: dict) -> torch.Tensor:
 
 
 def _first_q(model):
-    """The first block's query projection (Z-Image: layers.0.attention.to_q; the others transformer_blocks.0.attn)."""
-    return model.layers[0].attention.to_q if hasattr(model, "layers") else model.transformer_blocks[0].attn.to_q
+    """The first block's query projection (Z-Image: layers.0.attention.to_q; FLUX.3 its first joint block's; the
+    others transformer_blocks.0.attn)."""
+    if hasattr(model, "layers"):
+        return model.layers[0].attention.to_q
+    return (model.transformer_blocks if hasattr(model, "transformer_blocks") else model.single_transformer_blocks)[0].attn.to_q
+
+
+def _pipeline_with_transformer(family: str, model_dir: Path):
+    """The model's own pipeline with only its transformer (FLUX.3's is a modular pipeline: diffusers has no other)."""
+    if family == "flux3":
+        from diffusers import ModularPipeline
+
+        pipe = ModularPipeline.from_pretrained(model_dir)
+        pipe.load_components(names=["transformer"])
+        return pipe
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model_dir, text_encoder=None, tokenizer=None, vae=None)
 
 
 # Families whose diffusers file carries alpha / r inside lora_B, with lora_alpha = r in its metadata, so that
 # loaders reading no metadata and no .alpha key (ComfyUI) apply the trained strength too.
-FOLDED = {"flux2", "qwen_image", "z_image"}
+FOLDED = {"flux2", "qwen_image", "z_image", "flux3", "krea2"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(family, runs):
-    from diffusers import DiffusionPipeline
-
     model_dir, job, reference, _ = runs[family]
     wd = reference.result(timeout=900)
     mem, cfg = _trained_in_memory(family, job, wd)
     x = _inputs(family, mem)
     with torch.no_grad():
         want = _forward(mem, x)
-        pipe = DiffusionPipeline.from_pretrained(model_dir, text_encoder=None, tokenizer=None, vae=None)
+        pipe = _pipeline_with_transformer(family, model_dir)
         base = _forward(pipe.transformer, x)
         pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
         got = _forward(pipe.transformer, x)
@@ -213,8 +257,8 @@ def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(fami
         scale = 1.0 if family in FOLDED else cfg.lora.alpha / cfg.lora.rank
         assert layer.scaling[next(iter(layer.scaling))] == scale and cfg.lora.alpha / cfg.lora.rank == 2.0
         pipe.unload_lora_weights()
-        # The ComfyUI file loads in diffusers too (kohya names for FLUX.2, diffusion_model.* for Qwen-Image and
-        # Z-Image); its scale is folded into the weights there, so it matches up to rounding. (diffusers' kohya
+        # The ComfyUI file loads in diffusers too (kohya names for FLUX.2, diffusion_model.* for Qwen-Image,
+        # Z-Image and FLUX.3); its scale is folded into the weights there, so it matches up to rounding. (diffusers' kohya
         # converter for Chroma's FLUX.1 names splits linear1 at FLUX.1's fixed 3072 width, which the tiny model
         # is not: checked by hand at 3072 wide, 3.3e-7.)
         comfy = None
@@ -381,6 +425,48 @@ def test_chroma_files_have_the_keys_and_alphas_comfyuis_flux_rules_map(runs):
         torch.testing.assert_close((alpha / a.shape[0]) * (b @ a), delta, rtol=1e-5, atol=1e-7)
 
 
+def test_flux3_comfyui_keys_are_bfl_names_that_diffusers_own_converter_maps_back(runs):
+    """FLUX.3's file: diffusion_model.<BFL name>.lora_A/B, alpha / r folded (no .alpha keys, which diffusers' FLUX.3
+    loader refuses); diffusers' converter for the original LoRA format maps every key back to its trained module,
+    and each <BFL name>.weight is an original checkpoint's weight (diffusers' single-file converter maps it to that
+    module): what ComfyUI's generic rule patches, diffusion_model.<name>.weight, on a model with BFL's names."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_flux3_lora_to_diffusers
+    from diffusers.loaders.single_file_utils import convert_flux3_transformer_checkpoint_to_diffusers
+
+    sd, d = _comfyui_file_and_deltas("flux3", runs)
+    blocks = ["txt_mode_blocks.0", "mode_blocks.image.0"] + [f"single_transformer_blocks.{i}" for i in range(4)]
+    modules = {f"{b}.{m}" for b in blocks for m in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                                      "ff.linear_in", "ff.linear_out")}
+    assert set(d) == modules
+    assert "diffusion_model.content_mode_blocks.image.0.attn_out.lora_A.weight" in sd
+    assert "diffusion_model.single_blocks.3.mlp_in.lora_B.weight" in sd and not any(k.endswith(".alpha") for k in sd)
+    weights = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") + ".weight": torch.zeros(1)
+               for k in sd if k.endswith(".lora_A.weight")}
+    assert set(convert_flux3_transformer_checkpoint_to_diffusers(weights)) == {f"{m}.weight" for m in modules}
+    back = _convert_non_diffusers_flux3_lora_to_diffusers(dict(sd))
+    assert set(back) == {f"transformer.{m}.lora_{x}.weight" for m in modules for x in "AB"}
+    for m in modules:
+        b, a = back[f"transformer.{m}.lora_B.weight"], back[f"transformer.{m}.lora_A.weight"]
+        torch.testing.assert_close(b @ a, d[m], rtol=1e-5, atol=1e-7, msg=m)
+
+
+def test_krea2_comfyui_file_has_the_reference_names_comfyui_maps_at_the_trained_strength(runs):
+    """ComfyUI's Krea 2 model keeps the reference checkpoint's names (comfy/ldm/krea2/model.py): blocks.i.attn.wq |
+    wk | wv | gate | wo and blocks.i.mlp.gate | up | down. Its generic rule maps diffusion_model.<name> to
+    <name>.weight, and with no .alpha key applies B·A at scale 1: alpha / r is folded into B. (diffusers' Krea 2
+    converter reads the same file back: test_load_lora_weights_of_both_files_reproduces_the_trained_transformer.)"""
+    sd, d = _comfyui_file_and_deltas("krea2", runs)
+    names = {"attn.to_q": "attn.wq", "attn.to_k": "attn.wk", "attn.to_v": "attn.wv", "attn.to_gate": "attn.gate",
+             "attn.to_out.0": "attn.wo", "ff.gate": "mlp.gate", "ff.up": "mlp.up", "ff.down": "mlp.down"}
+    assert set(d) == {f"transformer_blocks.{i}.{m}" for i in range(4) for m in names}
+    want = {f"diffusion_model.blocks.{i}.{c}": d[f"transformer_blocks.{i}.{m}"] for i in range(4)
+            for m, c in names.items()}
+    assert set(sd) == {f"{k}.lora_{x}.weight" for k in want for x in "AB"}
+    for k, delta in want.items():
+        torch.testing.assert_close(sd[f"{k}.lora_B.weight"] @ sd[f"{k}.lora_A.weight"], delta, rtol=1e-5, atol=1e-7,
+                                   msg=k)
+
+
 # ------------------------------------------------------------------ cache
 @pytest.mark.parametrize("family", FAMILIES)
 def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path):
@@ -428,7 +514,8 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
     assert untrained == ({k for k in untrained if re.fullmatch(dead, k)} if family == "qwen_image" else set())
     mem, _ = _trained_in_memory(family, tmp_path / "job.yaml", tmp_path / "work")
     assert isinstance(_first_q(mem).base_layer, FP8Linear)
-    final = mem.all_final_layer["2-1"].linear if family == "z_image" else mem.proj_out
+    final = {"z_image": lambda: mem.all_final_layer["2-1"].linear,
+             "krea2": lambda: mem.final_layer.linear}.get(family, lambda: mem.proj_out)()
     assert type(final) is torch.nn.Linear  # the final layer stays in the model dtype
 
 
@@ -466,6 +553,8 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
      ["train.batch_size, train.gradient_checkpointing", "drops the caption mask", "train.grad_accum"]),
     ("chroma", {"lora": {"type": "loha", "dropout": 0}, "output": {"formats": ["diffusers"]}},
      ["lora.type", "loha", "comfyui"]),
+    ("flux3", {"model": {"path": "builtin:tiny-z-image"}}, ["model.path", "z_image model", "flux3"]),
+    ("krea2", {"lora": {"type": "dora"}}, ["lora.type", "krea2"]),
 ])
 def test_a_job_key_that_does_not_fit_the_image_family_is_refused_naming_it(family, over, words, tmp_path):
     from engine.config.job import parse_job

@@ -21,7 +21,6 @@ from engine.families import get_family
 from tests.helpers.fakes import RecLog
 from tests.helpers.forked import killed_then_resumed, run_to_end
 from tests.helpers.images import IMAGE_FAMILIES, make_images, tensor_bytes
-from tests.helpers.images import tiny_image_model  # noqa: F401 - the session fixture
 
 # One bucket (32x32), so any two images can share a batch.
 IMAGES = [("a.png", 32, 32, "a red square on grass"), ("b.png", 36, 36, "a green tower"),

@@ -212,7 +212,9 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
 
 # ================================================================ 3. hung and crashing trainers
 def test_a_hung_trainer_is_killed_and_the_job_retried(tmp_path, daemons, micro_model):
-    d = daemons(tmp_path / "home", hang_timeout_s=6.0, hang_step_multiple=1.0)
+    # 3 s without a heartbeat is far beyond a micro-model step (milliseconds) and the gaps between the trainer's
+    # events once steps flow; loading and saving are slow phases with their own limit (startup_timeout_s).
+    d = daemons(tmp_path / "home", hang_timeout_s=3.0, hang_step_multiple=1.0)
     write_yaml(tmp_path / "hang.yaml", daemon_job(micro_model, steps=15, every=5, name="hang"))
     shutil.copy(tmp_path / "hang.yaml", d.home / "inbox")
     (jid,) = accepted(d)
@@ -229,7 +231,7 @@ def test_a_hung_trainer_is_killed_and_the_job_retried(tmp_path, daemons, micro_m
 
 
 def test_a_crashing_trainer_is_retried_with_backoff_then_failed_with_its_error(tmp_path, daemons, micro_model):
-    d = daemons(tmp_path / "home", retry_budget=1, backoff_base_s=1.0)
+    d = daemons(tmp_path / "home", retry_budget=1, backoff_base_s=0.5)
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{ this is not json")  # passes intake (the directory exists), crashes the trainer
@@ -240,7 +242,7 @@ def test_a_crashing_trainer_is_retried_with_backoff_then_failed_with_its_error(t
     assert final["state"] == "failed"
     a = final["attempts"]
     assert len(a) == 2 and all(x["exit_code"] not in (0, 65, 75) for x in a)
-    assert a[1]["started_at"] - a[0]["ended_at"] >= 1.0  # the backoff
+    assert a[1]["started_at"] - a[0]["ended_at"] >= 0.5  # the backoff
     assert "retry budget spent" in [e for e in final["events"] if e["kind"] == "transition"][-1]["data"]["reason"]
     human = d.cli("status", jid).stdout
     assert "last error" in human and "not a valid JSON file" in human and "failed" in human

@@ -18,7 +18,7 @@ from tests.daemon.power.test_ups import FakeUpsd
 from tests.helpers.daemon import Daemon, daemon_job, fast_config, job_events, wait_until, write_yaml
 from tests.helpers.processes import REPO
 
-POLL_S = 1.0
+POLL_S = 0.5  # each transition is seen within one poll: the walk-through waits for three of them
 
 
 def _ts(ev) -> float:
@@ -30,7 +30,7 @@ def test_ups_walk_through_the_real_daemon(tmp_path: Path, micro_model: Path):
     upsd = FakeUpsd("ups")
     cfg = fast_config(tmp_path, allowed_roots=["{home}", str(tmp_path), str(micro_model.parent), str(REPO)], power={
         "telemetry": {"backend": "simulated"},
-        "ups": {"enabled": True, "port": upsd.port, "poll_s": POLL_S, "timeout_s": 1.0, "resume_after_s": 1.0,
+        "ups": {"enabled": True, "port": upsd.port, "poll_s": POLL_S, "timeout_s": 1.0, "resume_after_s": 0.5,
                 "on_battery": "lowest_cap"},
     })
     # Long enough never to finish during the test, on a fast machine or a loaded one; it is left running.
@@ -71,7 +71,7 @@ def test_ups_walk_through_the_real_daemon(tmp_path: Path, micro_model: Path):
         assert detail["attempts"][-1]["exit_code"] == 75
         stopped_at = detail["checkpoint_step"]
         assert stopped_at == max(e["step"] for e in steps())  # the final checkpoint holds every step done
-        time.sleep(1.5)
+        time.sleep(1.0)  # two polls on battery
         assert d.job(job_id)["state"] == "queued"
 
         # OL held for resume_after_s: the job resumes from the checkpoint it stopped at and trains on

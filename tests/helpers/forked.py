@@ -29,12 +29,17 @@ from tests.helpers.processes import CHILD_ENV, WAIT_S
 # every test, so that no later trainer imports in each child what the first test's list left out.
 PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
            "engine.families.image.qwen_image", "engine.families.image.z_image", "engine.families.image.chroma",
+           "engine.families.image.krea2", "diffusers.pipelines.krea2.pipeline_krea2",
+           "transformers.models.qwen3_vl.modeling_qwen3_vl",
            "engine.families.image.flux", "engine.families.causal_lm", "peft", "torch.utils.tensorboard",
            "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
            "diffusers.pipelines.z_image.pipeline_z_image", "diffusers.pipelines.chroma.pipeline_chroma",
            "diffusers.models.transformers.transformer_flux", "transformers.models.qwen3.modeling_qwen3",
            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.t5.modeling_t5",
-           "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama"]
+           "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama",
+           "engine.families.image.flux3", "diffusers.modular_pipelines.flux3.encoders",
+           "diffusers.modular_pipelines.flux3.before_denoise", "transformers.models.qwen3_vl.modeling_qwen3_vl",
+           "transformers.models.got_ocr2.processing_got_ocr2"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 

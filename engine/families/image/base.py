@@ -47,13 +47,13 @@ import torch
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, scan_images
+from engine.families.image.dop import with_preservation
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,
     sample_sigmas,
     scheduler_settings,
 )
-from engine.families.image.dop import with_preservation
 from engine.families.image.masked_loss import batch_flow_loss
 from engine.families.image.model import ImageModel
 from engine.report.quiet import quiet_libraries
@@ -132,7 +132,8 @@ class ImageFamily(ImageData):
             path = resolve_model_path(cfg.model.path, workdir)
             self.renderer = SampleRenderer(
                 cfg, path, self.cache, self.plan, Path(workdir),
-                pipeline=lambda t: sample_pipeline(path, cfg, t),
+                # A model whose pipeline is not a DiffusionPipeline (FLUX.3's modular one) brings its own.
+                pipeline=lambda t: getattr(self.model, "sample_pipeline", sample_pipeline)(path, cfg, t),
                 prompt_kwargs=lambda emb, neg, dev, dt: self.model.sample_kwargs(emb, neg, dev, dt, cfg))
         self.renderer.render(model, step, log)
 
@@ -144,7 +145,10 @@ def sample_pipeline(model_path: str, cfg: JobConfig, transformer):
     """The model's own pipeline with the training transformer and no text encoder (prompts come from the cache)."""
     from diffusers import DiffusionPipeline
 
-    components = DiffusionPipeline.load_config(model_path, revision=cfg.model.revision)
+    from engine.families.image.dataset import pipeline_components
+
+    # Only the components: model_index.json's settings (Krea 2's text_encoder_select_layers) keep their values.
+    components = pipeline_components(DiffusionPipeline.load_config(model_path, revision=cfg.model.revision))
     text_parts = {k: None for k in components if k.startswith(("text_encoder", "tokenizer", "processor"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, revision=cfg.model.revision, transformer=transformer,
                                              dtype=torch_dtype(cfg.model.dtype), **text_parts)

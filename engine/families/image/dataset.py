@@ -147,6 +147,13 @@ class ImageData:
         return {**meta, "trigger": cfg.data.trigger or "", "dataset_hash": self.dataset_hash()}
 
 
+def pipeline_components(config: dict[str, Any]) -> list[str]:
+    """The component names of a model_index.json: entries naming [library, class]. The others are the pipeline's
+    own settings (Krea 2's patch_size, text_encoder_select_layers), which must keep their values."""
+    return [k for k, v in config.items() if not k.startswith("_") and isinstance(v, (list, tuple)) and len(v) == 2
+            and all(x is None or isinstance(x, str) for x in v)]
+
+
 class PipelineEncoder:
     """The cache's encoders (engine/families/image/cache.py) for an ImageModel: its own pipeline, no transformer.
 
@@ -161,8 +168,12 @@ class PipelineEncoder:
         from diffusers import DiffusionPipeline
 
         rev = self.cfg.model.revision
+        own = getattr(self.model, "load_pipeline", None)  # a model whose pipeline is not a DiffusionPipeline (FLUX.3)
+        if own is not None:
+            return own(self.model_path, rev, torch_dtype(self.cfg.model.dtype), keep)
         components = DiffusionPipeline.load_config(self.model_path, revision=rev)
-        drop = {k: None for k in components if not k.startswith(("_", "scheduler", *keep))}
+        components = pipeline_components(components)
+        drop = {k: None for k in components if not k.startswith(("scheduler", *keep))}
         return DiffusionPipeline.from_pretrained(self.model_path, revision=rev, dtype=torch_dtype(self.cfg.model.dtype),
                                                  **drop)
 

@@ -102,6 +102,33 @@ def diffusion_model_comfyui_file(model: torch.nn.Module, cfg, out_dir: Path, md:
     return save(sd, Path(out_dir) / file_name, {**md, **kohya})
 
 
+def output_files(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any],
+                 comfyui: Callable[[dict[str, str]], str]) -> list[str]:
+    """The files output.formats names: the diffusers file (alpha / r folded) and the family's ComfyUI file."""
+    md = metadata(cfg, meta)
+    names = []
+    if "diffusers" in cfg.output.formats:
+        names.append(diffusers_lora_file(model, out_dir, md))
+    if "comfyui" in cfg.output.formats:
+        names.append(comfyui(md))
+    return names
+
+
+def folded_comfyui_file(model: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str], file_name: str,
+                        base_model: str, name: Callable[[str], str]) -> str:
+    """diffusion_model.<name(module)>.lora_A / lora_B with alpha / r folded into B and no `.alpha` keys: the
+    layout for models whose diffusers converter refuses `.alpha` keys (FLUX.3, Krea 2); ComfyUI's generic rule,
+    with no alpha, applies scale 1, the trained strength."""
+    scale = cfg.lora.alpha / cfg.lora.rank
+    sd = {}
+    for module, (a, b, _base) in lora_modules(model).items():
+        key = f"diffusion_model.{name(module)}"
+        sd[f"{key}.lora_A.weight"], sd[f"{key}.lora_B.weight"] = a, b * scale
+    return save(sd, Path(out_dir) / file_name, {**md, "ss_network_dim": str(cfg.lora.rank),
+                                                "ss_network_alpha": str(cfg.lora.rank),
+                                                "ss_base_model_version": base_model, "lorad_alpha_folded": "true"})
+
+
 def bfl_target(module: str, block_rules: dict, top_rules: dict) -> tuple[str, tuple[str, ...] | None]:
     """(BFL module name, the diffusers sub-paths fused into it in row order, or None) for a diffusers module, by a
     family's rules (flux_export.py's for FLUX.1, flux2.py's for FLUX.2)."""

@@ -46,10 +46,10 @@ from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.data.image_sets import extra_batch
 from engine.families.image.dataset import CachedImages, ImageData, scan_images
+from engine.families.image.dop import with_preservation
 from engine.families.image.flow_lora import add_lora, flip_and_drop, load_lora_transformer
 from engine.families.image.flow_lora import sample_sigmas as sample_shifted
 from engine.families.image.flux_encode import fill_cache
-from engine.families.image.dop import with_preservation
 from engine.families.image.masked_loss import batch_flow_loss
 from engine.report.quiet import quiet_libraries
 

@@ -17,8 +17,34 @@ def pipeline_shift_mu(calculate_shift, sched: dict[str, Any], image_seq_len: int
                            sched.get("base_shift", 0.5), sched.get("max_shift", 1.15))
 
 
+def tokenizer_text_len(model_path: str, revision: str | None, cap: int) -> int:
+    """Tokens per caption: the pipeline's `cap`, or the tokenizer's own limit where it is lower (the tiny ones)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer", revision=revision)
+    return int(min(cap, getattr(tok, "model_max_length", cap) or cap))
+
+
+def qwen_vae_latent(pipe, pixels: torch.Tensor) -> torch.Tensor:
+    """[1, 3, H, W] → Qwen-Image's VAE latent (a one-frame video VAE; posterior mode), normalised by the VAE
+    config's per-channel mean and std as the Qwen-Image pipelines do: [C, h, w]. Krea 2 uses the same VAE."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
+
+    vae = pipe.vae
+    lat = retrieve_latents(vae.encode(pixels[:, :, None]), sample_mode="argmax")  # [1, C, 1, h, w]
+    mean = torch.tensor(vae.config.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
+    return ((lat - mean) / std)[0, :, 0]
+
+
 class ImageModel(Protocol):
-    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py)."""
+    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py).
+
+    A model whose pipeline is not a DiffusionPipeline (FLUX.3's is modular only) also has
+    `load_pipeline(model_path, revision, dtype, keep)` (the cache's encoders: dataset.PipelineEncoder) and
+    `sample_pipeline(model_path, cfg, transformer)` (what the SampleRenderer drives); ImageFamily uses them
+    where present.
+    """
 
     name: str             # the model.family value
     default_targets: str  # LoRA targets: a regex over the transformer's module paths

@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusers_lora_file, diffusion_model_comfyui_file, metadata
-from engine.families.image.model import pipeline_shift_mu
+from engine.families.image.export import diffusion_model_comfyui_file, output_files
+from engine.families.image.model import pipeline_shift_mu, qwen_vae_latent
 
 DEFAULT_TARGETS = (
     r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
@@ -79,13 +79,7 @@ class QwenImageModel:
         return 1024  # the pipeline's tokenizer_max_length; captions are not padded to it
 
     def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import retrieve_latents
-
-        vae = pipe.vae
-        lat = retrieve_latents(vae.encode(pixels[:, :, None]), sample_mode="argmax")  # [1, C, 1, h, w]
-        mean = torch.tensor(vae.config.latents_mean, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
-        std = torch.tensor(vae.config.latents_std, device=lat.device, dtype=lat.dtype).view(1, -1, 1, 1, 1)
-        return ((lat - mean) / std)[0, :, 0]
+        return qwen_vae_latent(pipe, pixels)
 
     def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
         embeds, _mask = pipe.encode_prompt(text, device=device, max_sequence_length=max_len)
@@ -121,13 +115,8 @@ class QwenImageModel:
                 "true_cfg_scale": cfg.sample.guidance}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        md = metadata(cfg, meta)
-        names = []
-        if "diffusers" in cfg.output.formats:
-            names.append(diffusers_lora_file(model, out_dir, md))
-        if "comfyui" in cfg.output.formats:
-            names.append(diffusion_model_comfyui_file(model, cfg, out_dir, md, COMFYUI_FILE, "qwen_image"))
-        return names
+        return output_files(model, cfg, out_dir, meta, lambda md: diffusion_model_comfyui_file(
+            model, cfg, out_dir, md, COMFYUI_FILE, "qwen_image"))
 
 
 def QwenImage():  # noqa: N802 - reads as the family's class at get_family's call site

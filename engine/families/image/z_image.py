@@ -91,8 +91,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusers_lora_file, diffusion_model_comfyui_file, metadata
-from engine.families.image.model import pipeline_shift_mu
+from engine.families.image.export import diffusion_model_comfyui_file, output_files
+from engine.families.image.model import pipeline_shift_mu, tokenizer_text_len
 
 _BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+\."
 DEFAULT_TARGETS = rf"^{_BLOCK}(attention\.(to_q|to_k|to_v|to_out\.0)|feed_forward\.(w1|w2|w3))$"
@@ -117,10 +117,7 @@ class ZImageModel:
 
     def text_max_len(self, model_path: str, revision: str | None) -> int:
         """Tokens per caption: the pipeline's 512, capped by the tokenizer's own limit (the tiny one has 64)."""
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model_path, subfolder="tokenizer", revision=revision)
-        return int(min(MAX_TEXT_LEN, getattr(tok, "model_max_length", MAX_TEXT_LEN) or MAX_TEXT_LEN))
+        return tokenizer_text_len(model_path, revision, MAX_TEXT_LEN)
 
     def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
         from diffusers.pipelines.z_image.pipeline_z_image_img2img import retrieve_latents
@@ -159,13 +156,8 @@ class ZImageModel:
                 "negative_prompt_embeds": [negative["prompt_embeds"].to(device, dtype)]}
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        md = metadata(cfg, meta)
-        names = []
-        if "diffusers" in cfg.output.formats:
-            names.append(diffusers_lora_file(model, out_dir, md))
-        if "comfyui" in cfg.output.formats:
-            names.append(diffusion_model_comfyui_file(model, cfg, out_dir, md, COMFYUI_FILE, "z_image"))
-        return names
+        return output_files(model, cfg, out_dir, meta, lambda md: diffusion_model_comfyui_file(
+            model, cfg, out_dir, md, COMFYUI_FILE, "z_image"))
 
 
 def ZImage():  # noqa: N802 - reads as the family's class at get_family's call site

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from daemon.power.simulated import DEFAULT_W, MAX_W, MIN_W, SimulatedDevice
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
 from tests.helpers.processes import REPO, child_env
+from tests.helpers.sockets import ask, ask_as, connect, reachable_dir
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="a second user needs root to become")
 
@@ -49,11 +48,7 @@ class Helper:
 
 @pytest.fixture
 def open_dir():
-    """A directory `nobody` can reach a socket in (pytest's own temp dir is root's alone)."""
-    d = Path(tempfile.mkdtemp(prefix="lorad-power-"))
-    d.chmod(0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    yield from reachable_dir("lorad-power-")
 
 
 @pytest.fixture
@@ -61,28 +56,6 @@ def helper(open_dir):
     h = Helper(open_dir, SimulatedDevice(2))
     yield h
     h.close()
-
-
-def connect(path: Path) -> socket.socket:
-    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    c.settimeout(5)
-    c.connect(str(path))
-    return c
-
-
-def ask(c: socket.socket, line: bytes) -> dict:
-    try:
-        c.sendall(line)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # refused before reading: its answer is already waiting
-    out = b""
-    while not out.endswith(b"\n"):
-        chunk = c.recv(4096)
-        if not chunk:
-            break
-        out += chunk
-    assert out, "the helper hung up without an answer"
-    return json.loads(out)
 
 
 def closed(c: socket.socket) -> bool:
@@ -164,35 +137,13 @@ def test_a_silent_or_partial_client_is_cut_off_and_idle_ones_cannot_hold_more_th
                "a slot to come back")
 
 
-def as_nobody(path: Path) -> dict:
-    """A set-limit from a child process running as `nobody`: the reply, or {"no": the error}."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover — the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            reply = ask(connect(path), b'{"op": "set-limit", "gpu": 0, "watts": 150}\n')
-        except BaseException as e:  # noqa: BLE001
-            reply = {"no": repr(e)}
-        os.write(w, json.dumps(reply).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 @ROOT_ONLY
 def test_another_user_cannot_connect_and_is_refused_by_uid_even_when_the_socket_mode_lets_it(helper):
     st = helper.socket.stat()
     assert (st.st_mode & 0o777, st.st_uid) == (0o600, os.getuid())  # the allowed user's alone
-    assert "PermissionError" in as_nobody(helper.socket)["no"]
+    assert "PermissionError" in ask_as(helper.socket, b'{"op": "set-limit", "gpu": 0, "watts": 150}\n')["no"]
     helper.socket.chmod(0o666)  # the mode is one lock; SO_PEERCRED is the other
-    reply = as_nobody(helper.socket)
+    reply = ask_as(helper.socket, b'{"op": "set-limit", "gpu": 0, "watts": 150}\n')
     assert reply == {"ok": False, "error": "uid 65534 may not use the power helper"}, reply
     assert helper.device.limit_w(0) == DEFAULT_W
     assert helper.log.named("power helper peer refused") == [{"uid": 65534}]

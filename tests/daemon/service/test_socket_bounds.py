@@ -5,12 +5,7 @@ Real Unix sockets; the second user is a forked child that drops to `nobody` (roo
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +13,7 @@ from daemon import protocol as p
 from daemon.service.server import SocketServer
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
+from tests.helpers.sockets import ask, ask_as, connect, reachable_dir
 
 
 def serve(where, **kw) -> SocketServer:
@@ -27,61 +23,13 @@ def serve(where, **kw) -> SocketServer:
     return s
 
 
-def connect(path) -> socket.socket:
-    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    c.settimeout(5)
-    c.connect(str(path))
-    return c
-
-
-def ask(c: socket.socket, line: bytes) -> dict:
-    try:
-        c.sendall(line)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # refused at once (busy): its answer is already waiting
-    out = b""
-    while not out.endswith(b"\n"):
-        chunk = c.recv(65536)
-        if not chunk:
-            break
-        out += chunk
-    assert out, "the server hung up without an answer"
-    return json.loads(out)
-
-
-def ping_as(path, uid: int) -> dict:
-    """A ping from a child process running as `uid`: its answer, or {"no": reason}."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover — the child
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(uid)
-            reply = json.dumps(ask(connect(path), b'{"verb": "ping"}\n'))
-        except BaseException as e:  # noqa: BLE001
-            reply = json.dumps({"no": repr(e)})
-        os.write(w, reply.encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
-
-
 def answered(reply: dict) -> bool:
     return reply.get("ok") is True and reply.get("data") == {"verb": "ping"}
 
 
 @pytest.fixture
 def open_dir():
-    """A directory `nobody` can reach a socket in (pytest's own temp dir is root's alone)."""
-    d = Path(tempfile.mkdtemp(prefix="lorad-sock-"))
-    d.chmod(0o711)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    yield from reachable_dir("lorad-sock-")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a second user needs root to become")
@@ -92,7 +40,7 @@ def test_one_user_holding_its_slots_leaves_the_others_theirs(open_dir):
         held = [connect(s.path) for _ in range(3)]  # idle: each holds a slot until the request deadline
         over = ask(connect(s.path), b'{"verb": "ping"}\n')
         assert over["ok"] is False and over["error"] == "busy" and "per user" in over["message"], over
-        assert answered(ping_as(s.path, 65534))  # another user still gets in
+        assert answered(ask_as(s.path, b'{\"verb\": \"ping\"}\n'))  # another user still gets in
         held.pop().close()
         # The server notices the hang-up on its connection thread's next recv: soon, not at once.
         again = wait_until(lambda: (r := ask(connect(s.path), b'{"verb": "ping"}\n'))["ok"] and r, 10,

@@ -68,3 +68,20 @@ def test_schedule_free_weights_are_named_as_its_average(tmp_path):
     images = make_images(tmp_path / "images")
     cfg = parse_job(flux_job_dict("builtin:tiny-flux", images, train={"optimizer": "adamw_schedulefree"}), tmp_path)
     assert card.which_weights(cfg)[0] == "schedule_free_average"
+
+
+def test_a_flux3_card_loads_the_base_as_a_modular_pipeline_and_says_comfyuis_rules_were_not_checked(tmp_path):
+    """diffusers has FLUX.3's pipelines as modular pipelines only: DiffusionPipeline.from_pretrained cannot read
+    the base model the card names."""
+    from engine.config.job import parse_job
+
+    images = make_images(tmp_path / "images")
+    d = flux_job_dict("builtin:tiny-flux3", images)
+    d["model"]["family"] = "flux3"
+    cfg = parse_job(d, tmp_path)
+    files = ["pytorch_lora_weights.safetensors", "flux3_lora_comfyui.safetensors"]
+    text = card.model_card(cfg, card.facts(cfg, {"steps": 10}, files, [], 3))
+    assert "from diffusers import ModularPipeline" in text and "DiffusionPipeline" not in text
+    assert 'pipe = ModularPipeline.from_pretrained("builtin:tiny-flux3")' in text
+    assert "pipe.load_components(dtype=torch.bfloat16)" in text
+    assert "ComfyUI's FLUX.3 key rules were not available to check." in text

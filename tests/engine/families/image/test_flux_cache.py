@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from daemon.client.cli import main as lorad
 from engine.config.job import load_job
 from engine.families.image.flux import Flux
+from engine.storage.cache_evict import LEASES
 from tests.helpers import images as fh
 from tests.helpers.fakes import RecLog
 from tests.helpers.images import IMAGES, make_images, write_flux_job
@@ -47,7 +49,7 @@ def test_first_run_encodes_everything_once_and_a_second_run_nothing(job, tmp_pat
     entries = _entries(wd / "cache")
     assert len(entries) == 17
     files = sorted(p.name for p in (wd / "cache").iterdir() if not p.name.endswith(".entry.json"))
-    assert files == sorted(e["file"] for e in entries.values())  # nothing half-written left
+    assert files == sorted([LEASES, *(e["file"] for e in entries.values())])  # nothing half-written left
     # flip: true caches the mirrored latent next to the plain one
     lat = fam.cache.load(fam.plan.item_latent[0])
     assert set(lat) == {"latent", "latent_flip"} and lat["latent"].shape[0] == 4
@@ -112,10 +114,14 @@ def _entries(root: Path) -> dict[str, dict]:
     return {p.name[: -len(".entry.json")]: json.loads(p.read_text()) for p in root.glob("*.entry.json")}
 
 
-def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, tmp_path):
+def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, tmp_path, capsys):
     home = tmp_path / "home"
-    assert lorad(["cache", str(job), "--home", str(home), "--quiet"]) == 0
+    (tmp_path / "daemon.yaml").write_text("cache_max_bytes: 1073741824\n")
+    assert lorad(["cache", str(job), "--home", str(home), "--quiet", "--config", str(tmp_path / "daemon.yaml")]) == 0
     assert len(_entries(home / "cache")) == 17  # HOME/cache, not jobs/NAME/cache
+    said = capsys.readouterr().err.splitlines()[-1]  # its size and the daemon's limit
+    assert re.fullmatch(rf"lorad: cache {re.escape(str((home / 'cache').resolve()))}: 17 entries, \d+\.\d MiB; "
+                        r"limit 1024\.0 MiB", said), said
     # the daemon runs the job in jobs/<name>-<id>, a directory `lorad cache` never saw
     rep, log, _ = prepare(job, home / "jobs" / "tiny-flux-3f9c2a")
     assert rep.encoded == {"latent": [], "text": []} and rep.reused == 17
@@ -137,3 +143,52 @@ def test_lorad_cache_refuses_a_causal_lm_job(tmp_path):
     shutil.copy(repo / "configs/examples/quickstart.yaml", tmp_path / "q.yaml")
     shutil.copytree(repo / "configs/examples/data", tmp_path / "data")
     assert lorad(["cache", str(tmp_path / "q.yaml"), "--home", str(tmp_path / "home"), "--quiet"]) == 65
+
+
+def test_a_job_after_an_eviction_re_encodes_exactly_what_was_evicted_and_trains_bit_identically(job, tmp_path,
+                                                                                                tiny_flux):
+    """HOME/cache over its limit: job b's fill evicts job a's least recently used entries (its texts: b shares and
+    touches the latents); job a again encodes exactly those, into the same files, and trains the same adapter."""
+    import gc
+
+    import yaml
+
+    from engine.recipe import train
+    from engine.storage import cache_evict
+    from tests.helpers.images import tensor_bytes
+
+    home = tmp_path / "home"
+    d = yaml.safe_load(job.read_text())
+    d["sample"], d["train"]["steps"] = {}, 3
+    job.write_text(yaml.safe_dump(d))
+    other = write_flux_job(tmp_path / "other.yaml", tiny_flux, tmp_path / "data", data={"trigger": "zkz"},
+                           train={"steps": 1})
+
+    def run(path: Path, name: str) -> Path:
+        assert train(load_job(path), home / "jobs" / name, progress="none") == 0
+        gc.collect()  # the finished job's Cache (and its lease) goes, as it would with its process
+        return home / "jobs" / name
+
+    def files() -> set[str]:
+        return {p.name for p in (home / "cache").glob("*.safetensors")}
+
+    first = run(job, "a-1")
+    _, size = cache_evict.usage(home / "cache")
+    cache_evict.set_limit(size)  # what job a's entries take; job b's new texts push the cache over it
+    try:
+        b = run(other, "b-2")
+        evicted = {e["file"] for e in _events(b) if e["event"] == "cache_evicted"}
+        assert evicted and all(name.startswith("text-") for name in evicted)
+        assert cache_evict.usage(home / "cache")[1] <= size
+        before = files()
+        again = run(job, "a-3")
+    finally:
+        cache_evict.set_limit(None)
+    start = next(e for e in _events(again) if e["event"] == "cache_start")
+    assert start["to_encode"] == len(evicted) and files() - before == evicted  # deterministic: the same files
+    assert tensor_bytes(again / "output" / "pytorch_lora_weights.safetensors") == \
+        tensor_bytes(first / "output" / "pytorch_lora_weights.safetensors")
+
+
+def _events(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]

@@ -16,7 +16,6 @@ from engine.errors import JobInvalid
 from engine.families import get_family
 from engine.families.image.export import DIFFUSERS_FILE
 from tests.helpers.images import IMAGE_FAMILIES, make_images
-from tests.helpers.images import tiny_image_model  # noqa: F401 - the session fixture
 from tests.helpers.lycoris import COMFY_LOHA, COMFY_LOKR, comfy_lycoris_delta, randomise_adapter
 
 # The key ComfyUI maps to a module's weight, per family (its docstring says why).

@@ -1,0 +1,108 @@
+"""`lorad export ID [--step N] [--to DIR] [--force]`: the LoRA files of a saved step, listed or copied out.
+
+The daemon names the job's committed checkpoints and, from each manifest, its export files with their sizes and
+sha256 (the `exports` verb). Without --step the steps are listed; with it each file is copied into DIR (default
+./ID-step-N/), its sha256 checked as it is read, written aside, fsynced and renamed into place, then DIR is
+fsynced: a copy cut short leaves no file under a final name. Files already in DIR are refused before anything
+is copied, unless --force. The checkpoint's files are opened by descriptor, never through a symlink (the trainer
+user writes the job directory). A checkpoint pruned (checkpoint.keep) is no longer offered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from daemon import protocol as p
+from daemon.client.verbs import call, fail, out
+from daemon.supervisor.disk_progress import open_export
+
+CHUNK = 1 << 20
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    reply = p.ExportsReply.model_validate(call(args, p.Exports(job=args.job, step=args.step)))
+    if args.step is None:
+        return out(args, reply.model_dump(), lambda d: _print_steps(reply))
+    saved = reply.steps[0]
+    dest = Path(args.to) if args.to is not None else Path(f"{reply.job}-step-{saved.step}")
+    taken = [f.name for f in saved.files if (dest / f.name).exists()]
+    if taken and not args.force:
+        return fail(args.json, "exists", f"{dest} already holds {', '.join(taken)} (job {reply.job} step "
+                                         f"{saved.step}); nothing copied — use --force to overwrite", 1)
+    workdir = Path(saved.path).parent.parent
+    try:
+        for f in saved.files:
+            _copy(workdir, saved.step, f, dest)
+    except _Mismatch as e:
+        return fail(args.json, "corrupt", f"job {reply.job} step {saved.step}: {e} — the checkpoint fails "
+                                          f"verification; choose another step", 1)
+    except OSError as e:
+        return fail(args.json, "io", f"job {reply.job} step {saved.step}: cannot copy "
+                                     f"{e.filename or ''} ({e.strerror or e})", 1)
+    done = {"job": reply.job, "step": saved.step, "to": str(dest), "files": [f.name for f in saved.files]}
+    if args.json:
+        print(json.dumps(done, indent=1))
+    else:
+        print(f"job {reply.job} step {saved.step}: {len(saved.files)} file(s) copied to {dest}")
+    return 0
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def _copy(workdir: Path, step: int, f: p.ExportFile, dest: Path) -> None:
+    """One file into dest/NAME, durably (written aside, checked, fsynced, renamed, directory fsynced)."""
+    target = dest / f.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    src = open_export(workdir, step, f.name)
+    try:
+        digest, size = hashlib.sha256(), 0
+        with os.fdopen(src, "rb", closefd=False) as r, open(tmp, "wb") as w:
+            while chunk := r.read(CHUNK):
+                digest.update(chunk)
+                size += len(chunk)
+                w.write(chunk)
+            w.flush()
+            os.fsync(w.fileno())
+        if size != f.size or digest.hexdigest() != f.sha256:
+            raise _Mismatch(f"export/{f.name} is {size} bytes with sha256 {digest.hexdigest()[:12]}…, its manifest "
+                            f"says {f.size} bytes, {f.sha256[:12]}…")
+        os.replace(tmp, target)
+    finally:
+        os.close(src)
+        tmp.unlink(missing_ok=True)
+    for d in {target.parent, dest, dest.parent}:  # the new name, and the directories made for it
+        _fsync_dir(d)
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _print_steps(reply: p.ExportsReply) -> None:
+    if not reply.steps:
+        print(f"job {reply.job} ({reply.state}) has no saved step with export files yet")
+        return
+    print(f"job {reply.job} ({reply.state}): saved steps, newest first (lorad export {reply.job} --step N)")
+    for s in reply.steps:
+        print(f"  step {s.step}  {s.path}/export/")
+        for f in s.files:
+            print(f"      {f.name}  {_size(f.size)}")
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
