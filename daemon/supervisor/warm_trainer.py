@@ -23,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from daemon.supervisor import zygote
 from daemon.supervisor.warm_fingerprint import REPO, fingerprint
@@ -108,7 +109,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.supervisor.zygote", str(theirs.fileno()), "x" * zygote.PADDING],
+                [sys.executable, "-m", "daemon.supervisor.zygote", str(theirs.fileno())],
                 # Its imports' library noise stays out of the daemon's log; what goes wrong comes over the socket.
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                 pass_fds=(theirs.fileno(),), cwd=str(REPO), start_new_session=True, **popen_kwargs)
@@ -140,7 +141,7 @@ class Zygote:
         if not self.ready.is_set():
             self.log("warm_trainer_failed", error="it exited before its imports were done")
         self.dead.set()
-        self.answers.put({"error": "the warm trainer is gone"})
+        self.answers.put({"error": "the warm trainer is gone", "gone": True})
 
     def fork(self, req: dict[str, Any], fds: list[int]) -> int | None:
         """Ask for one trainer: its pid, or None (the reason logged). OSError if the zygote never answered."""
@@ -155,6 +156,8 @@ class Zygote:
                 ans = self.answers.get(timeout=ANSWER_WAIT_S)
             except queue.Empty:
                 raise OSError("the warm trainer took the request and never answered") from None
+            if ans.get("gone"):  # it may have died after forking: a trainer may hold the job's lock
+                raise OSError("the warm trainer took the request and died before answering")
             if "pid" not in ans:
                 self.log("warm_trainer_skipped", reason=ans.get("error"))
                 return None

@@ -1,9 +1,10 @@
 """The warm trainer's process (the zygote): the training stack imported once, one trainer forked per request.
 
-    python -m daemon.supervisor.zygote FD PADDING
+    python -m daemon.supervisor.zygote FD
 
-FD is its end of a SOCK_SEQPACKET socket pair with the daemon (daemon/supervisor/warm_trainer.py); PADDING only
-reserves room in its command line for each child's (below). Messages are JSON, one per packet:
+FD is its end of a SOCK_SEQPACKET socket pair with the daemon (daemon/supervisor/warm_trainer.py). A child keeps
+this command line (no rewriting of process memory): it is found as a trainer by its working directory, the job's
+(daemon/system/proc.find_trainers), and by the pid the daemon records. Messages are JSON, one per packet:
 
     zygote → daemon   {"ready": FINGERPRINT, "cuda": false}     once the imports are done
     daemon → zygote   {"argv", "env", "cwd", "umask", "lock_fd"} + SCM_RIGHTS [stdout, stderr, lock]
@@ -29,6 +30,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 
 # What a trainer imports before its first step, whatever its family (tests/helpers/forked.py keeps a like list).
 PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engine.families.image.base",
@@ -40,23 +42,10 @@ PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engi
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
            "transformers.models.t5.modeling_t5", "transformers.models.clip.modeling_clip"]
 MAX_MSG = 1 << 20
-PADDING = 8192  # bytes of command line a child may take over
-
-
-def _set_cmdline(argv: list[str]) -> bool:
-    """Show `argv` as this process's /proc/PID/cmdline by rewriting the command-line memory the kernel reads, so
-    that a forked trainer is found by its command line like a cold one (daemon/system/proc.find_trainers). False
-    if it does not fit in the room the zygote's own command line reserved."""
-    with open("/proc/self/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of proc(5)
-    data = b"\0".join(a.encode() for a in argv) + b"\0"
-    if len(data) > end - start:
-        return False
-    with open("/proc/self/mem", "r+b", buffering=0) as mem:
-        mem.seek(start)
-        mem.write(data.ljust(end - start, b"\0"))
-    return True
+# Tests only: a path; when it exists, the zygote removes it, writes there the pid of the child it just forked and
+# dies before answering (the daemon must then count the start as failed: a trainer may run).
+DIE_AFTER_FORK = os.environ.get("LORAD_TEST_ZYGOTE_DIES_AFTER_FORK")
+ORPHAN_DELAY_S = 1.0  # that child waits this long before training: a start in that window would be a second
 
 
 def _child(req: dict, fds: list[int]) -> None:
@@ -84,10 +73,6 @@ def _child(req: dict, fds: list[int]) -> None:
 
             torch.set_num_threads(int(req["env"]["OMP_NUM_THREADS"]))
         argv = req["argv"]
-        try:
-            _set_cmdline(argv)
-        except OSError:  # /proc/self/mem refused: it is still found by the pid the daemon records
-            pass
         sys.argv = [argv[0], *argv[3:]]  # [python, -m, engine.run, ...]: runpy puts the module's path first
         try:
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
@@ -112,6 +97,14 @@ def fcntl_dup_above(fd: int, low: int) -> int:
     import fcntl
 
     return fcntl.fcntl(fd, fcntl.F_DUPFD, low)
+
+
+def _take(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
 
 
 def _exit_code(info) -> int:
@@ -142,6 +135,7 @@ class Zygote:
                 self.reported.discard(req["reap"])
                 os.waitpid(req["reap"], 0)
             return True
+        die = DIE_AFTER_FORK is not None and _take(DIE_AFTER_FORK)
         try:
             pid = os.fork()
         except OSError as e:
@@ -149,7 +143,13 @@ class Zygote:
         else:
             if pid == 0:
                 self.leave()
+                if die:
+                    time.sleep(ORPHAN_DELAY_S)
                 _child(req, list(fds))
+            if die:
+                with open(DIE_AFTER_FORK, "w") as f:
+                    f.write(str(pid))
+                os.kill(os.getpid(), signal.SIGKILL)
             self.children.add(pid)
             self.send({"pid": pid})
         for fd in fds:

@@ -87,3 +87,24 @@ def test_a_retired_zygote_goes_when_its_last_child_is_collected():
     assert stops == []
     z.release(102)
     assert stops == [1]
+
+
+def test_a_zygote_gone_after_taking_a_request_fails_the_start_instead_of_going_cold():
+    import queue
+
+    import pytest
+
+    from daemon.supervisor.warm_trainer import Zygote
+
+    def zygote_answering(answer: dict) -> Zygote:
+        z = Zygote.__new__(Zygote)  # its bookkeeping only: no process
+        z.lock, z.live, z.answers, z.log = threading.Lock(), set(), queue.Queue(), lambda *a, **k: None
+        z.sock = SimpleNamespace(sendmsg=lambda *a: None)
+        z.answers.put(answer)
+        return z
+
+    # It may have forked a trainer that holds the job's lock: a cold start now would be a second trainer.
+    with pytest.raises(OSError, match="died before answering"):
+        zygote_answering({"error": "the warm trainer is gone", "gone": True}).fork({}, [])
+    # It said the fork failed: no trainer exists, a cold start is safe.
+    assert zygote_answering({"error": "fork: [Errno 11]"}).fork({}, []) is None
