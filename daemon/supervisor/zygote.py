@@ -42,8 +42,8 @@ PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engi
            "transformers.models.qwen3.modeling_qwen3", "transformers.models.llama.modeling_llama",
            "transformers.models.t5.modeling_t5", "transformers.models.clip.modeling_clip"]
 MAX_MSG = 1 << 20
-# Tests only: a path; when it exists, the zygote removes it, writes there the pid of the child it just forked and
-# dies before answering (the daemon must then count the start as failed: a trainer may run).
+# Tests only: a path; when it exists, the zygote removes it, writes the pid of the child it just forked to PATH.pid
+# and dies before answering (the daemon must then count the start as failed: a trainer may run).
 DIE_AFTER_FORK = os.environ.get("LORAD_TEST_ZYGOTE_DIES_AFTER_FORK")
 ORPHAN_DELAY_S = 1.0  # that child waits this long before training: a start in that window would be a second
 
@@ -147,7 +147,7 @@ class Zygote:
                     time.sleep(ORPHAN_DELAY_S)
                 _child(req, list(fds))
             if die:
-                with open(DIE_AFTER_FORK, "w") as f:
+                with open(f"{DIE_AFTER_FORK}.pid", "w") as f:
                     f.write(str(pid))
                 os.kill(os.getpid(), signal.SIGKILL)
             self.children.add(pid)

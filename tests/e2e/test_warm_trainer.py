@@ -1,5 +1,8 @@
 """The warm trainer through `lorad serve`: trainers forked from one pre-imported process train bit-identical to
-cold ones, are real processes in sessions of their own, and outlive the daemon like cold ones (reconciled)."""
+cold ones, are real processes in sessions of their own, outlive the daemon like cold ones (reconciled), are never
+used stale, and a zygote that dies mid-start never leads to a second trainer of one job.
+
+One chain (each step's daemon and zygote serve the next): every zygote start costs a full import of the stack."""
 
 from __future__ import annotations
 
@@ -7,133 +10,119 @@ import json
 import os
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from daemon import protocol as p
 from daemon.system import proc
-from tests.helpers.processes import REPO
 from tests.helpers import daemon as helpers_daemon
-from tests.helpers.daemon import Daemon, adapter_file, daemon_job, fast_config, lorad_run, wait_until, write_yaml
+from tests.helpers.daemon import Daemon, adapter_file, fast_config, wait_until, write_yaml
+from tests.helpers.processes import REPO
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def warm_job(tmp_path_factory, micro_model) -> Path:
-    d = tmp_path_factory.mktemp("warm-job")
-    return write_yaml(d / "warm.yaml", daemon_job(micro_model, steps=24, every=4, seq_len=128, batch_size=4))
-
-
-@pytest.fixture(scope="module")
-def reference(warm_job, tmp_path_factory) -> bytes:
-    """The same job, uninterrupted, through `lorad run` (a cold trainer)."""
-    return adapter_file(lorad_run(warm_job, tmp_path_factory.mktemp("warm-ref")))
-
-
-@pytest.fixture
-def daemon(tmp_path):
-    started: list[Daemon] = []
-
-    def start() -> Daemon:
-        d = Daemon(tmp_path / "home", fast_config(tmp_path.parent), LORAD_DEBUG_STEP_DELAY_S="0.05")
-        started.append(d)
-        return d.start()
-
-    yield start
-    for d in started:
-        d.cleanup()
-
-
 def log_events(d: Daemon, name: str) -> list[dict]:
-    """The daemon log's JSON lines of one event."""
+    """This daemon's JSON log lines of one event (an earlier daemon of the same home wrote the start of the file)."""
     out = []
-    for line in d.log().splitlines():
+    for line in d.log()[getattr(d, "log_from", 0):].splitlines():
         if line.startswith("{") and f'"{name}"' in line:
             e = json.loads(line)
             out += [e] if e.get("event") == name else []
     return out
 
 
-def submit(d: Daemon, job: Path) -> str:
-    shutil.copy(job, d.home / "inbox" / job.name)
-    return wait_until(lambda: [j["id"] for j in d.jobs()], 60, "the job accepted")[0]
+def submit(d: Daemon, job: dict, name: str) -> str:
+    write_yaml(d.home / "inbox" / f"{name}.yaml", {**job, "name": name})
+    return wait_until(lambda: [j["id"] for j in d.jobs() if j["name"] == name], 60, f"job {name} accepted")[0]
 
 
-def running_trainer(d: Daemon, step: int) -> proc.Trainer:
-    wd = d.home / "jobs"
-    wait_until(lambda: any(e.get("event") == "step" and e["step"] >= step
-                           for e in map(json.loads, filter(None, next(wd.iterdir()).joinpath("events.jsonl")
-                                                                .read_text().splitlines()))),
-               120, f"step {step}")
-    (t,) = d.trainers()  # found by its command line, like a cold one
-    return t
+def at_step(d: Daemon, jid: str, step: int) -> None:
+    events = d.home / "jobs" / jid / "events.jsonl"
+    wait_until(lambda: events.exists() and any(
+        e.get("event") == "step" and e["step"] >= step for e in map(json.loads, events.read_text().splitlines())),
+        120, f"step {step}")
 
 
-def test_a_warm_trainer_trains_bit_identical_and_a_sigkill_of_it_is_handled_as_today(daemon, warm_job, reference):
-    d = daemon()
-    jid = submit(d, warm_job)
-    t = running_trainer(d, 6)
-    (ready,) = log_events(d, "warm_trainer_ready")
-    assert proc.parent_pid(t.pid) == ready["pid"]  # forked by the zygote, not exec'd by the daemon
-    assert os.getsid(t.pid) == t.pid  # a session (and process group) of its own
-    os.kill(t.pid, signal.SIGKILL)
+def succeeded(d: Daemon, jid: str) -> bytes:
     j = d.wait_state(jid, {"succeeded", "failed"}, 300)
     assert j["state"] == "succeeded", j
-    assert adapter_file(d.home / "jobs" / jid) == reference
-    attempts = d.call(p.Status(job=jid))["job"]["attempts"]
-    assert [a["exit_code"] for a in attempts] == [-signal.SIGKILL, 0]
-    assert not log_events(d, "warm_trainer_skipped")  # both attempts forked warm
+    return adapter_file(d.home / "jobs" / jid)
 
 
-def test_a_daemon_sigkilled_under_a_warm_trainer_leaves_an_orphan_the_next_daemon_reconciles(daemon, warm_job,
-                                                                                            reference):
-    d = daemon()
-    jid = submit(d, warm_job)
-    t = running_trainer(d, 6)
-    (ready,) = log_events(d, "warm_trainer_ready")
-    d.sigkill()
-    wait_until(lambda: not proc.alive(ready["pid"]), 10, "the zygote to exit on EOF")
-    assert proc.alive(t.pid)  # its children are left alone
-    d2 = daemon()
-    assert [e["pid"] for e in log_events(d2, "orphan_trainer")] == [t.pid]
-    j = d2.wait_state(jid, {"succeeded", "failed"}, 300)
-    assert j["state"] == "succeeded", j
-    assert adapter_file(d2.home / "jobs" / jid) == reference
+def started(d: Daemon, jid: str) -> list[dict]:
+    return [e for e in log_events(d, "trainer_started") if e["job"] == jid]
 
 
-def test_a_stale_warm_trainer_is_never_used_and_a_killed_one_costs_no_job(tmp_path, monkeypatch, daemon, micro_model):
-    # lorad's own files, copied: the daemon (and its zygote) run from the copy, which the test may change.
+@pytest.fixture
+def tree(tmp_path, monkeypatch) -> Path:
+    """lorad's own files, copied: the daemons (and their zygotes) run from the copy, which the test may change."""
     tree = tmp_path / "lorad"
     for pkg in ("engine", "daemon"):
         shutil.copytree(REPO / pkg, tree / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tree)
     monkeypatch.setattr(helpers_daemon, "REPO", tree)
-    d = daemon()
-    job = daemon_job(micro_model, steps=3, every=3, seq_len=32)
+    return tree
+
+
+def test_warm_trainers_train_bit_identical_survive_kills_are_never_stale_and_never_doubled(
+        tmp_path, tree, svc_job, svc_reference):
+    job = yaml.safe_load(svc_job.read_text())
     job["data"]["path"] = str(shutil.copy(job["data"]["path"], tmp_path))  # under the allowed roots
-
-    def run(name: str) -> tuple[str, dict]:
-        write_yaml(d.home / "inbox" / f"{name}.yaml", {**job, "name": name})
-        jid = wait_until(lambda: [j["id"] for j in d.jobs() if j["name"] == name], 60, f"job {name} accepted")[0]
-        assert d.wait_state(jid, {"succeeded", "failed"}, 300)["state"] == "succeeded"
-        (started,) = [e for e in log_events(d, "trainer_started") if e["job"] == jid]
-        return jid, started
-
-    warm, started = run("a")
-    assert started["warm"] is True
-    recipe = tree / "engine" / "recipe.py"
-    st = recipe.stat()
-    os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # lorad "upgraded" underneath it
-    cold, started = run("b")
-    assert started["warm"] is False
-    assert [e["reason"] for e in log_events(d, "warm_trainer_skipped")] == [
-        "stale: lorad's files changed since it imported them"]
-    assert adapter_file(d.home / "jobs" / cold) == adapter_file(d.home / "jobs" / warm)
-    # The stale one was replaced; kill its successor: the next job still runs (forked by a third, or cold).
-    ready = wait_until(lambda: log_events(d, "warm_trainer_ready")[1:], 120, "a new warm trainer")
-    os.kill(ready[0]["pid"], signal.SIGKILL)
-    wait_until(lambda: not proc.alive(ready[0]["pid"]), 10, "the zygote gone")
-    third, _ = run("c")
-    assert adapter_file(d.home / "jobs" / third) == adapter_file(d.home / "jobs" / warm)
+    cfg = fast_config(tmp_path.parent)
+    d = Daemon(tmp_path / "home", cfg, LORAD_DEBUG_STEP_DELAY_S="0.05").start()
+    try:
+        # Forked by the zygote, in a session of its own, found like a cold trainer; a SIGKILL of it is a crash.
+        jid = submit(d, job, "svc")
+        at_step(d, jid, 6)
+        (t,) = d.trainers()
+        (ready,) = log_events(d, "warm_trainer_ready")
+        assert proc.parent_pid(t.pid) == ready["pid"] and os.getsid(t.pid) == t.pid
+        os.kill(t.pid, signal.SIGKILL)
+        # The daemon SIGKILLed under its second warm trainer: the zygote exits on EOF, the trainer is an orphan.
+        at_step(d, jid, 14)
+        (t,) = d.trainers()
+        assert proc.parent_pid(t.pid) == ready["pid"] and not log_events(d, "warm_trainer_skipped")
+        d.sigkill()
+        wait_until(lambda: not proc.alive(ready["pid"]), 10, "the zygote to exit on EOF")
+        assert proc.alive(t.pid)
+    except BaseException:
+        d.cleanup()  # not on success: the orphan is the next daemon's to find
+        raise
+    marker = tmp_path / "zygote-dies"
+    d = Daemon(tmp_path / "home", cfg, LORAD_TEST_ZYGOTE_DIES_AFTER_FORK=str(marker))
+    d.log_from = len(d.log())
+    d.start()
+    try:
+        assert [e["pid"] for e in log_events(d, "orphan_trainer")] == [t.pid]
+        assert succeeded(d, jid) == svc_reference
+        attempts = d.call(p.Status(job=jid))["job"]["attempts"]
+        assert attempts[0]["exit_code"] == -signal.SIGKILL and attempts[-1]["exit_code"] == 0
+        assert all(e["warm"] for e in started(d, jid))
+        # lorad "upgraded" underneath the zygote: the next trainer starts cold, bit-identical, and says why.
+        recipe = tree / "engine" / "recipe.py"
+        st = recipe.stat()
+        os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        cold = submit(d, job, "cold")
+        assert succeeded(d, cold) == svc_reference
+        assert [e["warm"] for e in started(d, cold)] == [False]
+        assert [e["reason"] for e in log_events(d, "warm_trainer_skipped")] == [
+            "stale: lorad's files changed since it imported them"]
+        # Its successor dies (SIGKILL) after forking a trainer, before answering: the start failed, and the job
+        # never has two trainers: none starts while that orphan lives (it holds the job's lock), then it runs.
+        wait_until(lambda: len(log_events(d, "warm_trainer_ready")) == 2, 120, "the stale zygote's successor")
+        marker.touch()
+        doubled = submit(d, {**job, "train": {**job["train"], "steps": 8}}, "doubled")
+        forked = tmp_path / "zygote-dies.pid"
+        orphan = int(wait_until(lambda: forked.exists() and forked.read_text(), 60, "the fork before the death"))
+        while proc.alive(orphan):
+            assert started(d, doubled) == [], "a second trainer started while the first one lived"
+            time.sleep(0.02)
+        (failed,) = [e for e in log_events(d, "spawn_failed") if e["job"] == doubled]
+        assert "died before answering" in failed["error"]
+        d.wait_state(doubled, {"succeeded"}, 300)
+    finally:
+        d.cleanup()
