@@ -92,37 +92,36 @@ def test_warm_trainers_train_bit_identical_survive_kills_are_never_stale_and_nev
     except BaseException:
         d.cleanup()  # not on success: the orphan is the next daemon's to find
         raise
+    # The next daemon: its first zygote dies (SIGKILL) after forking the job's trainer, before answering. The start
+    # failed, and the job never has two trainers: none starts while that orphan lives (it holds the job's lock);
+    # then a new zygote forks it and it ends bit-identical; the zygote's death cost no job.
     marker = tmp_path / "zygote-dies"
+    marker.touch()
     d = Daemon(tmp_path / "home", cfg, LORAD_TEST_ZYGOTE_DIES_AFTER_FORK=str(marker))
     d.log_from = len(d.log())
     d.start()
     try:
         assert [e["pid"] for e in log_events(d, "orphan_trainer")] == [t.pid]
-        assert succeeded(d, jid) == svc_reference
-        attempts = d.call(p.Status(job=jid))["job"]["attempts"]
-        assert attempts[0]["exit_code"] == -signal.SIGKILL and attempts[-1]["exit_code"] == 0
-        assert all(e["warm"] for e in started(d, jid))
-        # lorad "upgraded" underneath the zygote: the next trainer starts cold, bit-identical, and says why.
-        recipe = tree / "engine" / "recipe.py"
-        st = recipe.stat()
-        os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        cold = submit(d, job, "cold")
-        assert succeeded(d, cold) == svc_reference
-        assert [e["warm"] for e in started(d, cold)] == [False]
-        assert [e["reason"] for e in log_events(d, "warm_trainer_skipped")] == [
-            "stale: lorad's files changed since it imported them"]
-        # Its successor dies (SIGKILL) after forking a trainer, before answering: the start failed, and the job
-        # never has two trainers: none starts while that orphan lives (it holds the job's lock), then it runs.
-        wait_until(lambda: len(log_events(d, "warm_trainer_ready")) == 2, 120, "the stale zygote's successor")
-        marker.touch()
-        doubled = submit(d, {**job, "train": {**job["train"], "steps": 8}}, "doubled")
         forked = tmp_path / "zygote-dies.pid"
         orphan = int(wait_until(lambda: forked.exists() and forked.read_text(), 60, "the fork before the death"))
         while proc.alive(orphan):
-            assert started(d, doubled) == [], "a second trainer started while the first one lived"
+            assert started(d, jid) == [], "a second trainer started while the first one lived"
             time.sleep(0.02)
-        (failed,) = [e for e in log_events(d, "spawn_failed") if e["job"] == doubled]
-        assert "died before answering" in failed["error"]
-        d.wait_state(doubled, {"succeeded"}, 300)
+        (failed,) = log_events(d, "spawn_failed")
+        assert failed["job"] == jid and "died before answering" in failed["error"]
+        assert succeeded(d, jid) == svc_reference
+        attempts = d.call(p.Status(job=jid))["job"]["attempts"]
+        assert attempts[0]["exit_code"] == -signal.SIGKILL and attempts[-1]["exit_code"] == 0
+        assert [e["warm"] for e in started(d, jid)] == [True]
+        # lorad "upgraded" underneath the zygote: the next trainer starts cold, and says why.
+        recipe = tree / "engine" / "recipe.py"
+        st = recipe.stat()
+        os.utime(recipe, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        cold = submit(d, {**job, "train": {**job["train"], "steps": 4}}, "cold")
+        d.wait_state(cold, {"succeeded"}, 300)
+        assert [e["warm"] for e in started(d, cold)] == [False]
+        assert [e["reason"] for e in log_events(d, "warm_trainer_skipped")] == [
+            "stale: lorad's files changed since it imported them"]
+        d.terminate()  # its successor, still importing, goes with it
     finally:
         d.cleanup()
