@@ -250,8 +250,8 @@ class WarmTrainer:
     def spawn(self, cmd: list[str], cwd: str, env: dict[str, str], umask: int, stdout_w: int, stderr_fd: int,
               lock_fd: int) -> tuple[Zygote, int] | None:
         """A trainer forked warm (its zygote and pid), or None (cold start: the reason is logged; a stale or dead
-        zygote is replaced in the background). Raises OSError if the zygote took the request and never
-        answered (silent, or dead): a trainer may exist, so this start must fail rather than start a second one cold."""
+        zygote is replaced in the background). Raises OSError if the zygote took the request and never answered
+        (silent, or dead): a trainer may exist, so this start must fail rather than start a second one cold."""
         with self.lock:
             why = self.why_cold(cmd, env)
             if why is not None:
