@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.helpers.daemon import adapter_file, daemon_job, lorad_run, write_yaml
 from tests.helpers.images import tiny_image_model  # noqa: F401 - a session fixture for every test module
 from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict
 
@@ -45,6 +46,19 @@ def pytest_collection_finish(session) -> None:
 @pytest.fixture(scope="session")
 def micro_model(tmp_path_factory) -> Path:
     return build_micro_llama(tmp_path_factory.mktemp("models") / "micro-llama")
+
+
+@pytest.fixture(scope="session")
+def svc_job(tmp_path_factory, micro_model) -> Path:
+    """The daemon tests' job: long enough for three kills (tests/e2e/test_serve.py, test_warm_trainer.py)."""
+    d = tmp_path_factory.mktemp("svc-job")
+    return write_yaml(d / "svc.yaml", daemon_job(micro_model, steps=24, every=4, seq_len=128, batch_size=4))
+
+
+@pytest.fixture(scope="session")
+def svc_reference(svc_job, tmp_path_factory) -> bytes:
+    """The uninterrupted run of svc_job through `lorad run` (a cold trainer): its adapter, computed once."""
+    return adapter_file(lorad_run(svc_job, tmp_path_factory.mktemp("ref-home")))
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ class DaemonConfig(BaseModel):
     preempt: bool = True  # lower-priority running jobs checkpoint and yield to a higher-priority job that waits
     trainer_env: dict[str, str] = Field(default_factory=dict)  # extra environment for trainers (HF_HOME, ...)
     run_as_root: bool = False  # a root daemon starts only in a container, and only with this (daemon/system/privilege.py)
+    warm_trainer: bool = True  # fork trainers from one pre-imported process (cold start whenever it cannot)
     trainer_user: str | None = None  # such a root daemon runs trainers as this user (else as root); else unused
     cache_max_bytes: int = Field(100 << 30, ge=0)  # HOME/cache's size limit (LRU eviction after a fill); 0: none
 

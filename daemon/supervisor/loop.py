@@ -35,7 +35,7 @@ from daemon.supervisor.beats import BeatQueue
 from daemon.supervisor.lock_contention import TrainerLockContention
 from daemon.supervisor.reap_path import ReapPath
 from daemon.supervisor.shutdown import shut_down
-from daemon.supervisor.start_path import StartPath
+from daemon.supervisor.start_path import StartPath, warm_trainer_for
 from daemon.supervisor.stuck import StuckTrainers
 from daemon.supervisor.systemd_status import SystemdReporter, status_line
 from daemon.supervisor.trainer import Child
@@ -79,6 +79,7 @@ class Supervisor(ReapPath, StartPath):
         self._next_disk_poll = 0.0
         self.free_bytes = disk_wait.free_bytes  # path → free bytes on its filesystem (tests give their own)
         self.healthy = True
+        self.warm = warm_trainer_for(cfg, log)  # started when a job is queued (daemon/supervisor/warm_trainer.py)
         self.wake = threading.Event()
         self._step_errors: dict[str, tuple[str, int]] = {}  # step → (its failure as logged, failures since)
 
@@ -291,3 +292,5 @@ class Supervisor(ReapPath, StartPath):
     def shutdown(self, deadline_s: float) -> None:
         """SIGTERM every trainer, reap them as they checkpoint and exit, SIGKILL what is left at the deadline."""
         shut_down(self, deadline_s)
+        if self.warm is not None:
+            self.warm.close()

@@ -9,17 +9,36 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from daemon.config.daemon import ConfigInvalid
 from daemon.store import states
 from daemon.supervisor import cluster, gang, scheduling, trainer
 from daemon.supervisor.accepted_job import accepted_doc
 from daemon.supervisor.trainer import Child
+from daemon.supervisor.warm_trainer import WarmTrainer, forkable
 from daemon.system import proc
+from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.lock import write_pid
 from daemon.system.log import job_event
+
+
+def warm_trainer_for(cfg, log) -> WarmTrainer | None:
+    """The daemon's warm trainer (not started yet): the trainer's environment and user; None when it is off."""
+    if not cfg.warm_trainer:
+        return None
+    try:
+        run_as = trainer_user_mod.resolve(cfg.trainer_user, os.geteuid())
+    except ConfigInvalid:
+        return None  # every start fails the same way, cold
+    env = trainer.trainer_env(cfg.trainer_env, [None])
+    kwargs = {}
+    if run_as is not None:
+        env, kwargs = {**env, **run_as.env()}, run_as.popen_kwargs()
+    return WarmTrainer(env, kwargs, log=log.info)
 
 
 class StartPath:
@@ -34,6 +53,10 @@ class StartPath:
             job = self.store.next_queued(time.time())
             if job is None or job["id"] in tried:
                 return
+            if self.warm is not None and forkable(self.trainer_command(Path(job["workdir"]))):
+                self.warm.ensure()  # a job could start: the zygote imports in the background
+                if self.warm.warming():
+                    return  # forked in a moment beats importing everything again in a cold trainer
             tried.add(job["id"])
             doc = accepted_doc(self.store, job)  # never jobs/ID/job.yaml: the trainer user may replace it
             gpus = gang.job_gpus(doc)
@@ -115,7 +138,7 @@ class StartPath:
             # Several processes: torchrun through engine.launch, which keeps this contract (one exit code, signals
             # forwarded to every rank, no rank outliving it).
             cmd = cluster.launch_command(self.trainer_command(workdir), doc, workdir, processes, self.cfg.cluster)
-            popen = trainer.spawn(cmd, workdir, env, lock_fd, self.cfg)
+            popen = trainer.spawn(cmd, workdir, env, lock_fd, self.cfg, self.warm)
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)
@@ -139,7 +162,7 @@ class StartPath:
         except Exception as e:  # noqa: BLE001 — heartbeats retry it every tick
             self.log.error("pid_not_recorded", job=job_id, pid=popen.pid, error=f"{type(e).__name__}: {e}")
         self.log.info("trainer_started", job=job_id, pid=popen.pid, attempt=n, gpu=dev, devices=devs,
-                      processes=processes)
+                      processes=processes, warm=not isinstance(popen, subprocess.Popen))
         job_event(workdir, job_id, "attempt_started", attempt=n, pid=popen.pid, gpu=dev)
         self._tell_policy("on_job_start", c.running_job())
         return True

@@ -31,6 +31,7 @@ from daemon.power.run_policy import RunningJob
 from daemon.supervisor import gang, trainer_output
 from daemon.supervisor.beats import BeatQueue
 from daemon.supervisor.exit_policy import describe_exit
+from daemon.supervisor.warm_trainer import WarmPopen, WarmTrainer
 from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.file_tail import tail_lines
@@ -85,13 +86,14 @@ def power_section(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
-          cfg: DaemonConfig | None = None) -> subprocess.Popen:
+          cfg: DaemonConfig | None = None, warm: WarmTrainer | None = None) -> subprocess.Popen | WarmPopen:
     """Start a trainer leading a session of its own, stdout piped (heartbeats), stderr appended to trainer.log.
 
     It runs as the daemon's user; a root daemon (in a container, `run_as_root`) starts it as `trainer_user` when
     that names one (daemon/system/trainer_user.py). Its umask is its own
     (TRAINER_UMASK), not the daemon's: what it writes is readable by the socket group, not writable.
-    Raises OSError when it cannot be started.
+    With `warm`, it is forked from the warm trainer when that can be done (daemon/supervisor/warm_trainer.py),
+    else started cold. Raises OSError when it cannot be started.
     """
     try:
         # `lorad serve` checked the name at start; the user may have been removed since.
@@ -112,11 +114,29 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
         # By descriptor: the trainer user may have put a symlink at trainer.log (never followed, the start fails).
         fd = open_or_create(workdir / "trainer.log", os.O_WRONLY | os.O_APPEND, TRAINER_LOG_MODE)
         with open(fd, "ab") as err:
+            if warm is not None and (p := _spawn_warm(warm, cmd, workdir, env, err.fileno(), lock_fd)) is not None:
+                return p
             return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, cwd=workdir,
                                     env=env, start_new_session=True, pass_fds=(lock_fd,), umask=TRAINER_UMASK,
                                     **extra)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _spawn_warm(warm: WarmTrainer, cmd: list[str], workdir: Path, env: dict[str, str], err_fd: int,
+                lock_fd: int) -> WarmPopen | None:
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        forked = warm.spawn(cmd, str(workdir), env, TRAINER_UMASK, w, err_fd, lock_fd)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    if forked is None:
+        os.close(r)
+        return None
+    return WarmPopen(*forked, cmd, open(r, "rb"))
 
 
 def last_error_line(stderr_path: Path) -> str | None:
@@ -134,7 +154,7 @@ class Child:
     job_id: str
     name: str
     workdir: Path
-    popen: subprocess.Popen
+    popen: subprocess.Popen | WarmPopen
     pid: int
     pid_start: int | None
     gpu: int | None  # the first of `devices` (power caps and metrics follow it)

@@ -50,8 +50,27 @@ def parent_pid(pid: int) -> int | None:
     return int(f[1]) if f else None  # field 4 overall
 
 
+WARM_TRAINER_MODULE = "daemon.supervisor.zygote"
+
+
+def _trainer_workdir(pid: int, args: list[str]) -> Path | None:
+    """The job directory of a trainer, from its command line: `engine.run ... --workdir DIR`; or, for a trainer
+    forked by the warm trainer (whose command line stays the zygote's), its working directory, which the fork set
+    to the job's. None if the process is neither (a zygote itself works in the repository, not under jobs/)."""
+    if "engine.run" in args and "--workdir" in args:
+        i = args.index("--workdir")
+        return Path(args[i + 1]) if i + 1 < len(args) else None
+    if WARM_TRAINER_MODULE in args:
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            return None
+    return None
+
+
 def find_trainers(jobs_root: Path) -> list[Trainer]:
-    """Live `engine.run` processes whose --workdir lies under jobs_root (a previous daemon's orphans).
+    """Live trainers whose job directory lies under jobs_root (a previous daemon's orphans): `engine.run`
+    processes by their --workdir, warm ones (daemon/supervisor/zygote.py) by their working directory.
 
     A trainer's child between its fork and its exec (subprocess running `ldconfig -p` for a library lookup,
     say) still shows the trainer's command line: it is part of that trainer, not a second one.
@@ -66,13 +85,8 @@ def find_trainers(jobs_root: Path) -> list[Trainer]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv if a]
-        if "engine.run" not in args or "--workdir" not in args:
-            continue
-        i = args.index("--workdir")
-        if i + 1 >= len(args):
-            continue
-        wd = Path(args[i + 1])
-        if jobs_root not in wd.resolve().parents:
+        wd = _trainer_workdir(int(d), args)
+        if wd is None or jobs_root not in wd.resolve().parents:
             continue
         st = start_time(int(d))
         if st is not None and alive(int(d)):

@@ -33,7 +33,6 @@ from tests.helpers.daemon import (
     fast_config,
     job_events,
     last_step,
-    lorad_run,
     wait_until,
     write_yaml,
 )
@@ -42,15 +41,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def svc_job(tmp_path_factory, micro_model) -> Path:
-    d = tmp_path_factory.mktemp("svc-job")
-    return write_yaml(d / "svc.yaml", daemon_job(micro_model, steps=24, every=4, seq_len=128, batch_size=4))  # room for three kills
-
-
-@pytest.fixture(scope="session")
-def reference(svc_job, tmp_path_factory) -> bytes:
-    """The uninterrupted run of the same job file, through `lorad run`."""
-    return adapter_file(lorad_run(svc_job, tmp_path_factory.mktemp("ref-home")))
+def reference(svc_reference) -> bytes:
+    return svc_reference
 
 
 @pytest.fixture

@@ -53,3 +53,20 @@ def test_two_trainers_of_one_home_are_both_found(tmp_path):
         for p in ps:
             p.kill()
             p.wait()
+
+
+def test_a_warm_trainer_is_found_by_its_working_directory_and_its_zygote_is_not(tmp_path):
+    wd = tmp_path / "jobs" / "j1"
+    wd.mkdir(parents=True)
+    # The zygote's command line; a forked trainer keeps it and works in its job's directory.
+    argv = [sys.executable, "-c", "import os, sys, time; os.chdir(sys.argv[1]); print(flush=True); time.sleep(60)"]
+    ps = [subprocess.Popen([*argv, str(d), "-m", "daemon.supervisor.zygote", "3"], stdout=subprocess.PIPE)
+          for d in (wd, tmp_path)]
+    try:
+        for p in ps:
+            p.stdout.readline()
+        assert [(t.pid, t.workdir) for t in proc.find_trainers(tmp_path / "jobs")] == [(ps[0].pid, wd.resolve())]
+    finally:
+        for p in ps:
+            p.kill()
+            p.wait()
