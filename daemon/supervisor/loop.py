@@ -45,6 +45,9 @@ from daemon.system.log import job_event
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
 INTAKE_PER_TICK = 50  # inbox files taken per tick at most, and for at most INTAKE_BUDGET_S
 INTAKE_BUDGET_S = 0.5
+# While a trainer runs, intake takes at most this share of the loop's time: on a 2-core machine a flood taken
+# back to back cost the training job 20% of its step time (bench/inbox_flood.py); rested, the flood takes longer.
+INTAKE_SHARE_WHILE_TRAINING = 0.25
 
 
 class Supervisor(ReapPath, StartPath):
@@ -75,6 +78,7 @@ class Supervisor(ReapPath, StartPath):
         self._checkpoint_now_prev = False
         self._outage_recorded = False
         self._next_intake_retry = 0.0
+        self._intake_rest_until = 0.0  # a flood while trainers run: the next batch not before this (monotonic)
         self._backlog: dict[Path, None] = {}  # inbox files found but not taken yet, oldest first
         self._next_disk_poll = 0.0
         self.free_bytes = disk_wait.free_bytes  # path → free bytes on its filesystem (tests give their own)
@@ -225,15 +229,8 @@ class Supervisor(ReapPath, StartPath):
         for path in self.inbox.poll():
             if path not in self._backlog:
                 self._backlog[path] = None
-        deadline = time.monotonic() + INTAKE_BUDGET_S
-        for _ in range(min(len(self._backlog), INTAKE_PER_TICK)):
-            path = next(iter(self._backlog))
-            del self._backlog[path]
-            self.intake.take(path)
-            if time.monotonic() >= deadline:
-                break
-        if self._backlog:
-            self.wake.set()  # more to take: the next tick comes at once, after the other steps
+        if self._backlog and time.monotonic() >= self._intake_rest_until:
+            self._take_batch()
         # A file that could not be taken (disk full, ...) waits in incoming/ (or in the inbox, for the next
         # rescan); it is tried again every inbox_rescan_s, and `lorad status` says it is stuck and why.
         now = time.monotonic()
@@ -242,6 +239,22 @@ class Supervisor(ReapPath, StartPath):
             self.intake.recover()
         if self.prune_rejected is not None:
             self.prune_rejected(now)  # rejected/ kept to an age and a count (daemon/intake/prune.py)
+
+    def _take_batch(self) -> None:
+        started = time.monotonic()
+        for _ in range(min(len(self._backlog), INTAKE_PER_TICK)):
+            path = next(iter(self._backlog))
+            del self._backlog[path]
+            self.intake.take(path)
+            if time.monotonic() >= started + INTAKE_BUDGET_S:
+                break
+        if not self._backlog:
+            return
+        if self.children:  # rest, so that the batches take at most their share beside the trainers
+            spent = time.monotonic() - started
+            self._intake_rest_until = time.monotonic() + spent * (1 / INTAKE_SHARE_WHILE_TRAINING - 1)
+        else:
+            self.wake.set()  # more to take: the next tick comes at once, after the other steps
 
     # ---------------------------------------------------------------- disk waits
     def _disk_waits(self) -> None:

@@ -335,6 +335,40 @@ def test_a_flood_of_inbox_files_is_taken_a_batch_per_tick_and_each_exactly_once(
     assert len(it.store.jobs()) == 80 and len(list(it.rejected.glob("*.error.txt"))) == 40
 
 
+def test_while_a_trainer_runs_a_flood_is_taken_in_batches_that_rest_three_times_as_long(quiet_intake, monkeypatch):
+    """A back-to-back flood cost a training job 20% of its step time on 2 cores (bench/inbox_flood.py): while
+    trainers run, intake keeps to INTAKE_SHARE_WHILE_TRAINING of the loop's time."""
+    import time
+
+    from daemon.supervisor import loop
+    from daemon.supervisor.loop import Supervisor
+
+    monkeypatch.setattr(loop, "INTAKE_BUDGET_S", 60.0)  # the count cap alone decides a batch (see above)
+    it = quiet_intake
+    for i in range(120):
+        drop(it, f"job-{i:03d}.yaml", yaml.safe_dump(good_job(f"rest{i}")))
+    sup = Supervisor(it.home, it.cfg, it.store, [None], setup(), intake=it, inbox=RescanningInbox(it.inbox))
+    sup.children["running"] = object()  # a trainer is running: _inbox only asks whether there is one
+    stamps = []
+    real_take = it.take
+    it.take = lambda path: (stamps.append(time.monotonic()), real_take(path), stamps.append(time.monotonic()))[1]
+    t0 = time.monotonic()
+    sup._inbox()
+    spent = time.monotonic() - t0
+    assert len(it.store.jobs()) == loop.INTAKE_PER_TICK and not sup.wake.is_set()  # no tick at once
+    taking = stamps[-1] - stamps[0]  # at most what the batch measured itself
+    assert stamps[-1] + 3 * taking <= sup._intake_rest_until <= time.monotonic() + 3 * spent
+    sup._inbox()  # resting: a heartbeat's tick takes nothing
+    assert len(it.store.jobs()) == loop.INTAKE_PER_TICK
+    sup._intake_rest_until = 0.0
+    sup._inbox()
+    assert len(it.store.jobs()) == 2 * loop.INTAKE_PER_TICK
+    sup.children.clear()  # no trainer: the rest goes back to back
+    sup._intake_rest_until = 0.0
+    sup._inbox()
+    assert len(it.store.jobs()) == 120 and sup._intake_rest_until == 0.0
+
+
 # ---------------------------------------------------------------- directories others can write (issue 23, finding 1)
 def test_a_symlink_planted_at_the_rejection_temp_name_is_never_written_through(intake, tmp_path):
     victim = tmp_path / "state.db"  # what the attack replaced: the daemon's own database
