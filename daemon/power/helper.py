@@ -200,12 +200,18 @@ class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         path = Path(path)
         if path.is_socket():
             path.unlink()  # a previous run's (systemd's RuntimeDirectory is emptied at stop anyway)
+        # Bound and listening under a temporary name, then renamed into place: a client that finds the path finds
+        # a socket that accepts (between bind and listen a connect is refused).
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
         old = os.umask(0o177)  # 0600 from the first moment, not after a chmod
         try:
-            super().__init__(str(path), _Handler)
+            super().__init__(str(tmp), _Handler)
         finally:
             os.umask(old)
-        os.chown(path, allowed_uid, allowed_gid)  # only that user (and root) may connect at all
+        os.chown(tmp, allowed_uid, allowed_gid)  # only that user (and root) may connect at all
+        os.rename(tmp, path)
+        self.server_address = str(path)
 
     def verify_request(self, request, client_address) -> bool:
         uid = peer_uid(request)
