@@ -14,11 +14,13 @@ import argparse
 import hashlib
 import json
 import os
+import secrets
 from pathlib import Path
 
 from daemon import protocol as p
 from daemon.client.verbs import call, fail, out
 from daemon.supervisor.disk_progress import open_export
+from engine.storage.fsio import RealFs, ensure_dir_durable
 
 CHUNK = 1 << 20
 
@@ -58,12 +60,12 @@ class _Mismatch(Exception):
 def _copy(workdir: Path, step: int, f: p.ExportFile, dest: Path) -> None:
     """One file into dest/NAME, durably (written aside, checked, fsynced, renamed, directory fsynced)."""
     target = dest / f.name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    ensure_dir_durable(RealFs(), target.parent)  # each directory made for it fsynced in its parent
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(8)}")
     src = open_export(workdir, step, f.name)
     try:
         digest, size = hashlib.sha256(), 0
-        with os.fdopen(src, "rb", closefd=False) as r, open(tmp, "wb") as w:
+        with os.fdopen(src, "rb", closefd=False) as r, open(tmp, "xb") as w:
             while chunk := r.read(CHUNK):
                 digest.update(chunk)
                 size += len(chunk)
@@ -77,16 +79,7 @@ def _copy(workdir: Path, step: int, f: p.ExportFile, dest: Path) -> None:
     finally:
         os.close(src)
         tmp.unlink(missing_ok=True)
-    for d in {target.parent, dest, dest.parent}:  # the new name, and the directories made for it
-        _fsync_dir(d)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    RealFs().fsync_dir(target.parent)  # the new name
 
 
 def _print_steps(reply: p.ExportsReply) -> None:
