@@ -10,7 +10,8 @@ for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-im
 (engine/builtin/tiny_z_image.py), `builtin:tiny-chroma`
 for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-flux3` for FLUX.3 (engine/builtin/tiny_flux3.py; a modular
 pipeline, so its marker is modular_model_index.json).
-`builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py).
+`builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py). `builtin:tiny-wan22-5b` and `builtin:tiny-wan22-a14b`
+for Wan 2.2 (engine/builtin/tiny_video.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -118,6 +119,18 @@ def _build_tiny_krea2(dest: Path) -> None:
     build_tiny_krea2(dest)
 
 
+def _build_tiny_wan22_5b(dest: Path) -> None:
+    from engine.builtin.tiny_video import build_tiny_wan22_5b
+
+    build_tiny_wan22_5b(dest)
+
+
+def _build_tiny_wan22_a14b(dest: Path) -> None:
+    from engine.builtin.tiny_video import build_tiny_wan22_a14b
+
+    build_tiny_wan22_a14b(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -143,6 +156,12 @@ BUILTIN_MODELS = {
     "tiny-krea2": BuiltinModel(
         "krea2", "A Krea-2-shaped pipeline (4 single-stream blocks + 2 + 2 text-fusion blocks, tiny Qwen-Image VAE, "
         "Qwen3-VL) with random weights.", "model_index.json", _build_tiny_krea2),
+    "tiny-wan22-5b": BuiltinModel(
+        "wan", "A Wan-2.2-TI2V-5B-shaped pipeline (2 blocks, tiny residual VAE, UMT5) with random weights.",
+        "model_index.json", _build_tiny_wan22_5b),
+    "tiny-wan22-a14b": BuiltinModel(
+        "wan", "A Wan-2.2-T2V-A14B-shaped pipeline (two 2-block experts split at boundary 0.875, tiny VAE, UMT5) "
+        "with random weights.", "model_index.json", _build_tiny_wan22_a14b),
 }
 
 

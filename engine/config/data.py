@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, Strict, key
+from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, STILL_FAMILIES, VIDEO_FAMILIES, Strict, key
 
 
 class MaskConfig(Strict):
@@ -68,6 +68,16 @@ class DataConfig(Strict):
     flip: bool = key(False, families=IMAGE_FAMILIES)
     repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
     # the image families' quality features (engine/data/image_sets.py)
-    masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES)
-    regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES)
+    masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES)
+    regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES)
+    # the video families (engine/data/videos.py): clips resampled to fps, cut into windows of each length in frames
+    fps: float = key(16.0, gt=0.0, le=240.0, families=VIDEO_FAMILIES)
+    frames: list[Annotated[int, Field(ge=1, le=1025, multiple_of=1)]] = key(
+        default_factory=lambda: [33], min_length=1, families=VIDEO_FAMILIES)
+
+    @model_validator(mode="after")
+    def _frames_fit_the_vae(self):
+        if bad := [f for f in self.frames if f % 4 != 1]:
+            raise ValueError(f"frames: {bad} are not 4k + 1 (1, 5, 9, ..., 33, ..., 81), what the video VAEs encode")
+        return self
     validation: ValidationConfig | None = key(None, identity=PARTS)

@@ -13,7 +13,10 @@ from pydantic_core import PydanticUndefined
 
 LM = ("causal_lm",)
 # The families that train on images (engine/families/image/).
-IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
+IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video")
+# Of those, the ones that train on clips (engine/families/video/), and the ones that train on stills only.
+VIDEO_FAMILIES = ("wan", "hunyuan_video")
+STILL_FAMILIES = tuple(f for f in IMAGE_FAMILIES if f not in VIDEO_FAMILIES)
 FAMILIES = (*LM, *IMAGE_FAMILIES)
 
 # identity=PARTS: the section's presence alone does not change the weights; only its own identity keys count,

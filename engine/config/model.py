@@ -6,11 +6,12 @@ from typing import Literal
 
 from pydantic import Field
 
-from engine.config.declare import Strict
+from engine.config.declare import Strict, key
 
 
 class ModelConfig(Strict):
-    family: Literal["causal_lm", "flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2"] = "causal_lm"
+    family: Literal["causal_lm", "flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan",
+                    "hunyuan_video"] = "causal_lm"
     path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
@@ -19,6 +20,11 @@ class ModelConfig(Strict):
     quantize: Literal["nf4"] | None = None
     base_precision: Literal["auto", "bf16", "fp8", "nf4", "int8"] = "auto"
     trust_remote_code: bool = False
+    # wan: which of Wan 2.2 A14B's experts trains (transformer = high noise, transformer_2 = low noise), or both, one
+    # LoRA each (engine/families/video/experts.py); unset for a one-transformer model (TI2V-5B).
+    expert: Literal["high", "low", "both"] | None = key(None, families=("wan",))
+    # wan: t2v, or i2v by first-frame conditioning (TI2V-5B's: the first latent frame stays clean); unset = t2v
+    task: Literal["t2v", "i2v"] | None = key(None, families=("wan",))
 
     @property
     def effective_base_precision(self) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
-from engine.config.declare import IMAGE_FAMILIES
+from engine.config.declare import IMAGE_FAMILIES, VIDEO_FAMILIES
 from engine.config.sources import check_image_folder, check_text_source
 from engine.errors import JobInvalid
 
@@ -75,9 +75,15 @@ def check_paths(cfg: JobConfig) -> None:
     elif cfg.model.family in IMAGE_FAMILIES:
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
             what = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image", "z_image": "Z-Image",
-                    "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2"}[cfg.model.family]
+                    "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2", "wan": "Wan",
+                    "hunyuan_video": "HunyuanVideo 1.5"}[cfg.model.family]
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
-        check_image_folder(dp)
+        if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it
+            from engine.config.clips import check_video_folder
+
+            check_video_folder(dp, cfg.data.fps, cfg.data.frames)
+        else:
+            check_image_folder(dp)
         if cfg.data.masks is not None and cfg.data.masks.path is not None and not Path(cfg.data.masks.path).is_dir():
             raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")
         if cfg.data.regularisation is not None:

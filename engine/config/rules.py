@@ -12,7 +12,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
-from engine.config.declare import IMAGE_FAMILIES, keys_not_read_by, keys_set_but_not_for, read_only_by
+from engine.config.declare import (
+    IMAGE_FAMILIES,
+    VIDEO_FAMILIES,
+    keys_not_read_by,
+    keys_set_but_not_for,
+    read_only_by,
+)
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
 
 if TYPE_CHECKING:
@@ -169,6 +175,16 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     return out
 
 
+def video_jobs_read_what_they_can(cfg: JobConfig) -> list[Problem]:
+    """The video families (engine/families/video/) hold no validation set yet."""
+    if cfg.model.family not in VIDEO_FAMILIES:
+        return []
+    out = []
+    if cfg.data.validation is not None:
+        out.append(Problem("data.validation", f"data.validation: not read by model.family {cfg.model.family} yet"))
+    return out
+
+
 def optimizer_args_are_known(cfg: JobConfig) -> list[Problem]:
     name, args = cfg.train.optimizer, cfg.train.optimizer_args
     out = []
@@ -249,7 +265,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     warmup_within_steps, quantize_agrees_with_base_precision, block_swap_needs_unquantized_base,
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
-    fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask,
+    fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, video_jobs_read_what_they_can,
 )
 
 

@@ -13,6 +13,7 @@ from engine.errors import JobInvalid
 
 CHAT_FIELD = "messages"
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+VIDEO_EXTS = (".mp4", ".webm", ".mov", ".gif")  # the video families' clips (.webp may be animated too)
 
 
 def txt_files(path: Path) -> list[Path]:
@@ -46,6 +47,16 @@ def list_images(folder: Path) -> list[Path]:
     return sorted(
         p for p in folder.rglob("*")
         if p.is_file() and p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
+
+
+def list_media(folder: Path) -> list[Path]:
+    """A video family's files: clips and stills (engine/data/videos.py), hidden ones skipped."""
+    folder = Path(folder)
+    return sorted(
+        p for p in folder.rglob("*")
+        if p.is_file() and p.suffix.lower() in IMAGE_EXTS + VIDEO_EXTS
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
 
 

@@ -6,7 +6,7 @@ from typing import Literal, Union
 
 from pydantic import Field, model_validator
 
-from engine.config.declare import IMAGE_FAMILIES, LM, Strict, key
+from engine.config.declare import IMAGE_FAMILIES, LM, STILL_FAMILIES, Strict, key
 
 
 class TimestepBias(Strict):
@@ -86,7 +86,7 @@ class TrainConfig(Strict):
     # emphasise high or low noise levels (engine/families/image/timestep_bias.py).
     timestep_bias: TimestepBias = key(default_factory=TimestepBias, families=IMAGE_FAMILIES)
     # keep the class (train.dop.preservation_class) as the base model draws it; needs data.trigger.
-    dop: DopConfig | None = key(None, families=IMAGE_FAMILIES)
+    dop: DopConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES)
     # How several processes hold the model: ddp, a whole copy each; fsdp, the base and adapter sharded over them
     # (FSDP2, engine/distributed/fsdp.py) for a base too big for one GPU.
     sharding: Literal["ddp", "fsdp"] = "ddp"

@@ -66,13 +66,20 @@ def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
 
     with Image.open(path) as im:
         im = ImageOps.exif_transpose(im).convert("RGB")
+    im = cover_crop(im, bucket)
+    return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im
+
+
+def cover_crop(im, bucket: tuple[int, int]):
+    """An RGB PIL image resized to cover the (w, h) bucket (Lanczos) and centre-cropped to it (video frames too)."""
+    from PIL import Image
+
     w, h = bucket
     scale = max(w / im.width, h / im.height)
     size = (max(w, round(im.width * scale)), max(h, round(im.height * scale)))
     im = im.resize(size, Image.Resampling.LANCZOS)
     left, top = (size[0] - w) // 2, (size[1] - h) // 2
-    im = im.crop((left, top, left + w, top + h))
-    return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im
+    return im.crop((left, top, left + w, top + h))
 
 
 @dataclass(frozen=True)

@@ -38,4 +38,8 @@ def get_family(name: str) -> Family:
         from engine.families.image.krea2 import Krea2
 
         return Krea2()
+    if name == "wan":
+        from engine.families.video.wan import Wan
+
+        return Wan()
     raise ValueError(f"unknown model family {name!r}")

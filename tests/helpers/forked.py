@@ -39,7 +39,9 @@ PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image
            "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama",
            "engine.families.image.flux3", "diffusers.modular_pipelines.flux3.encoders",
            "diffusers.modular_pipelines.flux3.before_denoise", "transformers.models.qwen3_vl.modeling_qwen3_vl",
-           "transformers.models.got_ocr2.processing_got_ocr2"]
+           "transformers.models.got_ocr2.processing_got_ocr2",
+           "engine.families.video.wan", "engine.families.video.base", "diffusers.pipelines.wan.pipeline_wan",
+           "transformers.models.umt5.modeling_umt5", "av"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 

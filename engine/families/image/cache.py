@@ -73,7 +73,17 @@ class Plan:
     negative_texts: list[str] = field(default_factory=list)  # keys of each sample prompt's negative prompt
 
 
-def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Plan:
+# (item, mid, dtype, flip) -> the latent's key and its need: the video families' windows bring their own
+LatentNeed = Callable[[Item, str, str, bool], tuple[str, store.Need]]
+
+
+def image_latent_need(it: Item, mid: str, dt: str, flip: bool) -> tuple[str, store.Need]:
+    k = latent_key(it, flip, mid, dt)
+    return k, store.Need(k, f"{it.record.rel}@{it.bucket[0]}x{it.bucket[1]}", (it, flip), label=it.record.rel)
+
+
+def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int,
+         latent_need: LatentNeed = image_latent_need) -> Plan:
     mid, dt = model_id(cfg, model_path), cfg.model.dtype
     latents: dict[str, store.Need] = {}
     texts: dict[str, store.Need] = {}
@@ -85,9 +95,8 @@ def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Pl
 
     item_latent, item_text = [], []
     for it in items:
-        k = latent_key(it, cfg.data.flip, mid, dt)
-        latents.setdefault(k, store.Need(k, f"{it.record.rel}@{it.bucket[0]}x{it.bucket[1]}", (it, cfg.data.flip),
-                                         label=it.record.rel))
+        k, need = latent_need(it, mid, dt, cfg.data.flip)
+        latents.setdefault(k, need)
         item_latent.append(k)
         item_text.append(need_text(it.record.caption))
     empty = need_text("")
@@ -143,14 +152,16 @@ def _encode_texts(todo: list[store.Need], done: store.Done, *, open_encoder: Tex
 
 def fill_cache(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str, log, *, max_len: int,
                open_image_encoder: ImageEncoderFactory, open_text_encoder: TextEncoderFactory, bar=None,
-               fs: FileLayer | None = None) -> tuple[store.Cache, Plan, store.CacheReport]:
+               fs: FileLayer | None = None, latent_need: LatentNeed = image_latent_need,
+               encode_latents=_encode_latents) -> tuple[store.Cache, Plan, store.CacheReport]:
     """Make every latent and text embedding the job needs present and valid; encode only what is not.
 
     The image encoder is opened only if a latent is missing, the text encoder only if a text is, each in turn,
     so the VAE and the text encoders are never in memory together (engine/storage/cache.py frees each after its group).
+    latent_need and encode_latents: a video family's windows (engine/families/video/cache.py) instead of images.
     """
-    p = plan(cfg, items, model_path, max_len)
-    groups = [store.Group("latent", p.latents, functools.partial(_encode_latents, open_encoder=open_image_encoder,
+    p = plan(cfg, items, model_path, max_len, latent_need)
+    groups = [store.Group("latent", p.latents, functools.partial(encode_latents, open_encoder=open_image_encoder,
                                                                  dtype=torch_dtype(cfg.model.dtype))),
               store.Group("text", p.texts, functools.partial(_encode_texts, open_encoder=open_text_encoder))]
     cache, report = store.ensure(store.job_cache_dir(workdir, log), groups, log, bar=bar, fs=fs)

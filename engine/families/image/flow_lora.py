@@ -47,7 +47,7 @@ def flip_and_drop(batch: dict[str, Any], cfg: JobConfig, generator: torch.Genera
     flip = None
     if "latents_flip" in batch and draw:
         flip = (torch.rand(b, generator=generator) < 0.5).to(device)
-        x0 = torch.where(flip[:, None, None, None], batch["latents_flip"], x0)
+        x0 = torch.where(flip.view(b, *[1] * (x0.dim() - 1)), batch["latents_flip"], x0)  # video latents: 5-D
     out = {k: batch[k] for k in conds}
     if cfg.data.caption_dropout > 0 and draw:
         drop = (torch.rand(b, generator=generator) < cfg.data.caption_dropout).to(device)
@@ -68,7 +68,7 @@ def add_lora(transformer: torch.nn.Module, cfg: JobConfig, default_targets: str)
 
 
 def load_lora_transformer(model_cls: type, path: str, cfg: JobConfig, device: torch.device, log, *, fp8_skip: str,
-                          default_targets: str) -> torch.nn.Module:
+                          default_targets: str, subfolder: str = "transformer") -> torch.nn.Module:
     """A diffusers transformer from `path`, frozen in its base precision, with LoRA, placed for block swapping.
 
     base_precision nf4/int8: bitsandbytes quantises while loading (diffusers' BitsAndBytesConfig; CUDA only).
@@ -83,7 +83,7 @@ def load_lora_transformer(model_cls: type, path: str, cfg: JobConfig, device: to
     qconf = quantization_config(precision, dtype, library="diffusers")
     kwargs = {"quantization_config": qconf} if qconf is not None else {}
     try:
-        transformer = model_cls.from_pretrained(path, subfolder="transformer", revision=cfg.model.revision,
+        transformer = model_cls.from_pretrained(path, subfolder=subfolder, revision=cfg.model.revision,
                                                 dtype=dtype, **kwargs)
     except RuntimeError as e:
         if qconf is None or "GPU" not in str(e):

@@ -1,0 +1,114 @@
+"""The video families' shared half: the image families' base (engine/families/image/base.py) with frames as one
+more axis — one `VideoFamily`.
+
+What is the same as for images, and shared with them: the loop, checkpoints and exact resume (engine/recipe.py),
+the content-keyed cache and its text entries, the single-bucket batch order (engine/data/images.py's BucketOrder
+over (frames, width, height) buckets), caption dropout and flip, the σ sampling (train.timestep_sampling, with
+`shift` the model scheduler's own static shift), the frozen transformer with its LoRA, fp8 and block swapping.
+
+What differs:
+
+- data: clips and stills cut into windows (engine/data/videos.py), each window's latent [C, F', h, w] cached
+  (engine/families/video/cache.py); a window whose clip breaks while caching is left out with a reason;
+- the loss: rectified flow on 5-D latents, x_σ = (1 − σ)·x0 + σ·ε, target ε − x0, MSE over every latent element
+  the model predicts (with the model's `loss_mask`: i2v leaves out the clean first frame);
+- the transformer may be two (Wan 2.2 A14B's experts): the VideoModel's `route` sends each sample to the expert
+  that owns its σ (engine/families/video/experts.py);
+- samples are clips (engine/families/video/sample.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.builtin.models import resolve_model_path
+from engine.config.job import JobConfig
+from engine.families.image.base import ImageFamily
+from engine.families.image.dataset import ImageDataset, PipelineEncoder
+from engine.families.image.flow_lora import flip_and_drop, scheduler_settings
+from engine.report.quiet import quiet_libraries
+
+
+class VideoFamily(ImageFamily):
+    """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan.py)."""
+
+    dataset_class = ImageDataset
+
+    # ---------------------------------------------------------------- data
+    def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
+        """Scan the clips, cut them into windows and make the latent/text cache complete (encoders freed after)."""
+        from engine.data.videos import make_video_items, scan_videos
+        from engine.families.video.cache import fill_video_cache
+
+        quiet_libraries(diffusers=True)
+        self.cfg = cfg
+        path = resolve_model_path(cfg.model.path, workdir)
+        self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
+        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames)
+        enc = PipelineEncoder(self.model, path, cfg)
+        cache, plan, self.report = fill_video_cache(
+            cfg, items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
+            open_video_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
+        # Windows whose clip broke while caching have no entry: they are left out (cache.py's docstring).
+        keep = [i for i, k in enumerate(plan.item_latent) if cache.verify(k) is None]
+        plan.item_latent = [plan.item_latent[i] for i in keep]
+        plan.item_text = [plan.item_text[i] for i in keep]
+        self.items, self.cache, self.plan, self.n_train = [items[i] for i in keep], cache, plan, len(keep)
+        if not self.items:
+            from engine.errors import JobInvalid
+
+            raise JobInvalid(f"data.path: no window of any clip in {cfg.data.path} could be decoded")
+
+    def build_dataset(self, cfg: JobConfig, workdir: Path, log):
+        from engine.data.images import BucketOrder
+
+        if self.cache is None:
+            self.prepare(cfg, workdir, log)
+        order = BucketOrder(self.items, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
+        log.info("dataset", clips=sum(not r.still for r in self.records), stills=sum(r.still for r in self.records),
+                 windows=len(self.items), samples_per_epoch=len(order),
+                 buckets=sorted({"{}x{}x{}".format(*it.bucket) for it in self.items}),
+                 captions_missing=sum(r.caption_missing for r in self.records))
+        self.dataset = self.dataset_class(self.items, order, self.cache, self.plan)
+        return self.dataset
+
+    # ---------------------------------------------------------------- model
+    def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
+        self.cfg = cfg
+        path = resolve_model_path(cfg.model.path, workdir)
+        self.sched = scheduler_settings(path, cfg.model.revision)
+        return self.model.load(path, cfg, device, log)
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator,
+             evaluate: bool = False) -> torch.Tensor:
+        """Draws from `generator`, in order: flip, caption dropout, noise, σ (the model's `sigmas`, which keep an
+        expert's side of the boundary); then the model's prediction, each sample by the transformer owning its σ."""
+        cfg = self.cfg
+        x0, _flip, text = flip_and_drop(batch, cfg, generator, ("prompt_embeds",), draw=not evaluate)
+        device = x0.device
+        noise = torch.randn(x0.shape, generator=generator).to(device)
+        sigma = self.model.sigmas(cfg, self.sched, x0.shape[0], generator).to(device)
+        x0, noise = x0.float(), noise.float()
+        s = sigma.view(-1, *[1] * (x0.dim() - 1))
+        x_t = (1 - s) * x0 + s * noise
+        x_t, mask = self.model.condition(x_t, x0, cfg)
+        pred = self.model.predict(model, x_t, sigma, text["prompt_embeds"], cfg)
+        err = (pred.float() - (noise - x0)) ** 2
+        if mask is None:
+            return err.mean()
+        return (err * mask).sum() / (mask.expand_as(err).sum()).clamp(min=1)
+
+    # ---------------------------------------------------------------- samples and export
+    def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
+        from engine.families.image.sample import sample_due
+        from engine.families.video.sample import ClipRenderer
+
+        if not sample_due(cfg, step):
+            return
+        if self.renderer is None:
+            path = resolve_model_path(cfg.model.path, workdir)
+            self.renderer = ClipRenderer(cfg, path, self.cache, self.plan, Path(workdir), model=self.model)
+        self.renderer.render(model, step, log)

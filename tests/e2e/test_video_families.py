@@ -1,0 +1,291 @@
+"""Wan 2.2 LoRA on its tiny random pipelines (TI2V-5B, and T2V-A14B's two experts trained together): exact resume
+through two SIGKILLs, the exports as diffusers and ComfyUI load them, the timestep routing between the experts,
+bad clips, and the sample clips.
+
+The killed-twice chains (tests/e2e/test_image_families.py's run_killed_twice: SIGKILL while caching, SIGKILL with a
+checkpoint half-written, resumed) run as forked trainers (tests/helpers/forked.py) in the background of a module
+fixture while the same jobs train uninterrupted in the test process, with samples on: their clips are rendered on
+generators of their own, so the two runs' adapters must still be bit-identical.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from engine.config.job import load_job
+from tests.e2e.test_image_families import run_killed_twice
+from tests.helpers.images import tensor_bytes, with_last_checkpoint
+from tests.helpers.jobs import deep_update
+from tests.helpers.videos import make_clips, truncated_mid_stream
+
+# A run name -> (builtin model, model.expert)
+RUNS = {"wan-5b": ("tiny-wan22-5b", None), "wan-a14b": ("tiny-wan22-a14b", "both")}
+FILES = {"wan-5b": ["pytorch_lora_weights.safetensors", "wan_lora_comfyui.safetensors"],
+         "wan-a14b": ["wan22_high_noise_lora.safetensors", "wan22_high_noise_lora_comfyui.safetensors",
+                      "wan22_low_noise_lora.safetensors", "wan22_low_noise_lora_comfyui.safetensors"]}
+
+
+def job_dict(model: str, data: Path, expert: str | None = None, **over) -> dict:
+    d = {"name": "tiny-wan", "model": {"family": "wan", "path": model, "dtype": "float32"},
+         "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
+         "data": {"path": str(data), "resolution": [32], "frames": [5], "fps": 16, "trigger": "sks",
+                  "caption_dropout": 0.3},
+         "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw", "seed": 3,
+                   "timestep_sampling": "shift"},
+         "checkpoint": {"every_steps": 2, "every_seconds": None, "keep": 2},
+         "output": {"formats": ["diffusers", "comfyui"]}}
+    if expert is not None:
+        d["model"]["expert"] = expert
+    return deep_update(d, over)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per run: (model dir, job file, uninterrupted workdir (samples on), killed-twice future)."""
+    from engine.builtin.models import materialise
+    from engine.recipe import train
+
+    root = tmp_path_factory.mktemp("video-families")
+    data = make_clips(root / "data")
+    pool = ThreadPoolExecutor(max_workers=len(RUNS))
+    out = {}
+    for run, (builtin, expert) in RUNS.items():
+        model = materialise(builtin, root / "models")
+        job, sampled = root / f"{run}.yaml", root / f"{run}-sampled.yaml"
+        job.write_text(yaml.safe_dump(job_dict(str(model), data, expert)))
+        sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, sample={
+            "every_steps": 4, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32})))
+        out[run] = (model, job, root / f"{run}-uninterrupted", pool.submit(run_killed_twice, job, root / f"{run}-killed"))
+        assert train(load_job(sampled), out[run][2], progress="none") == 0
+    yield out
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(run, runs):
+    _model, _job, ref, killed = runs[run]
+    wd, story = killed.result(timeout=900)
+    for name in FILES[run]:
+        want, got = tensor_bytes(ref / "output" / name), tensor_bytes(wd / "output" / name)
+        assert sorted(want) == sorted(got) and want
+        assert [k for k in want if want[k] != got[k]] == [], f"{name} differs; {story}"
+    # Both experts' adapters and optimizer states are in the one checkpoint (A14B), as trained.
+    ckpt = load_file(str(sorted((wd / "checkpoints").glob("step-*"))[-1] / "adapter.safetensors"))
+    sides = {k.split(".")[0] for k in ckpt}
+    assert sides == ({"transformer", "transformer_2"} if run == "wan-a14b" else {"blocks"})
+
+
+def test_the_sample_clip_plays_with_its_frames(runs):
+    import av
+
+    ref = runs["wan-5b"][2]
+    with av.open(str(ref / "samples" / "step-00000004" / "00.mp4")) as box:
+        assert box.streams.video[0].codec_context.name == "h264"
+        frames = [f.to_ndarray(format="rgb24") for f in box.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+
+
+# ------------------------------------------------------------------ exports
+class _Quiet:
+    def info(self, *a, **k):
+        pass
+
+    warning = info
+
+
+def _inputs(transformer) -> dict:
+    g = torch.Generator().manual_seed(0)
+    c = transformer.config.in_channels
+    return dict(hidden_states=torch.randn(1, c, 2, 4, 4, generator=g), timestep=torch.tensor([700.0]),
+                encoder_hidden_states=torch.randn(1, 7, transformer.config.text_dim, generator=g), return_dict=False)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_load_lora_weights_puts_each_experts_file_into_its_transformer_and_reproduces_it(run, runs):
+    from diffusers import WanPipeline
+
+    from engine.families import get_family
+
+    model_dir, job, ref, _ = runs[run]
+    mem = with_last_checkpoint(get_family("wan").load_model(load_job(job), ref, torch.device("cpu"), _Quiet()), ref)
+    sides = [("transformer", FILES[run][0], FILES[run][1])]
+    if run == "wan-a14b":
+        sides = [("transformer", FILES[run][0], FILES[run][1]), ("transformer_2", FILES[run][2], FILES[run][3])]
+    for attr, diffusers_file, comfy_file in sides:
+        trained = getattr(mem, attr) if run == "wan-a14b" else mem
+        x = _inputs(trained)
+        with torch.no_grad():
+            want = trained(**x)[0]
+            for name in (diffusers_file, comfy_file):
+                pipe = WanPipeline.from_pretrained(model_dir, text_encoder=None, tokenizer=None, vae=None)
+                base = getattr(pipe, attr)(**x)[0]
+                pipe.load_lora_weights(str(ref / "output"), weight_name=name,
+                                       load_into_transformer_2=attr == "transformer_2")
+                got = getattr(pipe, attr)(**x)[0]
+                assert not torch.allclose(base, want, atol=1e-4), "training changed nothing"
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{attr} from {name}")
+                other = {"transformer": "transformer_2", "transformer_2": "transformer"}[attr]
+                if getattr(pipe, other, None) is not None:  # the other expert got nothing from this file
+                    assert not any("lora" in n for n, _ in getattr(pipe, other).named_modules())
+
+
+def test_comfyui_keys_are_the_original_wan_names_that_diffusers_maps_back(runs):
+    """ComfyUI's Wan model has the original names: diffusion_model.blocks.N.self_attn.q|k|v|o, cross_attn.q|k|v|o,
+    ffn.0 | ffn.2, each with lora_A / lora_B and .alpha = lora.alpha; diffusers' converter maps each back to the
+    module it was trained on, with the trained update (alpha / r)·B·A."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_wan_lora_to_diffusers
+
+    ref = runs["wan-a14b"][2]
+    names = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+             "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+             "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "ffn.net.0.proj": "ffn.0",
+             "ffn.net.2": "ffn.2"}
+    for comfy_file, diffusers_file in ((FILES["wan-a14b"][1], FILES["wan-a14b"][0]),
+                                       (FILES["wan-a14b"][3], FILES["wan-a14b"][2])):
+        sd = load_file(str(ref / "output" / comfy_file))
+        want = {f"diffusion_model.blocks.{i}.{c}.{x}" for i in range(2) for c in names.values()
+                for x in ("lora_A.weight", "lora_B.weight", "alpha")}
+        assert set(sd) == want
+        assert {float(v) for k, v in sd.items() if k.endswith(".alpha")} == {8.0}
+        back = _convert_non_diffusers_wan_lora_to_diffusers({k: v.clone() for k, v in sd.items()})  # it scales in place
+        diff = load_file(str(ref / "output" / diffusers_file))  # alpha / r folded into B
+        for i in range(2):
+            for d, c in names.items():
+                m = f"transformer.blocks.{i}.{d}"
+                delta = (8 / 4) * sd[f"diffusion_model.blocks.{i}.{c}.lora_B.weight"] @ \
+                    sd[f"diffusion_model.blocks.{i}.{c}.lora_A.weight"]
+                torch.testing.assert_close(back[f"{m}.lora_B.weight"] @ back[f"{m}.lora_A.weight"], delta)
+                torch.testing.assert_close(diff[f"{m}.lora_B.weight"] @ diff[f"{m}.lora_A.weight"], delta)
+
+
+# ------------------------------------------------------------------ the experts' routing
+def test_each_sampled_timestep_trains_only_the_expert_that_owns_it(runs):
+    """expert: both — over many batches each sample goes through the transformer whose side of the boundary its σ
+    is on (t ≥ 875 high noise, as WanPipeline switches), and each expert's LoRA gets gradients from its own samples
+    only; both sides get their share of the draws."""
+    from engine.families import get_family
+
+    model_dir, job, ref, _ = runs["wan-a14b"]
+    family = get_family("wan")
+    cfg = load_job(job)
+    model = family.load_model(cfg, ref, torch.device("cpu"), _Quiet())
+    seen = {"transformer": [], "transformer_2": []}
+    for name in seen:
+        getattr(model, name).register_forward_pre_hook(
+            lambda _m, _a, kw, name=name: seen[name].append(kw["timestep"].clone()), with_kwargs=True)
+    g = torch.Generator().manual_seed(5)
+    lat = torch.randn(4, 4, 2, 4, 4)
+    batch = {"latents": lat, "prompt_embeds": torch.randn(4, 8, 16), "prompt_mask": torch.ones(4, 8),
+             "empty_prompt_embeds": torch.zeros(1, 8, 16), "empty_prompt_mask": torch.ones(1, 8)}
+    lora = {n: [p for k, p in getattr(model, n).named_parameters() if "lora_" in k] for n in seen}
+    counts = {n: 0 for n in seen}
+    for _ in range(40):
+        before = {n: len(v) for n, v in seen.items()}
+        model.zero_grad(set_to_none=True)
+        family.loss(model, batch, g).backward()
+        for n in seen:
+            ran = len(seen[n]) > before[n]
+            counts[n] += int(seen[n][-1].numel()) if ran else 0
+            got = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in lora[n]]
+            assert any(got) == ran, f"{n} ran={ran} but its LoRA gradients are {got}"
+    assert all(float(t.min()) >= 875.0 for t in seen["transformer"])
+    assert all(float(t.max()) < 875.0 for t in seen["transformer_2"])
+    assert counts["transformer"] > 0 and counts["transformer_2"] > 0 and sum(counts.values()) == 160
+
+
+@pytest.mark.parametrize("expert,side", [("high", lambda s: s >= 0.875), ("low", lambda s: s < 0.875)])
+def test_one_expert_draws_sigmas_on_its_side_only(expert, side):
+    from engine.config.job import parse_job
+    from engine.families.video.experts import expert_sigmas
+
+    cfg = parse_job(job_dict("builtin:tiny-wan22-a14b", "/nowhere", expert), Path("/"), check_paths=False)
+    g = torch.Generator().manual_seed(0)
+    s = torch.cat([expert_sigmas(cfg, expert, 0.875, 8, 12.0, g) for _ in range(20)])
+    assert s.shape == (160,) and bool(side(s).all())
+
+
+# ------------------------------------------------------------------ clips: bad ones, the cache
+def _bad(kind: str, folder: Path) -> str:
+    import av
+    import numpy as np
+
+    make_clips(folder, still=False)
+    if kind == "truncated":
+        data = (folder / "red.mp4").read_bytes()
+        (folder / "red.mp4").write_bytes(data[: len(data) // 2])
+        return "red.mp4"
+    if kind == "short":  # 3 frames at 16 fps: shorter than one 5-frame window
+        make_clips(folder, [("short.mp4", 3, 32, 32, 16, "x")], still=False)
+        return "short.mp4"
+    if kind == "no video stream":
+        with av.open(str(folder / "sound.mp4"), "w") as box:
+            s = box.add_stream("aac", rate=8000)
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), dtype=np.float32), format="fltp", layout="mono")
+            frame.sample_rate = 8000
+            for p in [*s.encode(frame), *s.encode()]:
+                box.mux(p)
+        return "sound.mp4"
+    (folder / "empty.webm").write_bytes(b"")
+    return "empty.webm"
+
+
+@pytest.mark.parametrize("kind", ["truncated", "short", "no video stream", "0 bytes"])
+def test_a_bad_clip_is_refused_at_submit_naming_it(kind, tmp_path):
+    """What the inbox and `lorad submit` run (daemon/intake/accept.py: validate_text)."""
+    from daemon.config.daemon import DaemonConfig
+    from daemon.intake.accept import validate_text
+    from engine.errors import JobInvalid
+
+    name = _bad(kind, tmp_path / "clips")
+    text = yaml.safe_dump(job_dict("builtin:tiny-wan22-5b", tmp_path / "clips"))
+    with pytest.raises(JobInvalid, match=re.escape(f"data.path: {name}")) as e:
+        validate_text(text, "job.yaml", tmp_path, DaemonConfig(), tmp_path)  # the home: an allowed root
+    assert {"truncated": "cannot be read", "short": "shorter than one window", "no video stream": "no video stream",
+            "0 bytes": "0 bytes"}[kind] in str(e.value)
+
+
+def test_a_clip_that_breaks_while_caching_is_skipped_with_a_reason_and_no_entry(runs, tmp_path):
+    from engine.families import get_family
+    from engine.report.events import EventLog
+    from tests.helpers.jobs import read_events
+
+    model_dir, job, ref, _ = runs["wan-5b"]
+    data = tmp_path / "data"
+    shutil.copytree(load_job(job).data.path, data)
+    truncated_mid_stream(data / "broken.mp4")
+    cfg = load_job(job)
+    cfg.data.path = str(data)
+    work = tmp_path / "work"
+    shutil.copytree(ref / "cache", work / "cache")
+    family = get_family("wan")
+    family.prepare(cfg, work, EventLog(work / "events.jsonl", to_stdout=False))
+    skipped = [e for e in read_events(work) if e["event"] == "clip_skipped"]
+    assert skipped and skipped[0]["file"] == "broken.mp4" and "broke while decoding" in skipped[0]["reason"]
+    # Only its window was tried (the others were cached); none of broken.mp4's windows is trained on.
+    assert family.report.encoded["latent"] == ["broken.mp4@5x32x32+0"]
+    assert {it.record.rel for it in family.items} == {"red.mp4", "blue.gif", "still.png"}
+    assert [p.name for p in (work / "cache").glob("*.entry.json") if "broken.mp4" in p.read_text()] == []
+
+
+def test_editing_one_caption_re_encodes_that_caption_only(runs, tmp_path):
+    from engine.families import get_family
+    from engine.report.events import EventLog
+
+    _model, job, ref, _ = runs["wan-5b"]
+    data = tmp_path / "data"
+    shutil.copytree(load_job(job).data.path, data)
+    (data / "red.txt").write_text("a purple square\n")
+    cfg = load_job(job)
+    cfg.data.path = str(data)
+    shutil.copytree(ref / "cache", tmp_path / "work" / "cache")
+    family = get_family("wan")
+    family.prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
+    assert family.report.encoded == {"latent": [], "text": ["sks, a purple square"]}
