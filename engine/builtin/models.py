@@ -11,7 +11,8 @@ for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-im
 for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-flux3` for FLUX.3 (engine/builtin/tiny_flux3.py; a modular
 pipeline, so its marker is modular_model_index.json).
 `builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py). `builtin:tiny-wan22-5b` and `builtin:tiny-wan22-a14b`
-for Wan 2.2 (engine/builtin/tiny_video.py).
+for Wan 2.2 (engine/builtin/tiny_video.py), `builtin:tiny-hunyuan-video15` for HunyuanVideo 1.5
+(engine/builtin/tiny_hunyuan_video.py).
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -131,6 +132,12 @@ def _build_tiny_wan22_a14b(dest: Path) -> None:
     build_tiny_wan22_a14b(dest)
 
 
+def _build_tiny_hunyuan_video15(dest: Path) -> None:
+    from engine.builtin.tiny_hunyuan_video import build_tiny_hunyuan_video15
+
+    build_tiny_hunyuan_video15(dest)
+
+
 BUILTIN_MODELS = {
     "tiny-llama": BuiltinModel(
         "causal_lm", "A 4-layer, 256-wide Llama with random weights and a byte-level tokenizer (~3M parameters).",
@@ -162,6 +169,9 @@ BUILTIN_MODELS = {
     "tiny-wan22-a14b": BuiltinModel(
         "wan", "A Wan-2.2-T2V-A14B-shaped pipeline (two 2-block experts split at boundary 0.875, tiny VAE, UMT5) "
         "with random weights.", "model_index.json", _build_tiny_wan22_a14b),
+    "tiny-hunyuan-video15": BuiltinModel(
+        "hunyuan_video", "A HunyuanVideo-1.5-shaped t2v pipeline (2 blocks, tiny 16x VAE, Qwen2.5-VL text model, ByT5) "
+        "with random weights.", "model_index.json", _build_tiny_hunyuan_video15),
 }
 
 

@@ -42,4 +42,8 @@ def get_family(name: str) -> Family:
         from engine.families.video.wan import Wan
 
         return Wan()
+    if name == "hunyuan_video":
+        from engine.families.video.hunyuan_video import HunyuanVideo
+
+        return HunyuanVideo()
     raise ValueError(f"unknown model family {name!r}")

@@ -26,15 +26,17 @@ from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 from tests.helpers.videos import make_clips, truncated_mid_stream
 
-# A run name -> (builtin model, model.expert)
-RUNS = {"wan-5b": ("tiny-wan22-5b", None), "wan-a14b": ("tiny-wan22-a14b", "both")}
+# A run name -> (family, builtin model, model.expert)
+RUNS = {"wan-5b": ("wan", "tiny-wan22-5b", None), "wan-a14b": ("wan", "tiny-wan22-a14b", "both"),
+        "hunyuan": ("hunyuan_video", "tiny-hunyuan-video15", None)}
 FILES = {"wan-5b": ["pytorch_lora_weights.safetensors", "wan_lora_comfyui.safetensors"],
          "wan-a14b": ["wan22_high_noise_lora.safetensors", "wan22_high_noise_lora_comfyui.safetensors",
-                      "wan22_low_noise_lora.safetensors", "wan22_low_noise_lora_comfyui.safetensors"]}
+                      "wan22_low_noise_lora.safetensors", "wan22_low_noise_lora_comfyui.safetensors"],
+         "hunyuan": ["pytorch_lora_weights.safetensors", "hunyuan_video15_lora_comfyui.safetensors"]}
 
 
-def job_dict(model: str, data: Path, expert: str | None = None, **over) -> dict:
-    d = {"name": "tiny-wan", "model": {"family": "wan", "path": model, "dtype": "float32"},
+def job_dict(model: str, data: Path, expert: str | None = None, family: str = "wan", **over) -> dict:
+    d = {"name": "tiny-video", "model": {"family": family, "path": model, "dtype": "float32"},
          "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
          "data": {"path": str(data), "resolution": [32], "frames": [5], "fps": 16, "trigger": "sks",
                   "caption_dropout": 0.3},
@@ -57,12 +59,15 @@ def runs(tmp_path_factory):
     data = make_clips(root / "data")
     pool = ThreadPoolExecutor(max_workers=len(RUNS))
     out = {}
-    for run, (builtin, expert) in RUNS.items():
+    for run, (family, builtin, expert) in RUNS.items():
         model = materialise(builtin, root / "models")
         job, sampled = root / f"{run}.yaml", root / f"{run}-sampled.yaml"
-        job.write_text(yaml.safe_dump(job_dict(str(model), data, expert)))
-        sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, sample={
-            "every_steps": 4, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32})))
+        job.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family)))
+        # Samples in one run per family (HunyuanVideo's quoted text goes through its glyph encoder).
+        prompt = "sks" if run == "wan-5b" else 'sks "HI"'
+        sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family, sample={
+            "every_steps": 4, "prompts": [prompt], "steps": 2, "width": 32, "height": 32}) if run != "wan-a14b"
+            else job_dict(str(model), data, expert, family)))
         out[run] = (model, job, root / f"{run}-uninterrupted", pool.submit(run_killed_twice, job, root / f"{run}-killed"))
         assert train(load_job(sampled), out[run][2], progress="none") == 0
     yield out
@@ -80,13 +85,15 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(run
     # Both experts' adapters and optimizer states are in the one checkpoint (A14B), as trained.
     ckpt = load_file(str(sorted((wd / "checkpoints").glob("step-*"))[-1] / "adapter.safetensors"))
     sides = {k.split(".")[0] for k in ckpt}
-    assert sides == ({"transformer", "transformer_2"} if run == "wan-a14b" else {"blocks"})
+    assert sides == {"wan-5b": {"blocks"}, "wan-a14b": {"transformer", "transformer_2"},
+                     "hunyuan": {"transformer_blocks"}}[run]
 
 
-def test_the_sample_clip_plays_with_its_frames(runs):
+@pytest.mark.parametrize("run", ["wan-5b", "hunyuan"])
+def test_the_sample_clip_plays_with_its_frames(run, runs):
     import av
 
-    ref = runs["wan-5b"][2]
+    ref = runs[run][2]
     with av.open(str(ref / "samples" / "step-00000004" / "00.mp4")) as box:
         assert box.streams.video[0].codec_context.name == "h264"
         frames = [f.to_ndarray(format="rgb24") for f in box.decode(video=0)]
@@ -108,7 +115,7 @@ def _inputs(transformer) -> dict:
                 encoder_hidden_states=torch.randn(1, 7, transformer.config.text_dim, generator=g), return_dict=False)
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", ["wan-5b", "wan-a14b"])
 def test_load_lora_weights_puts_each_experts_file_into_its_transformer_and_reproduces_it(run, runs):
     from diffusers import WanPipeline
 
@@ -289,3 +296,39 @@ def test_editing_one_caption_re_encodes_that_caption_only(runs, tmp_path):
     family = get_family("wan")
     family.prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
     assert family.report.encoded == {"latent": [], "text": ["sks, a purple square"]}
+
+
+def test_hunyuan_video_files_load_into_its_transformer_and_reproduce_it(runs):
+    """diffusers 0.42's HunyuanVideo15Pipeline has no load_lora_weights: its transformer's own loader
+    (load_lora_adapter, prefix transformer) reads the diffusers file. The ComfyUI file keeps diffusers' module
+    paths under diffusion_model., with .alpha = lora.alpha: its update (alpha / r)·B·A is the trained one."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from engine.families import get_family
+
+    model_dir, job, ref, _ = runs["hunyuan"]
+    mem = with_last_checkpoint(get_family("hunyuan_video").load_model(load_job(job), ref, torch.device("cpu"),
+                                                                     _Quiet()), ref)
+    g = torch.Generator().manual_seed(0)
+    c = mem.config
+    x = dict(hidden_states=torch.randn(1, c.in_channels, 2, 2, 2, generator=g), timestep=torch.tensor([700.0]),
+             encoder_hidden_states=torch.randn(1, 6, c.text_embed_dim, generator=g),
+             encoder_attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]),
+             encoder_hidden_states_2=torch.randn(1, 3, c.text_embed_2_dim, generator=g),
+             encoder_attention_mask_2=torch.tensor([[1, 1, 0]]), image_embeds=torch.zeros(1, 729, c.image_embed_dim),
+             return_dict=False)
+    fresh = HunyuanVideo15Transformer3DModel.from_pretrained(model_dir, subfolder="transformer")
+    with torch.no_grad():
+        want, base = mem(**x)[0], fresh(**x)[0]
+        fresh.load_lora_adapter(str(ref / "output" / FILES["hunyuan"][0]), prefix="transformer")
+        got = fresh(**x)[0]
+    assert not torch.allclose(base, want, atol=1e-4), "training changed nothing"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    sd = load_file(str(ref / "output" / FILES["hunyuan"][1]))
+    deltas = {n: m.get_delta_weight("default") for n, m in mem.named_modules() if hasattr(m, "lora_A")}
+    assert set(sd) == {f"diffusion_model.{n}.{x}" for n in deltas for x in ("lora_A.weight", "lora_B.weight", "alpha")}
+    for n, delta in deltas.items():
+        k = f"diffusion_model.{n}"
+        assert dict(mem.named_modules())[n].get_base_layer().weight.shape == delta.shape
+        torch.testing.assert_close(float(sd[f"{k}.alpha"]) / 4 * sd[f"{k}.lora_B.weight"] @ sd[f"{k}.lora_A.weight"],
+                                   delta, rtol=1e-5, atol=1e-7)

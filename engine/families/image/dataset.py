@@ -197,4 +197,8 @@ class PipelineEncoder:
         else:
             for e in encoders:
                 e.to(device)
-        return lambda text: {"prompt_embeds": self.model.encode_text(pipe, text, max_len, device)}
+        def encode(text: str) -> dict[str, torch.Tensor]:
+            out = self.model.encode_text(pipe, text, max_len, device)  # HunyuanVideo: several tensors, by name
+            return out if isinstance(out, dict) else {"prompt_embeds": out}
+
+        return encode

@@ -27,15 +27,35 @@ import torch
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.base import ImageFamily
-from engine.families.image.dataset import ImageDataset, PipelineEncoder
+from engine.families.image.dataset import CachedImages, PipelineEncoder, pad_texts
 from engine.families.image.flow_lora import flip_and_drop, scheduler_settings
 from engine.report.quiet import quiet_libraries
+
+
+def mask_name(name: str) -> str:
+    """The mask of a cached text tensor: prompt_embeds → prompt_mask, prompt_embeds_2 → prompt_mask_2."""
+    return name.replace("_embeds", "_mask")
+
+
+class VideoDataset(CachedImages):
+    """Batches of one bucket: the windows' latents, and each cached text tensor (Wan: prompt_embeds; HunyuanVideo:
+    prompt_embeds and the glyph encoder's prompt_embeds_2) padded to the batch's longest (at least one token), with
+    its mask and the empty caption's (caption dropout)."""
+
+    def collate(self, indices: list[int]) -> dict[str, Any]:
+        _lat, batch = self.latents(indices)
+        texts = [self.cache.load(self.plan.item_text[i]) for i in indices]
+        for name, empty in self.empty.items():
+            length = max(1, empty.shape[0], *(t[name].shape[0] for t in texts))
+            batch[name], batch[mask_name(name)] = pad_texts([t[name] for t in texts], length)
+            batch[f"empty_{name}"], batch[f"empty_{mask_name(name)}"] = pad_texts([empty], length)
+        return batch
 
 
 class VideoFamily(ImageFamily):
     """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan.py)."""
 
-    dataset_class = ImageDataset
+    dataset_class = VideoDataset
 
     # ---------------------------------------------------------------- data
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
@@ -87,7 +107,8 @@ class VideoFamily(ImageFamily):
         """Draws from `generator`, in order: flip, caption dropout, noise, σ (the model's `sigmas`, which keep an
         expert's side of the boundary); then the model's prediction, each sample by the transformer owning its σ."""
         cfg = self.cfg
-        x0, _flip, text = flip_and_drop(batch, cfg, generator, ("prompt_embeds",), draw=not evaluate)
+        conds = tuple(k for k in batch if k.startswith("prompt_"))
+        x0, _flip, text = flip_and_drop(batch, cfg, generator, conds, draw=not evaluate)
         device = x0.device
         noise = torch.randn(x0.shape, generator=generator).to(device)
         sigma = self.model.sigmas(cfg, self.sched, x0.shape[0], generator).to(device)
@@ -95,7 +116,7 @@ class VideoFamily(ImageFamily):
         s = sigma.view(-1, *[1] * (x0.dim() - 1))
         x_t = (1 - s) * x0 + s * noise
         x_t, mask = self.model.condition(x_t, x0, cfg)
-        pred = self.model.predict(model, x_t, sigma, text["prompt_embeds"], cfg)
+        pred = self.model.predict(model, x_t, sigma, text, cfg)
         err = (pred.float() - (noise - x0)) ** 2
         if mask is None:
             return err.mean()

@@ -10,6 +10,7 @@ Samples are text-to-video (an i2v job samples t2v: there is no conditioning imag
 
 from __future__ import annotations
 
+import inspect
 import io
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class ClipRenderer(SampleRenderer):
         out_dir = self.workdir / "samples" / f"step-{step:08d}"
         ensure_dir_durable(self.fs, out_dir)
         pipe = self._pipeline(transformer)
+        accepted = inspect.signature(pipe.__call__).parameters
         device, paths = transformer.device, []
         was_training = transformer.training
         transformer.eval()
@@ -60,9 +62,11 @@ class ClipRenderer(SampleRenderer):
                                                                              self.entries, strict=True)):
                     log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
                     gen = torch.Generator(device="cpu").manual_seed(seed)
-                    video = pipe(**self.prompt_kwargs(emb, neg, device, transformer.dtype), height=s.height,
-                                 width=s.width, num_frames=max(cfg.data.frames), num_inference_steps=s.steps,
-                                 guidance_scale=s.guidance, generator=gen, output_type="np").frames[0]
+                    kwargs = {**self.prompt_kwargs(emb, neg, device, transformer.dtype), "height": s.height,
+                              "width": s.width, "num_frames": max(cfg.data.frames), "num_inference_steps": s.steps,
+                              "guidance_scale": s.guidance, "generator": gen, "output_type": "np"}
+                    # Only what the pipeline takes: HunyuanVideo's guidance is its guider's (sample_pipeline).
+                    video = pipe(**{k: v for k, v in kwargs.items() if k in accepted}).frames[0]
                     frames = (np.clip(np.asarray(video, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
                     path = out_dir / f"{i:02d}.mp4"
                     write_file_durable(self.fs, path, clip_bytes(frames, cfg.data.fps))

@@ -138,8 +138,10 @@ class WanModel:
         mask[:, :, 0] = 0
         return (1 - mask) * x0 + mask * x_t, mask
 
-    def predict(self, model, x_t: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor,
+    def predict(self, model, x_t: torch.Tensor, sigma: torch.Tensor, text: dict[str, torch.Tensor],
                 cfg: JobConfig) -> torch.Tensor:
+        """The velocity (ε − x0) of each sample; `text` the batch's prompt_embeds (Wan has no mask: see above)."""
+        embeds = text["prompt_embeds"]
         inner = getattr(model, "module", model)
         dtype, device = inner.dtype, x_t.device
         t = sigma * 1000.0  # the scheduler's num_train_timesteps: the pipeline's timesteps
