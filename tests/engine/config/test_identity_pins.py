@@ -31,6 +31,10 @@ EXAMPLE_HASHES = {
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
     "qwen2.5-7b-qlora.yaml": "0d230ebf9ca59387",
     "z-image-lora.yaml": "1f9ef88b0db7e35e",
+    "hunyuan-video15-24gb.yaml": "5a56027d99fc50a4",
+    "wan-lora-tiny.yaml": "e536ca32db8971f8",
+    "wan22-a14b-24gb.yaml": "b21ccd2db3c438da",
+    "wan22-ti2v-5b-720p.yaml": "40993f195f703227",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",
