@@ -332,3 +332,34 @@ def test_hunyuan_video_files_load_into_its_transformer_and_reproduce_it(runs):
         assert dict(mem.named_modules())[n].get_base_layer().weight.shape == delta.shape
         torch.testing.assert_close(float(sd[f"{k}.alpha"]) / 4 * sd[f"{k}.lora_B.weight"] @ sd[f"{k}.lora_A.weight"],
                                    delta, rtol=1e-5, atol=1e-7)
+
+
+def _doc_key_rules(page: str) -> list[tuple[str, str]]:
+    """The (diffusers module, ComfyUI key) rows of a family page's key-rule table."""
+    from tests.helpers.processes import REPO
+
+    text = (REPO / "docs" / "families" / page).read_text()
+    return re.findall(r"^\| `([^`]+)`[^|`]*\| `(diffusion_model\.[^`]+)` \|$", text, re.M)
+
+
+@pytest.mark.parametrize("run,page", [("wan-a14b", "wan.md"), ("hunyuan", "hunyuan-video.md")])
+def test_the_key_rules_the_family_page_states_are_the_ones_the_files_follow(run, page, runs):
+    from engine.families.video.wan import comfyui_name
+
+    rules = _doc_key_rules(page)
+    assert rules, f"no key-rule table in docs/families/{page}"
+    ref = runs[run][2]
+    comfy_files = [f for f in FILES[run] if f.endswith("_comfyui.safetensors")]
+    for name in comfy_files:
+        keys = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in load_file(str(
+            ref / "output" / name))}
+        stated = {comfy.replace("N", str(i)) for _d, comfy in rules for i in range(2)}
+        assert stated <= keys, f"{name} lacks {sorted(stated - keys)}"
+        for module, comfy in rules:
+            for i in range(2):
+                want = comfy.replace("N", str(i))
+                got = "diffusion_model." + (comfyui_name(module.replace("N", str(i))) if run == "wan-a14b"
+                                            else module.replace("N", str(i)))
+                assert got == want
+        if run == "wan-a14b":  # the table names every module the file holds
+            assert keys == stated
