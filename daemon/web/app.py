@@ -46,7 +46,7 @@ from daemon.web.guard import BodyLimit, HostCheck, allowed_hosts
 from daemon.web.storeview import History, StoreView
 
 Caller = Callable[[BaseModel], dict[str, Any]]
-SAMPLE_NAME = re.compile(r"^[\w.-]+\.png$")
+SAMPLE_NAME = re.compile(r"^[\w.-]+\.(png|mp4)$")  # images, and the video families' clips
 POWER_WINDOW_S = 3600
 POWER_BUCKET_S = 6.0  # the power page's charts: one point per GPU per 6 s (600 in the hour)
 NEAREST_SAMPLE_S = 10.0  # a step's W is the telemetry sample nearest in time, if one is this close
@@ -210,7 +210,7 @@ class Dashboard:
         path = (root / f"step-{int(request.path_params['step']):08d}" / name).resolve()
         if root not in path.parents or not path.is_file():
             return PlainTextResponse("not found", status_code=404)
-        return FileResponse(path, media_type="image/png")
+        return FileResponse(path, media_type="video/mp4" if path.suffix == ".mp4" else "image/png")
 
     def export_file(self, request: Request) -> Response:
         """One export file of a saved step: its name must be one the step's manifest lists; opened by descriptor

@@ -34,15 +34,15 @@ table.summary{width:auto;min-width:420px}td.path{white-space:normal;word-break:b
 .st-running{background:#d6f5d6}.st-failed{background:#ffd9d4}.st-succeeded{background:#d4e7ff}
 .st-paused,.st-interrupted{background:#fff1c2}.st-cancelled{background:#eee;color:#777}
 .charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(480px,1fr));gap:10px}
-img.thumb{height:64px;margin-right:4px}
+img.thumb,video.thumb{height:64px;margin-right:4px}
 svg.chart{width:100%;background:#fff;border:1px solid #e3e6ea}
 svg .frame{fill:none;stroke:#c9ced6}svg .grid{stroke:#eef0f3}svg .tick{font-size:10px;fill:#667}
 svg .ct{font-size:12px;font-weight:600;fill:#333}svg .empty{fill:#999}
 svg .line{fill:none;stroke-width:1.5}.s0{stroke:#3b6fe0;fill:#3b6fe0}.s1{stroke:#e0673b;fill:#e0673b}
 .s2{stroke:#2a9d5b;fill:#2a9d5b}svg .legend{font-size:11px;stroke:none}
-.grid-samples td{vertical-align:top}.grid-samples img{width:128px;height:128px;object-fit:cover}
+.grid-samples td{vertical-align:top}.grid-samples img,.grid-samples video{width:128px;height:128px;object-fit:cover}
 .lightbox{display:none;position:fixed;inset:0;background:rgba(0,0,0,.85);align-items:center;justify-content:center}
-.lightbox:target{display:flex}.lightbox img{max-width:92vw;max-height:92vh}
+.lightbox:target{display:flex}.lightbox img,.lightbox video{max-width:92vw;max-height:92vh}
 .actions form{display:inline-block;margin-right:8px}
 .said{background:#fff7d6;padding:6px 10px;border:1px solid #ecd98b;margin-bottom:8px}
 .err{color:#b3261e}.bad{background:#ffe9e6}
@@ -175,6 +175,14 @@ def history_note(read: int, size: int) -> str:
             f"{size / 1e6:.0f} MB so far; the charts fill in as it goes.</p>")
 
 
+def sample_tag(src: str, alt: str, extra: str = "") -> str:
+    """An image sample as <img>; a video family's clip (.mp4) as a muted, looping <video> that plays in place."""
+    if src.endswith(".mp4"):  # preload=metadata is <video>'s lazy loading (it has no loading attribute)
+        extra = extra.replace("loading=lazy", "").strip()
+        return f"<video {extra} src='{src}' title='{alt}' muted loop autoplay playsinline preload=metadata></video>"
+    return f"<img {extra} src='{src}' alt='{alt}'>"
+
+
 def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: int = 8) -> str:
     """Prompts down, steps across (the newest `most_steps`); a click shows the image full size."""
     if not samples:
@@ -198,8 +206,8 @@ def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: in
             name = paths[i].rsplit("/", 1)[-1]
             src = f"/jobs/{quote(job_id)}/samples/{s}/{quote(name)}"
             anchor = f"img-{s}-{i}"
-            cells.append(f"<td><a href='#{anchor}'><img loading=lazy src='{src}' alt='step {s} #{i}'></a></td>")
-            boxes.append(f"<a class=lightbox id='{anchor}' href='#_'><img src='{src}' alt='step {s} #{i}'></a>")
+            cells.append(f"<td><a href='#{anchor}'>{sample_tag(src, f'step {s} #{i}', 'loading=lazy')}</a></td>")
+            boxes.append(f"<a class=lightbox id='{anchor}' href='#_'>{sample_tag(src, f'step {s} #{i}')}</a>")
         label = prompts[i] if i < len(prompts) else f"#{i}"
         rows.append(f"<tr><td style='white-space:normal;max-width:260px'>{e(label)}</td>{''.join(cells)}</tr>")
     return ("<section><h2>Samples</h2><table class=grid-samples>" + head + "".join(rows) + "</table>"
@@ -214,8 +222,8 @@ def saved_steps(job_id: str, saved: Sequence[Any], samples: dict[int, dict[str, 
     rows = []
     for c in saved:
         names = [str(x).rsplit("/", 1)[-1] for x in samples.get(c.step, {}).get("paths", [])]
-        imgs = "".join(f"<img loading=lazy class=thumb src='/jobs/{quote(job_id)}/samples/{c.step}/{quote(n)}' "
-                       f"alt='step {c.step} sample'>" for n in names)
+        imgs = "".join(sample_tag(f"/jobs/{quote(job_id)}/samples/{c.step}/{quote(n)}", f"step {c.step} sample",
+                                  "loading=lazy class=thumb") for n in names)
         links = "<br>".join(f"<a download href='/jobs/{quote(job_id)}/exports/{c.step}/{quote(f.name)}'>{e(f.name)}</a>"
                             f" <small>{num(f.size / 1024, '{:.0f}')} KiB</small>" for f in c.exports)
         rows.append(f"<tr><td class=num>{c.step}</td><td>{imgs}</td><td>{links}</td></tr>")

@@ -130,3 +130,28 @@ def test_the_job_page_shows_each_saved_step_with_its_samples_and_downloads(site,
         (exp / "pytorch_lora_weights.safetensors").unlink()
         (exp / "pytorch_lora_weights.safetensors").symlink_to(wd / "checkpoints" / "step-00000004" / "state.json")
         assert c.get(f"/jobs/{jid}/exports/4/pytorch_lora_weights.safetensors").status_code == 404
+
+
+def test_a_video_jobs_sample_clips_play_beside_each_saved_step(site):
+    """The video families' samples are MP4 clips: the page plays each in a <video> beside its step, the sample route
+    serves it as video/mp4, and still only .png / .mp4 names under the job's samples/."""
+    jid = site.add_job()
+    wd = site.workdir(jid)
+    commit_checkpoint(wd, 4)
+    clip = wd / "samples" / "step-00000004" / "00.mp4"
+    clip.parent.mkdir(parents=True)
+    clip.write_bytes(b"\x00\x00\x00\x18ftypisom")
+    with (wd / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "samples", "step": 4, "paths": [str(clip)], "prompts": ["a"], "level": "info"})
+                + "\n")
+    with TestClient(site.app, base_url=BASE) as c:
+        signed_in(c, site.token)
+        page = c.get(f"/jobs/{jid}").text
+        saved = page[page.index("<table id=saved-steps>"):]
+        row = saved[saved.index("<td class=num>4</td>"):saved.index("</table>")]
+        assert f"<video class=thumb src='/jobs/{jid}/samples/4/00.mp4'" in row
+        assert f"src='/jobs/{jid}/samples/4/00.mp4'" in page[page.index("grid-samples"):]
+        r = c.get(f"/jobs/{jid}/samples/4/00.mp4")
+        assert r.status_code == 200 and r.headers["content-type"] == "video/mp4" and r.content == clip.read_bytes()
+        (clip.parent / "00.mov").write_bytes(b"x")
+        assert c.get(f"/jobs/{jid}/samples/4/00.mov").status_code == 404
