@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 FAMILY_NAMES = {"causal_lm": "causal language model", "flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image",
-                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2"}
+                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2", "wan": "Wan 2.2",
+                "hunyuan_video": "HunyuanVideo 1.5"}
+VIDEO = ("wan", "hunyuan_video")
+# Wan 2.2 A14B's per-expert files (engine/families/video/wan.py): diffusers file -> (expert model, pipeline argument)
+EXPERT_FILES = {"wan22_high_noise_lora.safetensors": ("high-noise", ""),
+                "wan22_low_noise_lora.safetensors": ("low-noise", ", load_into_transformer_2=True")}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # engine/families/image/export.py writes it
 PEFT_FILE = "adapter_model.safetensors"
 MAX_SAMPLES = 4
@@ -53,7 +58,8 @@ def model_card(cfg, f: dict[str, Any]) -> str:
     family = FAMILY_NAMES.get(f["family"], f["family"])
     image = f["family"] != "causal_lm"
     lines = ["---", f"base_model: {f['base_model']}", f"library_name: {'diffusers' if image else 'peft'}",
-             "tags:", "- lora", "- lorad", f"- {f['family']}", f"- {'text-to-image' if image else 'text-generation'}"]
+             "tags:", "- lora", "- lorad", f"- {f['family']}",
+             f"- {'text-to-video' if f['family'] in VIDEO else 'text-to-image' if image else 'text-generation'}"]
     if f["trigger"]:
         lines.append(f"instance_prompt: {f['trigger']}")
     revision = f" (revision {f['revision']})" if f["revision"] else ""
@@ -66,12 +72,13 @@ def model_card(cfg, f: dict[str, Any]) -> str:
               f"| adapter | {f['lora']['type']}, rank {f['lora']['rank']}, alpha {f['lora']['alpha']}{_scale(f['lora'])} |",
               f"| targets | {_targets(f['lora']['targets'])} |",
               f"| steps | {f['steps']} |",
-              f"| dataset | {_dataset(f['dataset'], image)} |",
+              f"| dataset | {_dataset(f['dataset'], image, f['family'] in VIDEO)} |",
               f"| weights | {which_weights(cfg)[1]} |", ""]
     if f["samples"]:
         lines += ["## Samples", "", f"From the last samples rendered during training ({cfg.name}, the job's "
                   "`sample.prompts`):", ""]
-        lines += [f"![sample {i}]({s})" for i, s in enumerate(f["samples"])] + [""]
+        lines += [f'<video src="{s}" controls loop muted></video>' if s.endswith(".mp4") else f"![sample {i}]({s})"
+                  for i, s in enumerate(f["samples"])] + [""]
     lines += ["## Use it", ""] + _loading(f) + ["Written by lorad from the job file; `lorad-output.json` holds the same "
                                                  "facts for scripts.", ""]
     return "\n".join(lines)
@@ -94,22 +101,32 @@ def newest_samples(workdir: Path, step: int) -> list[Path]:
             dirs.append((n, d))
     if not dirs:
         return []
-    return sorted(p for p in max(dirs)[1].glob("*.png") if p.is_file() and not p.is_symlink())[:MAX_SAMPLES]
+    found = [p for p in max(dirs)[1].iterdir() if p.suffix in (".png", ".mp4")]  # images; the video families' clips
+    return sorted(p for p in found if p.is_file() and not p.is_symlink())[:MAX_SAMPLES]
 
 
 def _targets(targets) -> str:
     return targets if isinstance(targets, str) else ", ".join(f"`{t}`" for t in targets)
 
 
-def _dataset(d: dict[str, Any], image: bool) -> str:
-    size = f"{d['size']} {'images' if image else 'examples'}" if d["size"] is not None else "size not recorded"
+def _dataset(d: dict[str, Any], image: bool, video: bool = False) -> str:
+    unit = "clip windows and stills" if video else "images" if image else "examples"
+    size = f"{d['size']} {unit}" if d["size"] is not None else "size not recorded"
     return f"{size} from `{Path(d['path']).name}`"
 
 
 def _loading(f: dict[str, Any]) -> list[str]:
     out = []
     files = set(f["files"])
-    if DIFFUSERS_FILE in files:
+    for name, (model, arg) in EXPERT_FILES.items():
+        if name in files:
+            out += [f"**diffusers**, the {model} expert's LoRA (the scale is in the file):", "", "```python",
+                    f'pipe.load_lora_weights("path/to/this/folder", weight_name="{name}"{arg})', "```", ""]
+    if DIFFUSERS_FILE in files and f["family"] == "hunyuan_video":  # its pipeline has no load_lora_weights
+        out += ["**diffusers** (the scale is in the file):", "", "```python",
+                f'pipe.transformer.load_lora_adapter("path/to/this/folder/{DIFFUSERS_FILE}", prefix="transformer")',
+                "```", ""]
+    elif DIFFUSERS_FILE in files:
         load = [f'pipe = DiffusionPipeline.from_pretrained("{f["base_model"]}", torch_dtype=torch.bfloat16)']
         if f["family"] == "flux3":  # diffusers has FLUX.3's pipelines as modular pipelines only
             load = [f'pipe = ModularPipeline.from_pretrained("{f["base_model"]}")',
@@ -118,8 +135,11 @@ def _loading(f: dict[str, Any]) -> list[str]:
                 f"from diffusers import {'ModularPipeline' if f['family'] == 'flux3' else 'DiffusionPipeline'}", "",
                 *load, f'pipe.load_lora_weights("path/to/this/folder", weight_name="{DIFFUSERS_FILE}")', "```", ""]
     for name in sorted(n for n in files if n.endswith("_comfyui.safetensors")):
+        expert = next((m for k, (m, _a) in EXPERT_FILES.items() if name.startswith(k.removesuffix(".safetensors"))),
+                      None)
+        on = f"the {expert} model" if expert else "the base model"
         out += [f"**ComfyUI**: copy `{name}` into `ComfyUI/models/loras/` and load it with *LoraLoaderModelOnly* "
-                "on the base model (strength 1 is the trained strength)."
+                f"on {on} (strength 1 is the trained strength)."
                 + (" ComfyUI's FLUX.3 key rules were not available to check." if f["family"] == "flux3" else ""), ""]
     if PEFT_FILE in files:
         loader = "AutoModelForCausalLM" if f["family"] == "causal_lm" else "the base model's transformer class"

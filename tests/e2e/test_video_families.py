@@ -363,3 +363,45 @@ def test_the_key_rules_the_family_page_states_are_the_ones_the_files_follow(run,
                 assert got == want
         if run == "wan-a14b":  # the table names every module the file holds
             assert keys == stated
+
+
+def test_the_model_card_plays_the_last_clip_and_says_which_model_each_file_goes_into(runs):
+    five, a14b = runs["wan-5b"][2] / "output", runs["wan-a14b"][2] / "output"
+    assert (five / "samples" / "00.mp4").read_bytes() == (five.parent / "samples" / "step-00000004" /
+                                                          "00.mp4").read_bytes()
+    card = (five / "README.md").read_text()
+    assert '<video src="samples/00.mp4"' in card and "- text-to-video" in card
+    card = (a14b / "README.md").read_text()
+    assert 'weight_name="wan22_low_noise_lora.safetensors", load_into_transformer_2=True' in card
+    assert "`wan22_high_noise_lora_comfyui.safetensors` into `ComfyUI/models/loras/` and load it with " \
+           "*LoraLoaderModelOnly* on the high-noise model" in card
+
+
+def test_i2v_keeps_the_first_latent_frame_clean_at_t0_and_out_of_the_loss(runs, tmp_path):
+    """model.task: i2v on TI2V-5B, as WanImageToVideoPipeline conditions it (expand_timesteps): the transformer sees
+    the clean first latent frame with t = 0 on its tokens and σ · 1000 on the others; a change in what it predicts
+    for the first frame changes nothing in the loss."""
+    from engine.config.job import parse_job
+    from engine.families import get_family
+
+    model_dir, job, ref, _ = runs["wan-5b"]
+    d = yaml.safe_load(job.read_text())
+    d["model"]["task"] = "i2v"
+    cfg = parse_job(d, tmp_path, check_paths=False)
+    family = get_family("wan")
+    model = family.load_model(cfg, ref, torch.device("cpu"), _Quiet())
+    seen = {}
+    model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
+    lat = torch.randn(2, 8, 3, 2, 2, generator=torch.Generator().manual_seed(1))
+    batch = {"latents": lat, "prompt_embeds": torch.randn(2, 32, 16), "prompt_mask": torch.ones(2, 32),
+             "empty_prompt_embeds": torch.zeros(1, 32, 16), "empty_prompt_mask": torch.ones(1, 32)}
+    losses = []
+    for bump in (0.0, 5.0):
+        hook = model.register_forward_hook(lambda _m, _a, out, b=bump: (out[0].index_add(
+            2, torch.tensor([0]), torch.full_like(out[0][:, :, :1], b)),))
+        losses.append(family.loss(model, batch, torch.Generator().manual_seed(3)))
+        hook.remove()
+    assert torch.equal(seen["hidden_states"][:, :, 0], lat[:, :, 0])
+    t = seen["timestep"].view(2, 3, -1)
+    assert bool((t[:, 0] == 0).all()) and bool((t[:, 1:] > 0).all())
+    assert torch.equal(losses[0], losses[1])
