@@ -50,7 +50,7 @@ EXIT_CONFIG = 78  # EX_CONFIG: this installation cannot do it (the training stac
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what the shell reports for a reader that stopped early
 # What `serve`, `run` and `cache` import (module names): the `train` extra of pyproject.toml.
 TRAINING_STACK = ("torch", "transformers", "diffusers", "peft", "accelerate", "bitsandbytes", "safetensors",
-                  "huggingface_hub", "tokenizers", "PIL", "prodigyopt", "schedulefree", "scao", "tensorboard",  # training
+                  "huggingface_hub", "tokenizers", "PIL", "av", "prodigyopt", "schedulefree", "scao", "tensorboard",  # training
                   "structlog", "watchdog", "apscheduler", "pynvml",  # the daemon
                   "starlette", "uvicorn", "python_multipart", "prometheus_client")  # its dashboard and /metrics
 
