@@ -1,7 +1,9 @@
 """What a video family's clips must be, checked when a job is submitted (the inbox and `lorad submit` alike, through
 engine/config/paths.py): every file readable, with a video stream, at least one window long. Probing reads only the
-container's packet timestamps (PyAV) or, for .gif / .webp, Pillow's frame durations: no frame is decoded, so
-checking a folder stays cheap; engine/data/videos.py decodes the frames when the windows are cached.
+container's index (PyAV: the frame count or duration; the packets only where the index has neither) or, for .gif /
+.webp, Pillow's frame durations: no frame is decoded and no frame data read, so checking a folder in the daemon's
+service loop stays cheap. A file cut short behind a whole index passes; engine/data/videos.py finds out when it
+decodes the windows, and they are skipped with a reason (engine/families/video/cache.py).
 
 Here, not in engine/data/, so that job validation imports no data reader module (engine/config/sources.py).
 """
@@ -20,7 +22,8 @@ class ClipUnreadable(Exception):
 
 def _timestamps(path: Path) -> tuple[list[float], int, int]:
     """(source frame times in seconds from the first, width, height) of a clip, reading only what it must: the
-    container's packets (PyAV) or, for .gif / .webp, Pillow's frame durations. ClipUnreadable when it cannot."""
+    container's index (PyAV: the frame count, or the duration, at the stream's average rate; its packets only when
+    it has neither) or, for .gif / .webp, Pillow's frame durations. ClipUnreadable when it cannot."""
     if path.suffix.lower() in (".gif", ".webp"):
         from PIL import Image, UnidentifiedImageError
 
@@ -41,9 +44,16 @@ def _timestamps(path: Path) -> tuple[list[float], int, int]:
             if not box.streams.video:
                 raise ClipUnreadable("has no video stream")
             stream = box.streams.video[0]
+            width, height = stream.codec_context.width, stream.codec_context.height
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            n = stream.frames
+            if not n and rate and (stream.duration or box.duration):  # WebM: no count, a duration
+                seconds = float(stream.duration * stream.time_base) if stream.duration else box.duration / 1e6
+                n = round(seconds * rate)
+            if n and rate:  # a file cut short behind a whole index passes here: its windows are skipped when cached
+                return [k / rate for k in range(n)], width, height
             times = sorted(float(p.pts * stream.time_base) for p in box.demux(stream)
                            if p.pts is not None and p.size > 0)
-            width, height = stream.codec_context.width, stream.codec_context.height
     except av.error.FFmpegError as e:
         raise ClipUnreadable(f"cannot be read as a video ({e})") from None
     if not times:
