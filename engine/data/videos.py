@@ -1,5 +1,5 @@
 """Video datasets for the video families (wan, hunyuan_video): clips and stills with same-stem captions, cut into
-windows of frames, bucketed over (frames, height, width).
+windows of frames, bucketed over (frames, width, height).
 
 Layout (data.path): clips (.mp4 .webm .mov, and animated .gif / .webp) and still images (.png .jpg .jpeg .webp
 .bmp, a one-frame .gif), each with a same-stem caption (IMAGE.<caption_ext>; a missing one means the trigger
@@ -80,8 +80,10 @@ def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None,
         if missing and log is not None:
             log.warning("caption_missing", image=str(p.relative_to(folder)),
                         message=f"no {cap_path.name}; the caption is the trigger alone ({trigger or 'empty'})")
-        out.append(VideoRecord(p, str(p.relative_to(folder)), hashlib.sha256(p.read_bytes()).hexdigest(), w, h,
-                               make_caption(raw, trigger), missing, n, still))
+        with open(p, "rb") as f:  # streamed: a clip may be larger than what we want to hold to hash it
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        out.append(VideoRecord(p, str(p.relative_to(folder)), digest, w, h, make_caption(raw, trigger), missing, n,
+                               still))
     if not out:
         raise JobInvalid(f"data.path: {folder} contains no clips or images")
     return out
