@@ -195,7 +195,7 @@ def test_each_sampled_timestep_trains_only_the_expert_that_owns_it(runs):
              "empty_prompt_embeds": torch.zeros(1, 8, 16), "empty_prompt_mask": torch.ones(1, 8)}
     lora = {n: [p for k, p in getattr(model, n).named_parameters() if "lora_" in k] for n in seen}
     counts = {n: 0 for n in seen}
-    for _ in range(40):
+    for _ in range(24):
         before = {n: len(v) for n, v in seen.items()}
         model.zero_grad(set_to_none=True)
         family.loss(model, batch, g).backward()
@@ -206,7 +206,7 @@ def test_each_sampled_timestep_trains_only_the_expert_that_owns_it(runs):
             assert any(got) == ran, f"{n} ran={ran} but its LoRA gradients are {got}"
     assert all(float(t.min()) >= 875.0 for t in seen["transformer"])
     assert all(float(t.max()) < 875.0 for t in seen["transformer_2"])
-    assert counts["transformer"] > 0 and counts["transformer_2"] > 0 and sum(counts.values()) == 160
+    assert counts["transformer"] > 0 and counts["transformer_2"] > 0 and sum(counts.values()) == 96
 
 
 @pytest.mark.parametrize("expert,side", [("high", lambda s: s >= 0.875), ("low", lambda s: s < 0.875)])
