@@ -46,6 +46,7 @@ class BuiltinModel:
     description: str
     marker: str                         # the file whose presence means the directory is complete
     build: Callable[[Path], None]       # writes the model directory to the given (temporary) path
+    pipeline: str | None = None         # its model_index.json's pipeline class, where job validation needs it
 
 
 def byte_level_tokenizer():
@@ -80,6 +81,12 @@ def _build_tiny_flux(dest: Path) -> None:
     from engine.builtin.tiny_flux import build_tiny_flux
 
     build_tiny_flux(dest)
+
+
+def _build_tiny_flux_kontext(dest: Path) -> None:
+    from engine.builtin.tiny_flux import build_tiny_flux
+
+    build_tiny_flux(dest, kontext=True)
 
 
 def _build_tiny_flux2(dest: Path) -> None:
@@ -125,6 +132,9 @@ BUILTIN_MODELS = {
     "tiny-flux": BuiltinModel(
         "flux", "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights.",
         "model_index.json", _build_tiny_flux),
+    "tiny-flux-kontext": BuiltinModel(
+        "flux", "A FLUX.1-Kontext-shaped edit pipeline (tiny-flux's layout, FluxKontextPipeline) with random weights.",
+        "model_index.json", _build_tiny_flux_kontext, pipeline="FluxKontextPipeline"),
     "tiny-flux2": BuiltinModel(
         "flux2", "A FLUX.2-klein-shaped pipeline (2 double + 2 single blocks, tiny VAE, Qwen3) with random weights.",
         "model_index.json", _build_tiny_flux2),

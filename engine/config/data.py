@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, Strict, key
+from engine.config.declare import EDIT_FAMILIES, IMAGE_FAMILIES, LM, PARTS, Strict, key
 
 
 class MaskConfig(Strict):
@@ -70,4 +70,13 @@ class DataConfig(Strict):
     # the image families' quality features (engine/data/image_sets.py)
     masks: MaskConfig | None = key(None, families=IMAGE_FAMILIES)
     regularisation: RegularisationConfig | None = key(None, families=IMAGE_FAMILIES)
+    # edit LoRAs (engine/config/controls.py): the control (input) image(s) of each target, by file stem; a list is one
+    # folder per reference slot. Only edit bases read them (its EDIT_PIPELINES).
+    control_path: (str | Annotated[list[str], Field(min_length=1, max_length=4)] | None) = key(
+        None, families=IMAGE_FAMILIES, read_by=EDIT_FAMILIES, dump_default=False)
     validation: ValidationConfig | None = key(None, identity=PARTS)
+
+    def control_paths(self) -> list[str]:
+        """data.control_path as a list of folders, one per reference slot (empty: not an edit job)."""
+        cp = self.control_path
+        return [] if cp is None else [cp] if isinstance(cp, str) else list(cp)

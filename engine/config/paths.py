@@ -40,6 +40,9 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
     if cfg.data.regularisation is not None:
         cfg.data.regularisation.path = _resolve(cfg.data.regularisation.path, base_dir)
+    if cfg.data.control_path is not None:
+        folders = [_resolve(p, base_dir) for p in cfg.data.control_paths()]
+        cfg.data.control_path = folders[0] if isinstance(cfg.data.control_path, str) else folders
     if cfg.data.validation is not None and cfg.data.validation.path is not None:
         cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
 
@@ -84,3 +87,18 @@ def check_paths(cfg: JobConfig) -> None:
             check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
         if val_path is not None:
             check_image_folder(val_path, key="data.validation.path")
+        if cfg.data.control_path is not None:
+            _check_edit_job(cfg, mp, dp)
+
+
+def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:
+    """data.control_path: an edit base (where its pipeline class can be read here), and every pair complete."""
+    from engine.config.controls import check_controls, check_edit_base, pipeline_class
+
+    slots = len(cfg.data.control_paths())
+    if mp.startswith(BUILTIN_PREFIX):
+        check_edit_base(cfg.model.family, BUILTIN_MODELS[mp[len(BUILTIN_PREFIX):]].pipeline, mp, slots)
+    elif Path(mp).is_absolute():
+        check_edit_base(cfg.model.family, pipeline_class(Path(mp)), mp, slots)
+    # a hub id: the trainer checks its model_index.json when it has it (engine/families/image/edit.py)
+    check_controls(dp, cfg.data.control_paths())

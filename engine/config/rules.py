@@ -169,6 +169,21 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     return out
 
 
+def edit_jobs_pair_every_image(cfg: JobConfig) -> list[Problem]:
+    """data.control_path pairs data.path's images; the other image sets have no controls to pair (yet)."""
+    d = cfg.data
+    if d.control_path is None:
+        return []
+    out = []
+    if d.regularisation is not None:
+        out.append(Problem("data.regularisation, data.control_path", "data.regularisation, data.control_path: "
+                           "regularisation images have no control images; leave one of them out"))
+    if d.validation is not None and d.validation.path is not None:
+        out.append(Problem("data.validation.path, data.control_path", "data.validation.path, data.control_path: "
+                           "an edit job holds out validation pairs of data.path with data.validation.fraction"))
+    return out
+
+
 def optimizer_args_are_known(cfg: JobConfig) -> list[Problem]:
     name, args = cfg.train.optimizer, cfg.train.optimizer_args
     out = []
@@ -249,7 +264,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     warmup_within_steps, quantize_agrees_with_base_precision, block_swap_needs_unquantized_base,
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
-    fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask,
+    fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, edit_jobs_pair_every_image,
 )
 
 

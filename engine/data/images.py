@@ -104,6 +104,7 @@ class Item:
     mask: MaskSource | None = None
     loss_weight: float = 1.0
     repeats: int | None = None  # per epoch; None = the order's own (data.repeats)
+    controls: tuple = ()  # an edit pair's control images (engine/config/controls.py ControlSource), one per slot
 
 
 def make_caption(raw: str | None, trigger: str | None) -> str:
@@ -143,11 +144,11 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
 
 
 def make_items(records: list[ImageRecord], resolutions: list[int], masks: dict[str, MaskSource] | None = None,
-               loss_weight: float = 1.0, repeats: int | None = None) -> list[Item]:
-    """Every record at each resolution; `masks` by record.rel, `loss_weight` and `repeats` for all of them."""
-    masks = masks or {}
-    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats)
-            for r in records for res in sorted(set(resolutions))]
+               loss_weight: float = 1.0, repeats: int | None = None, controls: dict | None = None) -> list[Item]:
+    """Every record at each resolution; `masks` and `controls` by record.rel, `loss_weight` and `repeats` for all."""
+    masks, controls = masks or {}, controls or {}
+    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats,
+                 controls.get(r.rel, ())) for r in records for res in sorted(set(resolutions))]
 
 
 def dataset_hash(records: list[ImageRecord]) -> str:

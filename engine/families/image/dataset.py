@@ -25,6 +25,12 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
 
     records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
     masks = training_masks(cfg, records, log)
+    controls = None
+    if cfg.data.control_path is not None:  # edit pairs, checked again here as at submit (before anything is cached)
+        from engine.config.controls import pair_controls
+
+        controls = pair_controls(Path(cfg.data.path), {r.rel: (r.width, r.height) for r in records},
+                                 cfg.data.control_paths())
     held, held_masks = [], masks
     val = cfg.data.validation
     if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
@@ -32,9 +38,9 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
         records, held = [records[i] for i in train], [records[i] for i in held_i]
     elif val is not None:  # a folder of its own: no masks (the training masks stay with the training images)
         held, held_masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
-    items = make_items(records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
+    items = make_items(records, cfg.data.resolution, masks, controls=controls) + regularisation_items(cfg, log)
     n_train = len(items)
-    return records, items + make_items(held, cfg.data.resolution, held_masks), n_train
+    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls), n_train
 
 
 def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):
@@ -70,6 +76,12 @@ class CachedImages:
         batch = {"latents": torch.stack([x["latent"] for x in lat])}
         if "latent_flip" in lat[0]:
             batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+        for j in range(len(self.plan.item_controls[indices[0]]) if self.plan.item_controls else 0):
+            # an edit pair's control latents of slot j (at the target's bucket, so one size in a batch)
+            ctl = [self.cache.load(self.plan.item_controls[i][j]) for i in indices]
+            batch[f"control_{j}"] = torch.stack([x["latent"] for x in ctl])
+            if "latent_flip" in ctl[0]:
+                batch[f"control_{j}_flip"] = torch.stack([x["latent_flip"] for x in ctl])
         return lat, batch
 
 

@@ -30,6 +30,7 @@ EXAMPLE_HASHES = {
     "qwen-image-character.yaml": "e6df8589879c688b",
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
     "qwen2.5-7b-qlora.yaml": "0d230ebf9ca59387",
+    "flux-kontext-edit-tiny.yaml": "344377e08114984e",
     "z-image-lora.yaml": "1f9ef88b0db7e35e",
 }
 JOB_HASHES = {

@@ -1,0 +1,208 @@
+"""Edit LoRAs (data.control_path) on the tiny edit pipelines: exact resume, the export through the edit pipeline's
+own loader, the control tokens the pipeline builds, the cache keyed by each control's content.
+
+As in test_image_families.py: per family a killed-twice run (SIGKILL while caching, SIGKILL with a checkpoint
+half-written, resumed) runs forked in the background while the same job trains uninterrupted in this process.
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from engine.config.job import load_job
+from tests.e2e.test_image_families import _Done, _Quiet, run_killed_twice
+from tests.helpers.images import tensor_bytes, with_last_checkpoint
+from tests.helpers.jobs import deep_update
+
+# family -> (its tiny edit builtin, the pipeline class diffusers drives it with)
+EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline")}
+FAMILIES = tuple(EDIT)
+PAIRS = [("wide", 48, 32), ("tall", 32, 48), ("square", 32, 32)]
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+
+
+def make_pairs(root: Path) -> Path:
+    """target/NAME.png + NAME.txt (the instruction) and control/NAME.png: the control's block is grey, the
+    target's red."""
+    rng = np.random.default_rng(0)
+    for sub in ("target", "control"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for name, w, h in PAIRS:
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = rng.integers(0, 255, size=3)
+        ctl = np.stack([(base[c] + xx * (c + 2) + yy * (3 - c)) % 256 for c in range(3)], -1).astype(np.uint8)
+        ctl[h // 4: h // 2, w // 4: w // 2] = 128
+        tgt = ctl.copy()
+        tgt[h // 4: h // 2, w // 4: w // 2] = (220, 30, 30)
+        Image.fromarray(ctl).save(root / "control" / f"{name}.png")
+        Image.fromarray(tgt).save(root / "target" / f"{name}.png")
+        (root / "target" / f"{name}.txt").write_text("make the block red\n")
+    return root
+
+
+def job_dict(family: str, model_dir: Path, data: Path) -> dict:
+    d = {
+        "name": f"edit-{family.replace('_', '-')}",
+        "model": {"family": family, "path": str(model_dir), "dtype": "float32"},
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
+        "data": {"path": str(data / "target"), "control_path": str(data / "control"), "resolution": [32],
+                 "caption_dropout": 0.3, "flip": True},
+        "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
+                  "seed": 3, "timestep_sampling": "shift"},
+        "checkpoint": {"every_steps": 2, "every_seconds": None, "keep": 2},
+        "output": {"formats": ["diffusers", "comfyui"]},
+    }
+    return deep_update(d, {"train": {"guidance": 2.5}} if family == "flux" else {})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per family: (model dir, job file, uninterrupted workdir, killed-twice future)."""
+    from engine.builtin.models import materialise
+    from engine.recipe import train
+
+    root = tmp_path_factory.mktemp("edit-families")
+    data = make_pairs(root / "data")
+    pool = ThreadPoolExecutor(max_workers=len(FAMILIES))
+    jobs = {}
+    for family in FAMILIES:
+        model = materialise(EDIT[family][0], root / "models")
+        job = root / f"{family}.yaml"
+        job.write_text(yaml.safe_dump(job_dict(family, model, data)))
+        jobs[family] = (model, job, pool.submit(run_killed_twice, job, root / f"{family}-killed"))
+    out = {}
+    for family, (model, job, killed) in jobs.items():
+        wd = root / f"{family}-uninterrupted"
+        assert train(load_job(job), wd, progress="none") == 0
+        out[family] = (model, job, _Done(wd), killed)
+    yield out
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_edit_job_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(family, runs):
+    _model, _job, reference, killed = runs[family]
+    wd, story = killed.result(timeout=900)
+    ref = reference.result(timeout=900)
+    want, got = tensor_bytes(ref / "output" / DIFFUSERS_FILE), tensor_bytes(wd / "output" / DIFFUSERS_FILE)
+    assert sorted(want) == sorted(got) and [k for k in want if want[k] != got[k]] == [], story
+
+
+def _edit_pipeline(family: str, model_dir: Path, transformer=None):
+    import diffusers
+
+    cls = getattr(diffusers, EDIT[family][1])
+    kw = {} if transformer is None else {"transformer": transformer}
+    return cls.from_pretrained(model_dir, **kw)
+
+
+def _denoise(pipe, control: Image.Image, family: str) -> torch.Tensor:
+    """Two denoising steps of the edit pipeline on a fixed (control, noise, prompt), as latents."""
+    g = torch.Generator().manual_seed(7)
+    kw = {"_auto_resize": False, "guidance_scale": 2.5, "max_area": 32 * 32} if family == "flux" else {}
+    return pipe(prompt="make the block red", image=control, height=32, width=32, num_inference_steps=2,
+                generator=g, output_type="latent", **kw).images
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_export_through_the_edit_pipelines_load_lora_weights_reproduces_the_trained_transformer(family, runs):
+    from engine.families import get_family
+
+    model_dir, job, reference, _ = runs[family]
+    wd = reference.result(timeout=900)
+    cfg = load_job(job)
+    mem = with_last_checkpoint(get_family(family).load_model(cfg, wd, torch.device("cpu"), _Quiet()), wd)
+    control = Image.open(Path(cfg.data.control_paths()[0]) / "square.png").convert("RGB")
+    with torch.no_grad():
+        want = _denoise(_edit_pipeline(family, model_dir, mem), control, family)
+        pipe = _edit_pipeline(family, model_dir)
+        base = _denoise(pipe, control, family)
+        pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
+        got = _denoise(pipe, control, family)
+    assert not torch.allclose(base, want, atol=1e-4), "training changed nothing; the test would prove nothing"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _captured_forward(pipe) -> dict:
+    """The first transformer call's keyword arguments, recorded by a pre-hook."""
+    seen: dict = {}
+
+    def hook(_mod, _args, kwargs):
+        if not seen:
+            seen.update(kwargs)
+
+    pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def test_kontext_control_tokens_and_ids_are_what_its_pipeline_builds_at_inference(runs):
+    """Our packed input for one pair (the cached control latent after the noisy target, their ids) is the
+    pipeline's own, for the same control image and noise."""
+    from diffusers import FluxPipeline
+
+    from engine.families.image.cache import model_id
+    from engine.families.image.edit import kontext_inputs
+    from engine.storage.cache import Cache, content_key
+
+    model_dir, job, reference, _ = runs["flux"]
+    wd, cfg = reference.result(timeout=900), load_job(job)
+    ctl_path = Path(cfg.data.control_paths()[0]) / "square.png"
+    import hashlib
+
+    key = content_key(kind="control", image=hashlib.sha256(ctl_path.read_bytes()).hexdigest(), bucket=[32, 32],
+                      flip=True, model=model_id(cfg, str(model_dir)), dtype="float32")
+    control = Cache(wd / "cache").load(key)["latent"][None]
+    noise = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    packed = FluxPipeline._pack_latents(noise, 1, 4, 4, 4)
+    ours, our_ids = kontext_inputs(packed, control, 4, 4, torch.float32)
+
+    pipe = _edit_pipeline("flux", model_dir)
+    seen = _captured_forward(pipe)
+    with torch.no_grad():
+        pipe(prompt="make the block red", image=Image.open(ctl_path).convert("RGB"), height=32, width=32,
+             latents=packed, num_inference_steps=1, _auto_resize=False, max_area=32 * 32, output_type="latent")
+    assert torch.equal(seen["img_ids"], our_ids)
+    assert seen["img_ids"][4:, 0].eq(1).all() and seen["img_ids"][:4, 0].eq(0).all()  # 2x2 target tokens, then the control's
+    torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_changing_one_control_image_re_encodes_that_control_only(family, runs, tmp_path):
+    from engine.families import get_family
+    from engine.report.events import EventLog
+
+    _model, job, reference, _ = runs[family]
+    wd = reference.result(timeout=900)
+    cfg = load_job(job)
+    shutil.copytree(Path(cfg.data.control_paths()[0]), tmp_path / "control")
+    img = Image.open(tmp_path / "control" / "tall.png")
+    img.transpose(Image.Transpose.FLIP_TOP_BOTTOM).save(tmp_path / "control" / "tall.png")
+    cfg.data.control_path = str(tmp_path / "control")
+    shutil.copytree(wd / "cache", tmp_path / "work" / "cache")
+    fam = get_family(family)
+    fam.prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
+    assert fam.report.encoded == {"latent": ["tall.png@32x32"], "text": []}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_pair_broken_after_submit_is_refused_by_the_trainer_before_anything_is_cached(family, runs, tmp_path):
+    from engine.errors import JobInvalid
+    from engine.families import get_family
+    from engine.report.events import EventLog
+
+    _model, job, _reference, _ = runs[family]
+    cfg = load_job(job)
+    shutil.copytree(Path(cfg.data.control_paths()[0]), tmp_path / "control")
+    (tmp_path / "control" / "wide.png").unlink()
+    cfg.data.control_path = str(tmp_path / "control")
+    with pytest.raises(JobInvalid, match=r"target/wide\.png has no control in"):
+        get_family(family).prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
+    assert not list((tmp_path / "work").rglob("*.safetensors"))
