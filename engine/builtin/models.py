@@ -137,7 +137,7 @@ BUILTIN_MODELS = {
         "model_index.json", _build_tiny_flux_kontext, pipeline="FluxKontextPipeline"),
     "tiny-flux2": BuiltinModel(
         "flux2", "A FLUX.2-klein-shaped pipeline (2 double + 2 single blocks, tiny VAE, Qwen3) with random weights.",
-        "model_index.json", _build_tiny_flux2),
+        "model_index.json", _build_tiny_flux2, pipeline="Flux2KleinPipeline"),
     "tiny-qwen-image": BuiltinModel(
         "qwen_image", "A Qwen-Image-shaped pipeline (4 blocks, tiny video VAE, Qwen2.5-VL) with random weights.",
         "model_index.json", _build_tiny_qwen_image),

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.buckets import assign_bucket
 from engine.config.sources import IMAGE_EXTS, list_images
 from engine.errors import JobInvalid
 
@@ -35,6 +36,10 @@ EDIT_PIPELINES = {"FluxKontextPipeline": "flux", "QwenImageEditPipeline": "qwen_
                   "QwenImageEditPlusPipeline": "qwen_image", "Flux2Pipeline": "flux2", "Flux2KleinPipeline": "flux2"}
 # the pipelines that take one control image (the others take a list: one per slot)
 ONE_CONTROL = ("FluxKontextPipeline", "QwenImageEditPipeline")
+# (least side in px, greatest aspect ratio) a pipeline takes for a reference image: FLUX.2's image processor
+# refuses others (Flux2ImageProcessor.check_image_input's defaults; a test holds these to them). Checked on the
+# control as it trains: at its target's bucket.
+REFERENCE_LIMITS = {"Flux2Pipeline": (64, 8.0), "Flux2KleinPipeline": (64, 8.0)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,27 @@ def check_edit_base(family: str, pipeline: str | None, model_path: str, slots: i
                          f"images are read by model.family {family} with an edit base ({edit})")
     if slots > 1 and pipeline in ONE_CONTROL:
         raise JobInvalid(f"{KEY}: {pipeline} takes one control image per target; give one folder, not {slots}")
+
+
+def check_bucket(pipeline: str | None, target: Path, bucket: tuple[int, int], resolution: int) -> None:
+    """JobInvalid naming the target if its bucket (the size its controls train at) is one the pipeline refuses as
+    a reference image."""
+    if pipeline not in REFERENCE_LIMITS:
+        return
+    least, ratio = REFERENCE_LIMITS[pipeline]
+    bw, bh = bucket
+    if min(bw, bh) < least or max(bw / bh, bh / bw) > ratio:
+        raise JobInvalid(f"{KEY}: the controls of {target} train at its bucket {bw}x{bh} (data.resolution "
+                         f"{resolution}), which {pipeline} refuses as a reference image (at least {least} px a "
+                         f"side, aspect ratio at most {ratio:g}:1); raise data.resolution")
+
+
+def check_buckets(pipeline: str | None, targets: dict[str, tuple[int, int]], resolutions: list[int],
+                  folder: Path) -> None:
+    """check_bucket for every target at every resolution (targets: {relative path: upright (width, height)})."""
+    for rel, (w, h) in targets.items():
+        for res in resolutions:
+            check_bucket(pipeline, folder / rel, assign_bucket(w, h, res), res)
 
 
 def upright_size(path: Path) -> tuple[int, int]:
@@ -124,11 +150,12 @@ def _check_size(path: Path, size: tuple[int, int], target: tuple[int, int], targ
                          f"their aspect ratios must agree (within {ASPECT_TOLERANCE:.0%})")
 
 
-def check_controls(data_path: Path, folders: list[str]) -> None:
+def check_controls(data_path: Path, folders: list[str], pipeline: str | None, resolutions: list[int]) -> None:
     """Submit time: every target of data_path has its readable, fitting controls and every control its target."""
     folder = Path(data_path)
     targets = {str(p.relative_to(folder)): upright_size_of_target(p, folder) for p in list_images(folder)}
     pair_controls(folder, targets, folders)
+    check_buckets(pipeline, targets, resolutions, folder)
 
 
 def upright_size_of_target(path: Path, folder: Path) -> tuple[int, int]:

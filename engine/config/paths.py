@@ -95,10 +95,12 @@ def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:
     """data.control_path: an edit base (where its pipeline class can be read here), and every pair complete."""
     from engine.config.controls import check_controls, check_edit_base, pipeline_class
 
-    slots = len(cfg.data.control_paths())
+    slots, pipeline = len(cfg.data.control_paths()), None
     if mp.startswith(BUILTIN_PREFIX):
-        check_edit_base(cfg.model.family, BUILTIN_MODELS[mp[len(BUILTIN_PREFIX):]].pipeline, mp, slots)
+        pipeline = BUILTIN_MODELS[mp[len(BUILTIN_PREFIX):]].pipeline
+        check_edit_base(cfg.model.family, pipeline, mp, slots)
     elif Path(mp).is_absolute():
-        check_edit_base(cfg.model.family, pipeline_class(Path(mp)), mp, slots)
+        pipeline = pipeline_class(Path(mp))
+        check_edit_base(cfg.model.family, pipeline, mp, slots)
     # a hub id: the trainer checks its model_index.json when it has it (engine/families/image/edit.py)
-    check_controls(dp, cfg.data.control_paths())
+    check_controls(dp, cfg.data.control_paths(), pipeline, cfg.data.resolution)

@@ -33,32 +33,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.buckets import MAX_ASPECT, assign_bucket, bucket_step, buckets_for  # noqa: F401 - their home was here
 from engine.config.sources import list_images
 from engine.errors import JobInvalid
-
-MAX_ASPECT = 2.0
-
-
-def bucket_step(resolution: int) -> int:
-    return 16 if resolution <= 256 else 64
-
-
-def buckets_for(resolution: int) -> list[tuple[int, int]]:
-    """Bucket sizes (w, h) around resolution² area, aspect ratio within 2:1, multiples of the step."""
-    step = bucket_step(resolution)
-    area = resolution * resolution
-    out = set()
-    for w in range(step, 2 * resolution + 1, step):
-        h = (area // w) // step * step
-        if h >= step and max(w / h, h / w) <= MAX_ASPECT:
-            out.add((w, h))
-    return sorted(out)
-
-
-def assign_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
-    target = math.log(width / height)
-    return min(buckets_for(resolution), key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1]))
-
 
 def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
     """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""

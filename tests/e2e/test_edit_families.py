@@ -23,9 +23,12 @@ from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 
 # family -> (its tiny edit builtin, the pipeline class diffusers drives it with)
-EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline")}
+EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline"), "flux2": ("tiny-flux2", "Flux2KleinPipeline")}
 FAMILIES = tuple(EDIT)
-PAIRS = [("wide", 48, 32), ("tall", 32, 48), ("square", 32, 32)]
+PAIRS = [("wide", 96, 64), ("tall", 64, 96), ("square", 64, 64)]
+# Kontext trains at 32 px (one 32x32 bucket); FLUX.2 takes references of 64 px a side or more, so 96 (buckets
+# 112x80, 80x112, 96x96).
+RESOLUTION = {"flux": 32, "flux2": 96}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -53,7 +56,7 @@ def job_dict(family: str, model_dir: Path, data: Path) -> dict:
         "name": f"edit-{family.replace('_', '-')}",
         "model": {"family": family, "path": str(model_dir), "dtype": "float32"},
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-        "data": {"path": str(data / "target"), "control_path": str(data / "control"), "resolution": [32],
+        "data": {"path": str(data / "target"), "control_path": str(data / "control"), "resolution": [RESOLUTION[family]],
                  "caption_dropout": 0.3, "flip": True},
         "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
                   "seed": 3, "timestep_sampling": "shift"},
@@ -108,8 +111,17 @@ def _denoise(pipe, control: Image.Image, family: str) -> torch.Tensor:
     """Two denoising steps of the edit pipeline on a fixed (control, noise, prompt), as latents."""
     g = torch.Generator().manual_seed(7)
     kw = {"_auto_resize": False, "guidance_scale": 2.5, "max_area": 32 * 32} if family == "flux" else {}
-    return pipe(prompt="make the block red", image=control, height=32, width=32, num_inference_steps=2,
+    image = control if family == "flux" else [control]
+    return pipe(prompt="make the block red", image=image, height=32, width=32, num_inference_steps=2,
                 generator=g, output_type="latent", **kw).images
+
+
+def _as_trained(path: Path, family: str) -> Image.Image:
+    """A control as training saw it: at its target's bucket (its square target's, for these tests)."""
+    from engine.data.images import load_for_bucket
+
+    side = RESOLUTION[family]
+    return load_for_bucket(path, (side, side))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -120,7 +132,7 @@ def test_the_export_through_the_edit_pipelines_load_lora_weights_reproduces_the_
     wd = reference.result(timeout=900)
     cfg = load_job(job)
     mem = with_last_checkpoint(get_family(family).load_model(cfg, wd, torch.device("cpu"), _Quiet()), wd)
-    control = Image.open(Path(cfg.data.control_paths()[0]) / "square.png").convert("RGB")
+    control = _as_trained(Path(cfg.data.control_paths()[0]) / "square.png", family)
     with torch.no_grad():
         want = _denoise(_edit_pipeline(family, model_dir, mem), control, family)
         pipe = _edit_pipeline(family, model_dir)
@@ -143,23 +155,30 @@ def _captured_forward(pipe) -> dict:
     return seen
 
 
+def _cached_control(family: str, runs, name: str) -> tuple[Path, Path, torch.Tensor]:
+    """(model dir, the control's file, its latent [1, C, h, w] as training cached it)."""
+    import hashlib
+
+    from engine.families.image.cache import model_id
+    from engine.storage.cache import Cache, content_key
+
+    model_dir, job, reference, _ = runs[family]
+    wd, cfg = reference.result(timeout=900), load_job(job)
+    ctl_path = Path(cfg.data.control_paths()[0]) / name
+    side = RESOLUTION[family]
+    key = content_key(kind="control", image=hashlib.sha256(ctl_path.read_bytes()).hexdigest(), bucket=[side, side],
+                      flip=True, model=model_id(cfg, str(model_dir)), dtype="float32")
+    return model_dir, ctl_path, Cache(wd / "cache").load(key)["latent"][None]
+
+
 def test_kontext_control_tokens_and_ids_are_what_its_pipeline_builds_at_inference(runs):
     """Our packed input for one pair (the cached control latent after the noisy target, their ids) is the
     pipeline's own, for the same control image and noise."""
     from diffusers import FluxPipeline
 
-    from engine.families.image.cache import model_id
     from engine.families.image.edit import kontext_inputs
-    from engine.storage.cache import Cache, content_key
 
-    model_dir, job, reference, _ = runs["flux"]
-    wd, cfg = reference.result(timeout=900), load_job(job)
-    ctl_path = Path(cfg.data.control_paths()[0]) / "square.png"
-    import hashlib
-
-    key = content_key(kind="control", image=hashlib.sha256(ctl_path.read_bytes()).hexdigest(), bucket=[32, 32],
-                      flip=True, model=model_id(cfg, str(model_dir)), dtype="float32")
-    control = Cache(wd / "cache").load(key)["latent"][None]
+    model_dir, ctl_path, control = _cached_control("flux", runs, "square.png")
     noise = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(1))
     packed = FluxPipeline._pack_latents(noise, 1, 4, 4, 4)
     ours, our_ids = kontext_inputs(packed, control, 4, 4, torch.float32)
@@ -167,11 +186,37 @@ def test_kontext_control_tokens_and_ids_are_what_its_pipeline_builds_at_inferenc
     pipe = _edit_pipeline("flux", model_dir)
     seen = _captured_forward(pipe)
     with torch.no_grad():
-        pipe(prompt="make the block red", image=Image.open(ctl_path).convert("RGB"), height=32, width=32,
+        pipe(prompt="make the block red", image=_as_trained(ctl_path, "flux"), height=32, width=32,
              latents=packed, num_inference_steps=1, _auto_resize=False, max_area=32 * 32, output_type="latent")
     assert torch.equal(seen["img_ids"], our_ids)
     assert seen["img_ids"][4:, 0].eq(1).all() and seen["img_ids"][:4, 0].eq(0).all()  # 2x2 target tokens, then the control's
     torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-6)
+
+
+def test_flux2_reference_tokens_and_ids_are_what_its_pipeline_builds_at_inference(runs):
+    """FLUX.2: the cached reference latent packed after the noisy target, with time coordinate 10, as the
+    pipeline's multi-reference conditioning builds them for the same reference image and noise."""
+    from diffusers import Flux2Pipeline
+
+    from engine.families.image.edit import flux2_reference_inputs
+
+    model_dir, ctl_path, control = _cached_control("flux2", runs, "square.png")
+    noise = torch.randn(1, 16, 2, 2, generator=torch.Generator().manual_seed(1))
+    ours, our_ids = flux2_reference_inputs(Flux2Pipeline._pack_latents(noise), Flux2Pipeline._prepare_latent_ids(noise),
+                                           [control], torch.float32)
+    pipe = _edit_pipeline("flux2", model_dir)
+    seen = _captured_forward(pipe)
+    with torch.no_grad():
+        pipe(prompt="make the block red", image=[_as_trained(ctl_path, "flux2")], height=32, width=32,
+             latents=noise, num_inference_steps=1, output_type="latent")
+    assert torch.equal(seen["img_ids"], our_ids)
+    # 2x2 target tokens at time 0, then the 96x96 reference's 6x6 at time 10
+    assert seen["img_ids"].shape[1] == 4 + 36
+    assert seen["img_ids"][0, 4:, 0].eq(10).all() and seen["img_ids"][0, :4, 0].eq(0).all()
+    assert torch.equal(seen["hidden_states"][:, :4], ours[:, :4])
+    # The same pixels through the same VAE function (Flux2Pipeline._encode_vae_image), run once for the cache and
+    # once here: equal up to float rounding of the convolutions (measured 4.6e-6 on values of order 1).
+    torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -189,7 +234,8 @@ def test_changing_one_control_image_re_encodes_that_control_only(family, runs, t
     shutil.copytree(wd / "cache", tmp_path / "work" / "cache")
     fam = get_family(family)
     fam.prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
-    assert fam.report.encoded == {"latent": ["tall.png@32x32"], "text": []}
+    side = {"flux": "32x32", "flux2": "80x112"}[family]
+    assert fam.report.encoded == {"latent": [f"tall.png@{side}"], "text": []}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -53,7 +53,7 @@ from engine.config.job import JobConfig
 from engine.data.image_sets import extra_batch
 from engine.families.image.dataset import CachedImages, ImageData, scan_images
 from engine.families.image.dop import with_preservation
-from engine.families.image.edit import check_edit_model, controls, kontext_inputs
+from engine.families.image.edit import check_edit_items, check_edit_model, controls, kontext_inputs
 from engine.families.image.flow_lora import add_lora, flip_and_drop, load_lora_transformer
 from engine.families.image.flow_lora import sample_sigmas as sample_shifted
 from engine.families.image.flux_encode import fill_cache
@@ -136,8 +136,9 @@ class Flux(ImageData):
         quiet_libraries(diffusers=True)
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
-        check_edit_model(cfg, path)
+        pipeline = check_edit_model(cfg, path)
         self.records, self.items, self.n_train = scan_images(cfg, log)
+        check_edit_items(pipeline, self.items)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
 
     # ---------------------------------------------------------------- model

@@ -142,3 +142,25 @@ def test_control_path_outside_the_allowed_roots_is_refused(tmp_path, pairs):
             it.submit_text("edit.yaml", yaml.safe_dump(raw))
     finally:
         store.close()
+
+
+def test_flux2_refuses_a_pair_whose_bucket_its_pipeline_refuses_as_a_reference(intake, pairs):
+    raw = job(pairs, model="builtin:tiny-flux2")
+    raw["model"]["family"] = "flux2"
+    refused_everywhere(intake, raw, f"data.control_path: the controls of {pairs / 'target' / 'a.png'} train at "
+                                    "its bucket 32x32 (data.resolution 32), which Flux2KleinPipeline refuses")
+    raw["data"]["resolution"] = [96]  # buckets 112x80 and 96x96
+    (intake.inbox / "ok.yaml").write_text(yaml.safe_dump(raw))
+    assert intake.take(intake.inbox / "ok.yaml").job_id is not None
+
+
+def test_the_reference_limits_are_flux2s_own_image_processor_defaults():
+    import inspect
+
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    from engine.config.controls import REFERENCE_LIMITS
+
+    sig = inspect.signature(Flux2ImageProcessor.check_image_input).parameters
+    own = (sig["min_side_length"].default, float(sig["max_aspect_ratio"].default))
+    assert set(REFERENCE_LIMITS.values()) == {own}

@@ -31,6 +31,8 @@ EXAMPLE_HASHES = {
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
     "qwen2.5-7b-qlora.yaml": "0d230ebf9ca59387",
     "flux-kontext-edit-tiny.yaml": "344377e08114984e",
+    "flux-kontext-edit.yaml": "3e75ff8b340426da",
+    "flux2-reference-edit.yaml": "2d7162bc32d582f1",
     "z-image-lora.yaml": "1f9ef88b0db7e35e",
 }
 JOB_HASHES = {
