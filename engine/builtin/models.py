@@ -10,7 +10,8 @@ for FLUX.2 and Qwen-Image (engine/builtin/tiny_pipelines.py), `builtin:tiny-z-im
 (engine/builtin/tiny_z_image.py), `builtin:tiny-chroma`
 for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-flux3` for FLUX.3 (engine/builtin/tiny_flux3.py; a modular
 pipeline, so its marker is modular_model_index.json).
-`builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py).
+`builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py). The edit models: `builtin:tiny-flux-kontext`
+(tiny_flux.py), `builtin:tiny-qwen-image-edit` and `-plus` (tiny_pipelines.py); FLUX.2 takes references as is.
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -107,6 +108,18 @@ def _build_tiny_qwen_image(dest: Path) -> None:
     build_tiny_qwen_image(dest)
 
 
+def _build_tiny_qwen_image_edit(dest: Path) -> None:
+    from engine.builtin.tiny_pipelines import build_tiny_qwen_image_edit
+
+    build_tiny_qwen_image_edit(dest)
+
+
+def _build_tiny_qwen_image_edit_plus(dest: Path) -> None:
+    from engine.builtin.tiny_pipelines import build_tiny_qwen_image_edit
+
+    build_tiny_qwen_image_edit(dest, plus=True)
+
+
 def _build_tiny_z_image(dest: Path) -> None:
     from engine.builtin.tiny_z_image import build_tiny_z_image
 
@@ -141,6 +154,12 @@ BUILTIN_MODELS = {
     "tiny-qwen-image": BuiltinModel(
         "qwen_image", "A Qwen-Image-shaped pipeline (4 blocks, tiny video VAE, Qwen2.5-VL) with random weights.",
         "model_index.json", _build_tiny_qwen_image),
+    "tiny-qwen-image-edit": BuiltinModel(
+        "qwen_image", "A Qwen-Image-Edit-shaped pipeline (tiny-qwen-image's layout, a vision-capable processor) with "
+        "random weights.", "model_index.json", _build_tiny_qwen_image_edit, pipeline="QwenImageEditPipeline"),
+    "tiny-qwen-image-edit-plus": BuiltinModel(
+        "qwen_image", "tiny-qwen-image-edit as Qwen-Image-Edit-Plus (several control images per target).",
+        "model_index.json", _build_tiny_qwen_image_edit_plus, pipeline="QwenImageEditPlusPipeline"),
     "tiny-z-image": BuiltinModel(
         "z_image", "A Z-Image-shaped pipeline (4 layers + 2 refiner blocks, tiny FLUX.1-style VAE, Qwen3) with random "
         "weights.", "model_index.json", _build_tiny_z_image),

@@ -16,7 +16,7 @@ LM = ("causal_lm",)
 IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
 FAMILIES = (*LM, *IMAGE_FAMILIES)
 # The image families that train edit LoRAs on an edit base (data.control_path; engine/config/controls.py).
-EDIT_FAMILIES = ("flux", "flux2")
+EDIT_FAMILIES = ("flux", "qwen_image", "flux2")
 
 # identity=PARTS: the section's presence alone does not change the weights; only its own identity keys count,
 # and the section is left out of the identity when none of them is set.

@@ -181,6 +181,12 @@ def edit_jobs_pair_every_image(cfg: JobConfig) -> list[Problem]:
     if d.validation is not None and d.validation.path is not None:
         out.append(Problem("data.validation.path, data.control_path", "data.validation.path, data.control_path: "
                            "an edit job holds out validation pairs of data.path with data.validation.fraction"))
+    # Qwen-Image-Edit encodes every text with a control image: samples and DOP's class prompts have none yet.
+    if cfg.model.family == "qwen_image":
+        for key, on in (("sample.prompts", cfg.sample.prompts), ("train.dop", cfg.train.dop)):
+            if on:
+                out.append(Problem(f"{key}, data.control_path", f"{key}, data.control_path: Qwen-Image-Edit reads "
+                                   "every prompt with a control image, which this key's prompts do not have yet"))
     return out
 
 

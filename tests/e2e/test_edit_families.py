@@ -23,12 +23,13 @@ from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 
 # family -> (its tiny edit builtin, the pipeline class diffusers drives it with)
-EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline"), "flux2": ("tiny-flux2", "Flux2KleinPipeline")}
+EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline"), "qwen_image": ("tiny-qwen-image-edit", "QwenImageEditPipeline"),
+        "flux2": ("tiny-flux2", "Flux2KleinPipeline")}
 FAMILIES = tuple(EDIT)
 PAIRS = [("wide", 96, 64), ("tall", 64, 96), ("square", 64, 64)]
 # Kontext trains at 32 px (one 32x32 bucket); FLUX.2 takes references of 64 px a side or more, so 96 (buckets
 # 112x80, 80x112, 96x96).
-RESOLUTION = {"flux": 32, "flux2": 96}
+RESOLUTION = {"flux": 32, "qwen_image": 32, "flux2": 96}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -124,6 +125,16 @@ def _as_trained(path: Path, family: str) -> Image.Image:
     return load_for_bucket(path, (side, side))
 
 
+@pytest.fixture
+def small_qwen_controls(monkeypatch):
+    """Qwen-Image-Edit's pipeline resizes its control to about 1 MP (calculate_dimensions): here to the 32x32
+    bucket the tests trained at, so that a tiny inference costs what a tiny training step does."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit
+
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: (32, 32, None))
+
+
+@pytest.mark.usefixtures("small_qwen_controls")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_export_through_the_edit_pipelines_load_lora_weights_reproduces_the_trained_transformer(family, runs):
     from engine.families import get_family
@@ -219,6 +230,32 @@ def test_flux2_reference_tokens_and_ids_are_what_its_pipeline_builds_at_inferenc
     torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-5)
 
 
+@pytest.mark.usefixtures("small_qwen_controls")
+def test_qwen_edit_control_tokens_shapes_and_instruction_are_what_its_pipeline_builds_at_inference(runs):
+    """Qwen-Image-Edit: the cached control latent after the noisy target with both img_shapes, and the instruction
+    encoded with the control image by the model's own encode_text, are the pipeline's own inputs."""
+    from diffusers import QwenImagePipeline
+
+    from engine.families.image.edit import qwen_edit_inputs
+    from engine.families.image.qwen_image import QwenImageModel
+
+    model_dir, ctl_path, control = _cached_control("qwen_image", runs, "square.png")
+    noise = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    packed = QwenImagePipeline._pack_latents(noise, 1, 4, 4, 4)
+    ours, shapes = qwen_edit_inputs(packed, [control], 4, 4, torch.float32)
+    pipe = _edit_pipeline("qwen_image", model_dir)
+    seen = _captured_forward(pipe)
+    image = _as_trained(ctl_path, "qwen_image")
+    with torch.no_grad():
+        pipe(prompt="make the block red", image=image, height=32, width=32, latents=packed, num_inference_steps=2,
+             output_type="latent")
+        text = QwenImageModel().encode_text(pipe, "make the block red", 1024, torch.device("cpu"), images=[image])
+    assert seen["img_shapes"] == shapes == [[(1, 2, 2), (1, 2, 2)]]
+    torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-5)
+    assert torch.equal(seen["hidden_states"][:, :4], ours[:, :4])
+    assert torch.equal(seen["encoder_hidden_states"][0], text)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_changing_one_control_image_re_encodes_that_control_only(family, runs, tmp_path):
     from engine.families import get_family
@@ -234,8 +271,10 @@ def test_changing_one_control_image_re_encodes_that_control_only(family, runs, t
     shutil.copytree(wd / "cache", tmp_path / "work" / "cache")
     fam = get_family(family)
     fam.prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
-    side = {"flux": "32x32", "flux2": "80x112"}[family]
-    assert fam.report.encoded == {"latent": [f"tall.png@{side}"], "text": []}
+    side = {"flux": "32x32", "qwen_image": "32x32", "flux2": "80x112"}[family]
+    # Qwen-Image-Edit reads the instruction (and the empty one of caption dropout) with the control: re-encoded too.
+    texts = [" | tall.png", "make the block red | tall.png"] if family == "qwen_image" else []
+    assert fam.report.encoded == {"latent": [f"tall.png@{side}"], "text": texts}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -252,3 +291,35 @@ def test_a_pair_broken_after_submit_is_refused_by_the_trainer_before_anything_is
     with pytest.raises(JobInvalid, match=r"target/wide\.png has no control in"):
         get_family(family).prepare(cfg, tmp_path / "work", EventLog(tmp_path / "events.jsonl", to_stdout=False))
     assert not list((tmp_path / "work").rglob("*.safetensors"))
+
+
+def test_qwen_edit_plus_two_controls_are_packed_and_read_as_its_pipeline_does(runs, tmp_path, monkeypatch):
+    """Edit-Plus with two control slots: both control latents (encoded as the cache encodes them) after the target,
+    an img_shapes entry each, and the instruction read with both images, as QwenImageEditPlusPipeline builds them."""
+    import numpy as np
+    from diffusers import QwenImageEditPlusPipeline, QwenImagePipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    from engine.builtin.models import materialise
+    from engine.families.image.edit import qwen_edit_inputs
+    from engine.families.image.qwen_image import QwenImageModel
+
+    monkeypatch.setattr(plus, "calculate_dimensions", lambda area, ratio: (32, 32))  # as small_qwen_controls
+    data = Path(load_job(runs["qwen_image"][1]).data.control_paths()[0])
+    images = [_as_trained(data / "square.png", "qwen_image"), _as_trained(data / "wide.png", "qwen_image")]
+    pipe = QwenImageEditPlusPipeline.from_pretrained(materialise("tiny-qwen-image-edit-plus", tmp_path))
+    model = QwenImageModel()
+    with torch.no_grad():
+        controls = [model.encode_latents(pipe, torch.from_numpy(np.asarray(im, dtype=np.float32).copy())
+                                         .permute(2, 0, 1)[None] / 127.5 - 1.0)[None] for im in images]
+        text = model.encode_text(pipe, "make the block red", 1024, torch.device("cpu"), images=images)
+    noise = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(1))
+    packed = QwenImagePipeline._pack_latents(noise, 1, 4, 4, 4)
+    ours, shapes = qwen_edit_inputs(packed, controls, 4, 4, torch.float32)
+    seen = _captured_forward(pipe)
+    with torch.no_grad():
+        pipe(prompt="make the block red", image=images, height=32, width=32, latents=packed, num_inference_steps=2,
+             output_type="latent")
+    assert seen["img_shapes"] == shapes == [[(1, 2, 2), (1, 2, 2), (1, 2, 2)]]
+    torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-5)
+    assert torch.equal(seen["encoder_hidden_states"][0], text)

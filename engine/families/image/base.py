@@ -86,7 +86,8 @@ class ImageFamily(ImageData):
         enc = PipelineEncoder(self.model, path, cfg)
         self.cache, self.plan, self.report = fill_cache(
             cfg, self.items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
-            open_image_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
+            open_image_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder,
+            text_sees_controls=getattr(self.model, "text_sees_controls", False))
 
     # ---------------------------------------------------------------- model
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:

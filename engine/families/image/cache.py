@@ -80,9 +80,19 @@ class Plan:
     item_class_text: list[str] | None = None  # per item: its caption with the trigger → train.dop's class word
     negative_texts: list[str] = field(default_factory=list)  # keys of each sample prompt's negative prompt
     item_controls: list[tuple[str, ...]] = field(default_factory=list)  # per item: its control latents' keys
+    item_empty_text: list[str] | None = None  # per item: "" with its controls (an edit text), for caption dropout
 
 
-def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Plan:
+def edit_text_key(text: str, item: Item, flip: bool, mid: str, max_len: int, dtype: str) -> str:
+    # An instruction encoded with its controls (Qwen-Image-Edit): their bytes, not their bucket (the
+    # vision-language encoder reads each control at its own size).
+    return store.content_key(kind="edit_text", text=text, controls=[c.sha256 for c in item.controls], flip=flip,
+                             model=mid, max_len=max_len, dtype=dtype)
+
+
+def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int, text_sees_controls: bool = False) -> Plan:
+    """text_sees_controls: the family encodes an edit pair's instruction with its control images (payload
+    (text, item, flip); the entry holds prompt_embeds and, with data.flip, prompt_embeds_flip)."""
     mid, dt = model_id(cfg, model_path), cfg.model.dtype
     latents: dict[str, store.Need] = {}
     texts: dict[str, store.Need] = {}
@@ -99,15 +109,24 @@ def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Pl
                                          label=f"control {name}"))
         return k
 
-    item_latent, item_text, item_controls = [], [], []
+    def need_edit_text(text: str, it: Item) -> str:
+        k = edit_text_key(text, it, cfg.data.flip, mid, max_len, dt)
+        names = ", ".join(c.path.name for c in it.controls)
+        texts.setdefault(k, store.Need(k, f"{text} | {names}", (text, it, cfg.data.flip)))
+        return k
+
+    item_latent, item_text, item_controls, item_empty = [], [], [], []
     for it in items:
         k = latent_key(it, cfg.data.flip, mid, dt)
         latents.setdefault(k, store.Need(k, f"{it.record.rel}@{it.bucket[0]}x{it.bucket[1]}", (it, cfg.data.flip),
                                          label=it.record.rel))
         item_latent.append(k)
-        item_text.append(need_text(it.record.caption))
+        edit = text_sees_controls and bool(it.controls)
+        item_text.append(need_edit_text(it.record.caption, it) if edit else need_text(it.record.caption))
+        item_empty.append(need_edit_text("", it) if edit else None)
         item_controls.append(tuple(need_control(it, j) for j in range(len(it.controls))))
-    empty = need_text("")
+    # An edit pipeline that reads every text with a control image has no plain "": the first pair's stands in.
+    empty = item_empty[0] if item_empty and item_empty[0] else need_text("")
     entries = cfg.sample.entries()
     prompts = [need_text(p) for p, _neg, _seed in entries]
     negatives = [need_text(neg) for _p, neg, _seed in entries]
@@ -117,7 +136,8 @@ def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int) -> Pl
 
         class_texts = [need_text(class_prompt(it.record.caption, cfg.data.trigger, cfg.train.dop.preservation_class))
                        for it in items]
-    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts, negatives, item_controls)
+    return Plan(latents, texts, item_latent, item_text, empty, prompts, class_texts, negatives, item_controls,
+                item_empty if any(item_empty) else None)
 
 
 def encode_images(todo: list[store.Need], done: store.Done, encode: PixelEncoder, dtype: torch.dtype) -> None:
@@ -162,13 +182,13 @@ def _encode_texts(todo: list[store.Need], done: store.Done, *, open_encoder: Tex
 
 def fill_cache(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str, log, *, max_len: int,
                open_image_encoder: ImageEncoderFactory, open_text_encoder: TextEncoderFactory, bar=None,
-               fs: FileLayer | None = None) -> tuple[store.Cache, Plan, store.CacheReport]:
+               fs: FileLayer | None = None, text_sees_controls: bool = False) -> tuple[store.Cache, Plan, store.CacheReport]:
     """Make every latent and text embedding the job needs present and valid; encode only what is not.
 
     The image encoder is opened only if a latent is missing, the text encoder only if a text is, each in turn,
     so the VAE and the text encoders are never in memory together (engine/storage/cache.py frees each after its group).
     """
-    p = plan(cfg, items, model_path, max_len)
+    p = plan(cfg, items, model_path, max_len, text_sees_controls)
     groups = [store.Group("latent", p.latents, functools.partial(_encode_latents, open_encoder=open_image_encoder,
                                                                  dtype=torch_dtype(cfg.model.dtype))),
               store.Group("text", p.texts, functools.partial(_encode_texts, open_encoder=open_text_encoder))]

@@ -93,12 +93,16 @@ class ImageDataset(CachedImages):
         from engine.data.image_sets import extra_batch
 
         lat, batch = self.latents(indices)
-        texts = [self.cache.load(self.plan.item_text[i])["prompt_embeds"] for i in indices]
-        length = max(max(t.shape[0] for t in texts), self.empty["prompt_embeds"].shape[0])
-        embeds, mask = pad_texts(texts, length)
-        empty, empty_mask = pad_texts([self.empty["prompt_embeds"]], length)
-        batch.update({"prompt_embeds": embeds, "prompt_mask": mask, "empty_prompt_embeds": empty,
-                      "empty_prompt_mask": empty_mask})
+        entries = [self.cache.load(self.plan.item_text[i]) for i in indices]
+        # An edit pair's own "" (with its controls) for caption dropout, else the one empty caption.
+        empties = [self.cache.load(self.plan.item_empty_text[i]) for i in indices] if self.plan.item_empty_text \
+            else [self.empty]
+        length = max(e["prompt_embeds"].shape[0] for e in entries + empties)
+        for name, group in (("", entries), ("empty_", empties)):
+            batch[f"{name}prompt_embeds"], batch[f"{name}prompt_mask"] = pad_texts(
+                [e["prompt_embeds"] for e in group], length)
+            if "prompt_embeds_flip" in group[0]:  # encoded with the mirrored controls: as long as the other
+                batch[f"{name}prompt_embeds_flip"] = pad_texts([e["prompt_embeds_flip"] for e in group], length)[0]
         batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat, self.texts))
         return batch
 
@@ -209,4 +213,13 @@ class PipelineEncoder:
         else:
             for e in encoders:
                 e.to(device)
-        return lambda text: {"prompt_embeds": self.model.encode_text(pipe, text, max_len, device)}
+        def encode(payload) -> dict[str, torch.Tensor]:
+            if isinstance(payload, str):
+                return {"prompt_embeds": self.model.encode_text(pipe, payload, max_len, device)}
+            from engine.families.image.edit import control_images
+
+            text, item, flip = payload  # an edit pair's instruction, with its controls (and mirrored: data.flip)
+            return {name: self.model.encode_text(pipe, text, max_len, device, images=control_images(item, flipped))
+                    for name, flipped in [("prompt_embeds", False)] + ([("prompt_embeds_flip", True)] if flip else [])}
+
+        return encode

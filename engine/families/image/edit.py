@@ -9,7 +9,9 @@ controls keeps its random stream.
 The control tokens enter the transformer after the target's, through the pipeline's own helpers, and the
 prediction is cut back to the target's tokens before the loss: the loss is on the target tokens only. FLUX.1
 Kontext takes one control (FluxKontextPipeline.prepare_latents' image branch: position ids (1, row, col)); FLUX.2
-takes one reference per slot (Flux2Pipeline's reference conditioning: time coordinate 10, 20, ... per reference).
+takes one reference per slot (Flux2Pipeline's reference conditioning: time coordinate 10, 20, ... per reference);
+Qwen-Image-Edit (and Edit-Plus, one per slot) their own img_shapes, and the instruction's embedding is encoded
+with the control image(s) (the cache's text entries of an edit pair: engine/families/image/cache.py).
 """
 
 from __future__ import annotations
@@ -87,3 +89,48 @@ def flux2_reference_inputs(packed: torch.Tensor, latent_ids: torch.Tensor, refs:
     ids = Flux2Pipeline._prepare_image_ids([r[:1] for r in refs]).repeat(b, 1, 1).to(packed.device)
     tokens = torch.cat([Flux2Pipeline._pack_latents(r.to(dtype)) for r in refs], dim=1)
     return torch.cat([packed, tokens], dim=1), torch.cat([latent_ids, ids], dim=1)
+
+
+def qwen_edit_inputs(packed: torch.Tensor, controls: list[torch.Tensor], h: int, w: int, dtype):
+    """(hidden_states, img_shapes) of Qwen-Image-Edit for the packed noisy target tokens and the control latents
+    [B, C, h', w'] (one per slot): each packed by QwenImageEditPlusPipeline.prepare_latents' image branch (for one
+    control the same as QwenImageEditPipeline's) after the target's, and img_shapes as its __call__ builds them."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    b, c = controls[0].shape[:2]
+    pipe = QwenImageEditPlusPipeline(*[None] * 6)
+    pipe.latent_channels = c  # what a real pipeline reads from its VAE config (z_dim)
+    scale = pipe.vae_scale_factor
+    latents, image_latents = pipe.prepare_latents([x[:, :, None].to(dtype) for x in controls], b, c, h * scale,
+                                                  w * scale, dtype, packed.device, None, latents=packed)
+    shapes = [[(1, h // 2, w // 2), *[(1, x.shape[-2] // 2, x.shape[-1] // 2) for x in controls]]] * b
+    return torch.cat([latents, image_latents], dim=1), shapes
+
+
+def qwen_prompt_images(pipe, images: list):
+    """The control images as the edit pipeline's vision-language encoder sees them: resized as its __call__ does
+    (Edit: to about 1 MP; Edit-Plus: each to about 384², CONDITION_IMAGE_SIZE), one image or a list as its
+    encode_prompt takes them."""
+    from diffusers import QwenImageEditPlusPipeline
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    if isinstance(pipe, QwenImageEditPlusPipeline):
+        # (Edit-Plus' calculate_dimensions returns (width, height); Edit's adds a third value.)
+        sized = [plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, im.width / im.height)[:2] for im in images]
+        return [pipe.image_processor.resize(im, hh, ww) for im, (ww, hh) in zip(images, sized)]
+    ww, hh = edit.calculate_dimensions(1024 * 1024, images[0].width / images[0].height)[:2]
+    return pipe.image_processor.resize(images[0], hh, ww)
+
+
+def control_images(item, flip: bool) -> list:
+    """An item's control images as the vision-language encoder reads them: each at its own size, upright, RGB,
+    mirrored with its target (data.flip)."""
+    from PIL import Image, ImageOps
+
+    out = []
+    for c in item.controls:
+        with Image.open(c.path) as im:
+            im = ImageOps.exif_transpose(im).convert("RGB")
+        out.append(im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im)
+    return out

@@ -55,13 +55,14 @@ def intake(tmp_path):
 
 def refused_everywhere(intake: Intake, raw: dict, words: str) -> None:
     """The inbox rejects it, `lorad submit` (the socket's submit_text) raises, both with `words`; no job made."""
+    before = (len(intake.store.jobs()), sorted((intake.home / "jobs").glob("*")))
     (intake.inbox / "edit.yaml").write_text(yaml.safe_dump(raw))
     out = intake.take(intake.inbox / "edit.yaml")
     assert out is not None and out.job_id is None and words in out.error, out
     with pytest.raises(JobInvalid) as e:
         intake.submit_text("edit.yaml", yaml.safe_dump(raw))
     assert words in str(e.value)
-    assert intake.store.jobs() == [] and not any((intake.home / "jobs").glob("*"))
+    assert (len(intake.store.jobs()), sorted((intake.home / "jobs").glob("*"))) == before
 
 
 def test_a_good_paired_dataset_is_accepted_by_the_inbox(intake, pairs):
@@ -155,12 +156,37 @@ def test_flux2_refuses_a_pair_whose_bucket_its_pipeline_refuses_as_a_reference(i
 
 
 def test_the_reference_limits_are_flux2s_own_image_processor_defaults():
-    import inspect
-
-    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    """Read from diffusers' source (importing it would import torch: seconds, in a test of the validator)."""
+    import ast
+    import importlib.util
 
     from engine.config.controls import REFERENCE_LIMITS
 
-    sig = inspect.signature(Flux2ImageProcessor.check_image_input).parameters
-    own = (sig["min_side_length"].default, float(sig["max_aspect_ratio"].default))
+    spec = importlib.util.find_spec("diffusers")
+    src = Path(spec.origin).parent / "pipelines" / "flux2" / "image_processor.py"
+    fn = next(n for n in ast.walk(ast.parse(src.read_text()))
+              if isinstance(n, ast.FunctionDef) and n.name == "check_image_input")
+    args = fn.args.args[-len(fn.args.defaults):]
+    defaults = {a.arg: d for a, d in zip(args, fn.args.defaults)}
+    own = (ast.literal_eval(defaults["min_side_length"]), float(ast.literal_eval(defaults["max_aspect_ratio"])))
     assert set(REFERENCE_LIMITS.values()) == {own}
+
+
+def test_qwen_image_edit_plus_takes_a_control_folder_per_slot_and_edit_one(intake, pairs):
+    shutil.copytree(pairs / "control", pairs / "control2")
+    raw = job(pairs, model="builtin:tiny-qwen-image-edit-plus")
+    raw["model"]["family"] = "qwen_image"
+    raw["data"]["control_path"] = [str(pairs / "control"), str(pairs / "control2")]
+    (intake.inbox / "plus.yaml").write_text(yaml.safe_dump(raw))
+    assert intake.take(intake.inbox / "plus.yaml").job_id is not None
+    raw["model"]["path"] = "builtin:tiny-qwen-image-edit"
+    refused_everywhere(intake, raw, "QwenImageEditPipeline takes one control image per target; give one folder")
+
+
+def test_qwen_image_edit_refuses_sample_prompts_it_cannot_read_yet(pairs):
+    raw = job(pairs, model="builtin:tiny-qwen-image-edit")
+    raw["model"]["family"] = "qwen_image"
+    raw["sample"] = {"prompts": ["a cat"]}
+    (pairs / "job.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(JobInvalid, match="sample.prompts, data.control_path: Qwen-Image-Edit reads every prompt"):
+        load_job(pairs / "job.yaml")
