@@ -77,7 +77,12 @@ def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True, 
     """Write a tiny random FLUX.1 pipeline directory to `dest` (guidance_embeds=True is dev-like; kontext=True
     names FluxKontextPipeline, the edit model: FLUX.1 Kontext has FLUX.1-dev's very layout)."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxKontextPipeline,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     clip_tok, t5_tok = _clip_tokenizer(), t5_tokenizer()

@@ -89,8 +89,9 @@ def check_buckets(pipeline: str | None, targets: dict[str, tuple[int, int]], res
             check_bucket(pipeline, folder / rel, assign_bucket(w, h, res), res)
 
 
-def upright_size(path: Path) -> tuple[int, int]:
-    """(width, height) with the EXIF orientation applied, from the header; JobInvalid for an unreadable image."""
+def upright_size(path: Path, key: str = KEY) -> tuple[int, int]:
+    """(width, height) with the EXIF orientation applied, from the header; JobInvalid (naming `key`) for a missing
+    or unreadable image."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -100,7 +101,7 @@ def upright_size(path: Path) -> tuple[int, int]:
             w, h = im.size
             turned = im.getexif().get(0x0112) in (5, 6, 7, 8)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise JobInvalid(f"{KEY}: {path} is not a readable image ({e})") from None
+        raise JobInvalid(f"{key}: {path} is not a readable image ({e})") from None
     return (h, w) if turned else (w, h)
 
 

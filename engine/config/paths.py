@@ -43,6 +43,10 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
     if cfg.data.control_path is not None:
         folders = [_resolve(p, base_dir) for p in cfg.data.control_paths()]
         cfg.data.control_path = folders[0] if isinstance(cfg.data.control_path, str) else folders
+    for p in cfg.sample.prompts:  # a sample prompt's control images (edit jobs)
+        if not isinstance(p, str) and p.control is not None:
+            files = [_resolve(c, base_dir) for c in ([p.control] if isinstance(p.control, str) else p.control)]
+            p.control = files[0] if isinstance(p.control, str) else files
     if cfg.data.validation is not None and cfg.data.validation.path is not None:
         cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
 
@@ -93,7 +97,7 @@ def check_paths(cfg: JobConfig) -> None:
 
 def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:
     """data.control_path: an edit base (where its pipeline class can be read here), and every pair complete."""
-    from engine.config.controls import check_controls, check_edit_base, pipeline_class
+    from engine.config.controls import check_controls, check_edit_base, pipeline_class, upright_size
 
     slots, pipeline = len(cfg.data.control_paths()), None
     if mp.startswith(BUILTIN_PREFIX):
@@ -104,3 +108,6 @@ def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:
         check_edit_base(cfg.model.family, pipeline, mp, slots)
     # a hub id: the trainer checks its model_index.json when it has it (engine/families/image/edit.py)
     check_controls(dp, cfg.data.control_paths(), pipeline, cfg.data.resolution)
+    for i, files in enumerate(cfg.sample.controls()):
+        for f in files:
+            upright_size(Path(f), key=f"sample.prompts[{i}].control")

@@ -93,6 +93,12 @@ class JobPolicy:
                 p = p.get(k) if isinstance(p, dict) else None
             for one in p if isinstance(p, list) else [p]:  # data.control_path may list a folder per slot
                 self._check_root(section, name, one, base_dir, shown)
+        sample = raw.get("sample")
+        prompts = sample.get("prompts") if isinstance(sample, dict) else None
+        for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
+            control = prompt.get("control") if isinstance(prompt, dict) else None  # an edit job's sample controls
+            for one in control if isinstance(control, list) else [control]:
+                self._check_root("sample", f"sample.prompts[{i}].control", one, base_dir, shown)
 
     def _check_root(self, section: str, name: str, p: Any, base_dir: Path, shown: str) -> None:
         if not isinstance(p, str) or p.startswith("builtin:"):

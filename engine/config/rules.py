@@ -163,6 +163,13 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     if s.every_steps is not None and not s.prompts:
         out.append(Problem("sample.prompts", "sample.prompts: sample.every_steps is set but there are no prompts "
                                              "to render"))
+    for i, files in enumerate(s.controls()):
+        if files and cfg.data.control_path is None:
+            out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: control images are "
+                                                               "for edit jobs (data.control_path)"))
+        elif files and len(files) != len(cfg.data.control_paths()):
+            out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: one image per "
+                                                               f"data.control_path folder ({len(cfg.data.control_paths())})"))
     for k in ("width", "height"):
         if getattr(s, k) % 16:
             out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of 16 (got {getattr(s, k)})"))

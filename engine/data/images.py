@@ -37,6 +37,7 @@ from engine.config.buckets import MAX_ASPECT, assign_bucket, bucket_step, bucket
 from engine.config.sources import list_images
 from engine.errors import JobInvalid
 
+
 def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
     """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
     from PIL import Image, ImageOps

@@ -323,3 +323,28 @@ def test_qwen_edit_plus_two_controls_are_packed_and_read_as_its_pipeline_does(ru
     assert seen["img_shapes"] == shapes == [[(1, 2, 2), (1, 2, 2), (1, 2, 2)]]
     torch.testing.assert_close(seen["hidden_states"], ours, rtol=0, atol=1e-5)
     assert torch.equal(seen["encoder_hidden_states"][0], text)
+
+
+def test_a_kontext_sample_prompt_renders_from_its_control_image(runs, tmp_path):
+    """A sample prompt that names a control image renders through the edit pipeline from it (another image than the
+    same prompt and seed without one), and the samples event lists it beside the prompt."""
+    import json
+
+    from engine.recipe import train
+
+    _model, job, reference, _ = runs["flux"]
+    cfg = load_job(job)
+    control = str(Path(cfg.data.control_paths()[0]) / "square.png")
+    raw = yaml.safe_load(job.read_text())
+    raw["train"]["steps"] = 2
+    raw["sample"] = {"every_steps": 2, "steps": 2, "width": 32, "height": 32, "guidance": 2.5,
+                     "prompts": [{"prompt": "make the block red", "seed": 5, "control": control},
+                                 {"prompt": "make the block red", "seed": 5}]}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
+    shutil.copytree(reference.result(timeout=900) / "cache", tmp_path / "work" / "cache")
+    assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
+    events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
+    samples = [e for e in events if e["event"] == "samples"][-1]
+    assert samples["controls"] == [[control], []]
+    with_control, without = (np.asarray(Image.open(p)) for p in samples["paths"])
+    assert with_control.shape == without.shape == (32, 32, 3) and not np.array_equal(with_control, without)

@@ -118,7 +118,7 @@ def qwen_prompt_images(pipe, images: list):
     if isinstance(pipe, QwenImageEditPlusPipeline):
         # (Edit-Plus' calculate_dimensions returns (width, height); Edit's adds a third value.)
         sized = [plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, im.width / im.height)[:2] for im in images]
-        return [pipe.image_processor.resize(im, hh, ww) for im, (ww, hh) in zip(images, sized)]
+        return [pipe.image_processor.resize(im, hh, ww) for im, (ww, hh) in zip(images, sized, strict=True)]
     ww, hh = edit.calculate_dimensions(1024 * 1024, images[0].width / images[0].height)[:2]
     return pipe.image_processor.resize(images[0], hh, ww)
 

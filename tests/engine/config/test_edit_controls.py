@@ -167,7 +167,7 @@ def test_the_reference_limits_are_flux2s_own_image_processor_defaults():
     fn = next(n for n in ast.walk(ast.parse(src.read_text()))
               if isinstance(n, ast.FunctionDef) and n.name == "check_image_input")
     args = fn.args.args[-len(fn.args.defaults):]
-    defaults = {a.arg: d for a, d in zip(args, fn.args.defaults)}
+    defaults = {a.arg: d for a, d in zip(args, fn.args.defaults, strict=True)}
     own = (ast.literal_eval(defaults["min_side_length"]), float(ast.literal_eval(defaults["max_aspect_ratio"])))
     assert set(REFERENCE_LIMITS.values()) == {own}
 
@@ -190,3 +190,34 @@ def test_qwen_image_edit_refuses_sample_prompts_it_cannot_read_yet(pairs):
     (pairs / "job.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(JobInvalid, match="sample.prompts, data.control_path: Qwen-Image-Edit reads every prompt"):
         load_job(pairs / "job.yaml")
+
+
+def test_a_sample_prompt_names_its_control_image_and_a_bad_one_is_refused_naming_it(intake, pairs):
+    raw = job(pairs)
+    raw["sample"] = {"every_steps": 2, "prompts": [{"prompt": "make it red", "control": str(pairs / "control" / "b.png")}]}
+    (intake.inbox / "ok.yaml").write_text(yaml.safe_dump(raw))
+    assert intake.take(intake.inbox / "ok.yaml").job_id is not None
+    raw["sample"]["prompts"][0]["control"] = str(pairs / "control" / "nope.png")
+    refused_everywhere(intake, raw, f"sample.prompts[0].control: {pairs / 'control' / 'nope.png'} is not a readable")
+    raw["sample"]["prompts"][0]["control"] = [str(pairs / "control" / "b.png")] * 2
+    refused_everywhere(intake, raw, "sample.prompts[0].control: one image per data.control_path folder (1)")
+    del raw["data"]["control_path"]
+    raw["model"]["path"] = "builtin:tiny-flux"
+    raw["sample"]["prompts"][0]["control"] = str(pairs / "control" / "b.png")
+    refused_everywhere(intake, raw, "sample.prompts[0].control: control images are for edit jobs")
+
+
+def test_a_sample_control_outside_the_allowed_roots_is_refused(tmp_path, pairs):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(pairs / "control", outside)
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(home / "state.db")
+    try:
+        it = Intake(home, DaemonConfig(allowed_roots=["{home}", str(pairs)]), store, setup())
+        raw = job(pairs)
+        raw["sample"] = {"prompts": [{"prompt": "x", "control": str(outside / "b.png")}]}
+        with pytest.raises(JobInvalid, match=r"sample.prompts\[0\].control: .* outside the allowed roots"):
+            it.submit_text("edit.yaml", yaml.safe_dump(raw))
+    finally:
+        store.close()
