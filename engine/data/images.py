@@ -129,11 +129,14 @@ def make_items(records: list[ImageRecord], resolutions: list[int], masks: dict[s
                  controls.get(r.rel, ())) for r in records for res in sorted(set(resolutions))]
 
 
-def dataset_hash(records: list[ImageRecord]) -> str:
-    """Identifies the training set (image bytes and final captions) in output metadata."""
+def dataset_hash(records: list[ImageRecord], controls: dict | None = None) -> str:
+    """Identifies the training set (image bytes and final captions, and an edit job's control bytes by record.rel)
+    in output metadata."""
     h = hashlib.sha256()
     for r in records:
         h.update(f"{r.rel}\0{r.sha256}\0{r.caption}\n".encode())
+        for c in (controls or {}).get(r.rel, ()):
+            h.update(f"control\0{c.sha256}\n".encode())
     return h.hexdigest()[:16]
 
 

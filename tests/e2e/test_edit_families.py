@@ -346,5 +346,7 @@ def test_a_kontext_sample_prompt_renders_from_its_control_image(runs, tmp_path):
     events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
     samples = [e for e in events if e["event"] == "samples"][-1]
     assert samples["controls"] == [[control], []]
+    (shown,), none = samples["control_images"]  # the control as rendered from, beside the samples (the dashboard)
+    assert none == [] and Image.open(shown).size == (32, 32) and Path(shown).parent == Path(samples["paths"][0]).parent
     with_control, without = (np.asarray(Image.open(p)) for p in samples["paths"])
     assert with_control.shape == without.shape == (32, 32, 3) and not np.array_equal(with_control, without)

@@ -142,7 +142,11 @@ class ImageData:
     def dataset_hash(self) -> str:
         from engine.data.images import dataset_hash
 
-        return dataset_hash(self.records) if self.records else ""
+        if not self.records:
+            return ""
+        # An edit job's controls are part of what it trained on (a job without them keeps its hash).
+        controls = {it.record.rel: it.controls for it in self.items or [] if it.controls}
+        return dataset_hash(self.records, controls)
 
     def validation_set(self, cfg: JobConfig, workdir: Path, log):
         """The held-out (or data.validation.path) items, which prepare cached after the training items."""

@@ -97,7 +97,7 @@ class SampleRenderer:
         pipe = self._pipeline(transformer)
         accepted = inspect.signature(pipe.__call__).parameters
         device = transformer.device
-        paths = []
+        paths, shown = [], []  # shown: per prompt, the control images as rendered from (for the dashboard)
         was_training = transformer.training
         transformer.eval()
         devices = [torch.cuda.current_device()] if device.type == "cuda" else []
@@ -118,6 +118,9 @@ class SampleRenderer:
                                             f"rendered without it")
                     if self.controls[i] and "image" in accepted:  # an edit model's input image(s)
                         kwargs["image"] = control_input(self.controls[i], (s.width, s.height))
+                        shown.append(self._write_controls(out_dir, i, kwargs["image"]))
+                    else:
+                        shown.append([])
                     if self.cfg.data.control_path is not None:
                         # Kontext: the sample's size, not its ~1 MP default, and the control not resized to its
                         # preferred resolutions (training's controls are at their target's size too)
@@ -139,10 +142,22 @@ class SampleRenderer:
                     paths.append(path)
         finally:
             transformer.train(was_training)
-        controls = {"controls": self.controls} if any(self.controls) else {}  # shown beside each sample
+        # The control files named, and their fitted copies beside the samples (the dashboard shows those).
+        controls = {"controls": self.controls, "control_images": shown} if any(self.controls) else {}
         log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries],
                  **controls)
         return paths
+
+    def _write_controls(self, out_dir: Path, i: int, image) -> list[str]:
+        """NN-control-J.png: prompt NN's control images as the pipeline got them, written atomically."""
+        out = []
+        for j, im in enumerate(image if isinstance(image, list) else [image]):
+            buf = io.BytesIO()
+            im.save(buf, format="PNG")
+            path = out_dir / f"{i:02d}-control-{j}.png"
+            write_file_durable(self.fs, path, buf.getvalue())
+            out.append(str(path))
+        return out
 
 
 def control_input(files: list[str], size: tuple[int, int]):

@@ -33,6 +33,7 @@ EXAMPLE_HASHES = {
     "flux-kontext-edit-tiny.yaml": "344377e08114984e",
     "flux-kontext-edit.yaml": "3e75ff8b340426da",
     "flux2-reference-edit.yaml": "2d7162bc32d582f1",
+    "qwen-image-edit.yaml": "02b4e439e2ce7d31",
     "z-image-lora.yaml": "1f9ef88b0db7e35e",
 }
 JOB_HASHES = {
