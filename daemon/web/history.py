@@ -133,8 +133,11 @@ class Series:
                 self.last_checkpoint_ts = max(self.last_checkpoint_ts or 0.0, ts)
         elif kind == "samples":
             paths, prompts = ev.get("paths"), ev.get("prompts")
+            controls = ev.get("control_images")  # an edit job's: per prompt, the control images rendered from
             self.samples[step] = {"paths": [str(p) for p in paths] if isinstance(paths, list) else [],
-                                  "prompts": [str(p) for p in prompts] if isinstance(prompts, list) else []}
+                                  "prompts": [str(p) for p in prompts] if isinstance(prompts, list) else [],
+                                  "controls": [[str(x) for x in c] if isinstance(c, list) else [] for c in controls]
+                                  if isinstance(controls, list) else []}
             _keep_newest(self.samples, SAMPLES_KEPT)
 
     def catch_up(self, workdir: Path, most_bytes: int) -> None:

@@ -194,10 +194,18 @@ def samples_grid(job_id: str, samples: dict[int, dict[str, Any]], most_steps: in
         for i, p in enumerate(samples[s]["prompts"]):
             if i >= len(prompts):
                 prompts.append(p)
-    head = "<tr><th>prompt</th>" + "".join(f"<th>step {s}</th>" for s in steps) + "</tr>"
+    # An edit job's control images, shown left of the samples (the newest step's, as rendered from).
+    controls = {i: (s, c) for s in steps for i, c in enumerate(samples[s].get("controls", [])) if c}
+    head = ("<tr><th>prompt</th>" + ("<th>control</th>" if controls else "")
+            + "".join(f"<th>step {s}</th>" for s in steps) + "</tr>")
     rows, boxes = [], []
     for i in range(n_rows):
         cells = []
+        if controls:
+            s_c, files = controls.get(i, (None, []))
+            cells.append("<td>" + "".join(
+                f"<img loading=lazy src='/jobs/{quote(job_id)}/samples/{s_c}/{quote(f.rsplit('/', 1)[-1])}' "
+                f"alt='control {j} of #{i}'>" for j, f in enumerate(files)) + "</td>")
         for s in steps:
             paths = samples[s]["paths"]
             if i >= len(paths):

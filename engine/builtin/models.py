@@ -12,7 +12,8 @@ for Chroma (engine/builtin/tiny_chroma.py), `builtin:tiny-flux3` for FLUX.3 (eng
 pipeline, so its marker is modular_model_index.json).
 `builtin:tiny-krea2` for Krea 2 (engine/builtin/tiny_krea2.py). `builtin:tiny-wan22-5b` and `builtin:tiny-wan22-a14b`
 for Wan 2.2 (engine/builtin/tiny_video.py), `builtin:tiny-hunyuan-video15` for HunyuanVideo 1.5
-(engine/builtin/tiny_hunyuan_video.py).
+(engine/builtin/tiny_hunyuan_video.py). The edit models: `builtin:tiny-flux-kontext`
+(tiny_flux.py), `builtin:tiny-qwen-image-edit` and `-plus` (tiny_pipelines.py); FLUX.2 takes references as is.
 
 Importable without torch: job validation (engine/config/paths.py) reads BUILTIN_MODELS.
 """
@@ -48,6 +49,7 @@ class BuiltinModel:
     description: str
     marker: str                         # the file whose presence means the directory is complete
     build: Callable[[Path], None]       # writes the model directory to the given (temporary) path
+    pipeline: str | None = None         # its model_index.json's pipeline class, where job validation needs it
 
 
 def byte_level_tokenizer():
@@ -84,6 +86,12 @@ def _build_tiny_flux(dest: Path) -> None:
     build_tiny_flux(dest)
 
 
+def _build_tiny_flux_kontext(dest: Path) -> None:
+    from engine.builtin.tiny_flux import build_tiny_flux
+
+    build_tiny_flux(dest, kontext=True)
+
+
 def _build_tiny_flux2(dest: Path) -> None:
     from engine.builtin.tiny_pipelines import build_tiny_flux2
 
@@ -100,6 +108,18 @@ def _build_tiny_qwen_image(dest: Path) -> None:
     from engine.builtin.tiny_pipelines import build_tiny_qwen_image
 
     build_tiny_qwen_image(dest)
+
+
+def _build_tiny_qwen_image_edit(dest: Path) -> None:
+    from engine.builtin.tiny_pipelines import build_tiny_qwen_image_edit
+
+    build_tiny_qwen_image_edit(dest)
+
+
+def _build_tiny_qwen_image_edit_plus(dest: Path) -> None:
+    from engine.builtin.tiny_pipelines import build_tiny_qwen_image_edit
+
+    build_tiny_qwen_image_edit(dest, plus=True)
 
 
 def _build_tiny_z_image(dest: Path) -> None:
@@ -145,12 +165,21 @@ BUILTIN_MODELS = {
     "tiny-flux": BuiltinModel(
         "flux", "A FLUX.1-shaped pipeline (1 double + 1 single block, tiny VAE, CLIP and T5) with random weights.",
         "model_index.json", _build_tiny_flux),
+    "tiny-flux-kontext": BuiltinModel(
+        "flux", "A FLUX.1-Kontext-shaped edit pipeline (tiny-flux's layout, FluxKontextPipeline) with random weights.",
+        "model_index.json", _build_tiny_flux_kontext, pipeline="FluxKontextPipeline"),
     "tiny-flux2": BuiltinModel(
         "flux2", "A FLUX.2-klein-shaped pipeline (2 double + 2 single blocks, tiny VAE, Qwen3) with random weights.",
-        "model_index.json", _build_tiny_flux2),
+        "model_index.json", _build_tiny_flux2, pipeline="Flux2KleinPipeline"),
     "tiny-qwen-image": BuiltinModel(
         "qwen_image", "A Qwen-Image-shaped pipeline (4 blocks, tiny video VAE, Qwen2.5-VL) with random weights.",
         "model_index.json", _build_tiny_qwen_image),
+    "tiny-qwen-image-edit": BuiltinModel(
+        "qwen_image", "A Qwen-Image-Edit-shaped pipeline (tiny-qwen-image's layout, a vision-capable processor) with "
+        "random weights.", "model_index.json", _build_tiny_qwen_image_edit, pipeline="QwenImageEditPipeline"),
+    "tiny-qwen-image-edit-plus": BuiltinModel(
+        "qwen_image", "tiny-qwen-image-edit as Qwen-Image-Edit-Plus (several control images per target).",
+        "model_index.json", _build_tiny_qwen_image_edit_plus, pipeline="QwenImageEditPlusPipeline"),
     "tiny-z-image": BuiltinModel(
         "z_image", "A Z-Image-shaped pipeline (4 layers + 2 refiner blocks, tiny FLUX.1-style VAE, Qwen3) with random "
         "weights.", "model_index.json", _build_tiny_z_image),

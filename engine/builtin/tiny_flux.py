@@ -1,6 +1,6 @@
 """A tiny random FLUX.1 pipeline, built offline, for tests, demos and `builtin:tiny-flux` (engine/builtin/models.py).
 
-It has the same layout as a real FLUX.1-dev diffusers directory (transformer/,
+It has the same layout as a real FLUX.1-dev (or Kontext) diffusers directory (transformer/,
 vae/, text_encoder/ + tokenizer/ for CLIP, text_encoder_2/ + tokenizer_2/ for
 T5, scheduler/, model_index.json), written with `save_pretrained`, so the real
 loading code runs against it. Every component is random with a fixed seed and a
@@ -73,10 +73,16 @@ def tiny_t5(tok):
     ))
 
 
-def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True) -> None:
-    """Write a tiny random FLUX.1 pipeline directory to `dest` (guidance_embeds=True is dev-like)."""
+def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True, kontext: bool = False) -> None:
+    """Write a tiny random FLUX.1 pipeline directory to `dest` (guidance_embeds=True is dev-like; kontext=True
+    names FluxKontextPipeline, the edit model: FLUX.1 Kontext has FLUX.1-dev's very layout)."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxKontextPipeline,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel
 
     clip_tok, t5_tok = _clip_tokenizer(), t5_tokenizer()
@@ -105,6 +111,6 @@ def build_tiny_flux(dest: Path, seed: int = 1234, guidance_embeds: bool = True) 
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
         base_image_seq_len=256, max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
+    pipe = (FluxKontextPipeline if kontext else FluxPipeline)(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok,
                         text_encoder_2=t5, tokenizer_2=t5_tok, transformer=transformer)
     pipe.save_pretrained(dest, safe_serialization=True)

@@ -37,6 +37,7 @@ LATENT_CHANNELS = 4
 TOKENIZER_MAX_LEN = 48  # FLUX.2 pads every caption to 512 tokens; short keeps CPU tests fast
 # Qwen-Image does not pad (captions keep their own length); its pipeline truncates at 1024 + the 34 template tokens.
 QWEN_MAX_LEN = 1024 + 34
+VISION_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
                  "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n")
@@ -48,12 +49,13 @@ QWEN3_CHAT_TEMPLATE = (
 )
 
 
-def qwen_tokenizer(words: str, max_len: int = TOKENIZER_MAX_LEN):
-    """A Qwen2 byte-level BPE tokenizer: 256 byte tokens, the chat specials, and one token per word of `words`."""
+def qwen_tokenizer(words: str, max_len: int = TOKENIZER_MAX_LEN, vision: bool = False):
+    """A Qwen2 byte-level BPE tokenizer: 256 byte tokens, the chat specials, and one token per word of `words`;
+    vision=True adds Qwen2-VL's image specials and names the image token (tokenizer.image_token)."""
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    specials = ["<|im_start|>", "<|im_end|>"]
+    specials = ["<|im_start|>", "<|im_end|>"] + (list(VISION_SPECIALS) if vision else [])
     vocab = {"<|endoftext|>": 0}
     for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[ch] = len(vocab)
@@ -66,7 +68,8 @@ def qwen_tokenizer(words: str, max_len: int = TOKENIZER_MAX_LEN):
                 if chunk[:i] not in vocab:
                     vocab[chunk[:i]] = len(vocab)
                     merges.append((chunk[: i - 1], chunk[i - 1]))
-    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_len)
+    named = {"image_token": VISION_SPECIALS[1]} if vision else {}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=max_len, **named)
     tok.add_special_tokens({"additional_special_tokens": specials})
     return tok
 
@@ -120,17 +123,25 @@ def build_tiny_flux2(dest: Path, seed: int = 1234) -> None:
 
 def build_tiny_qwen_image(dest: Path, seed: int = 1234) -> None:
     """Write a tiny random Qwen-Image pipeline directory to `dest`."""
-    import torch
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     tok = qwen_tokenizer(QWEN_TEMPLATE + "<|im_end|>\n<|im_start|>assistant\n", max_len=QWEN_MAX_LEN)
+    pipe = QwenImagePipeline(tokenizer=tok, **qwen_image_components(tok, seed))
+    pipe.save_pretrained(dest, safe_serialization=True)
+
+
+def qwen_image_components(tok, seed: int, image_token_id: int | None = None) -> dict:
+    """The tiny Qwen-Image transformer, VAE, Qwen2.5-VL text encoder (its vision tokens `image_token_id`, or the
+    last token where prompts carry no image) and scheduler (tiny-qwen-image-edit's too)."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
     text_hidden = 32
+    special = len(tok) - 1 if image_token_id is None else image_token_id
+    vision_ids = {} if image_token_id is None else {
+        "vision_start_token_id": tok.convert_tokens_to_ids(VISION_SPECIALS[0]),
+        "vision_end_token_id": tok.convert_tokens_to_ids(VISION_SPECIALS[2])}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         transformer = QwenImageTransformer2DModel(
@@ -150,14 +161,30 @@ def build_tiny_qwen_image(dest: Path, seed: int = 1234) -> None:
         vision_config = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_hidden,
                              fullatt_block_indexes=[0], window_size=112)
         text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-            text_config=text_config, vision_config=vision_config, image_token_id=len(tok) - 1,
-            video_token_id=len(tok) - 1, vision_start_token_id=len(tok) - 1, vision_end_token_id=len(tok) - 1,
+            text_config=text_config, vision_config=vision_config, image_token_id=special,
+            video_token_id=special, **({"vision_start_token_id": special, "vision_end_token_id": special}
+                                       if image_token_id is None else vision_ids),
         ))
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
-                             transformer=transformer)
-    pipe.save_pretrained(dest, safe_serialization=True)
+    return {"transformer": transformer, "vae": vae, "text_encoder": text_encoder, "scheduler": scheduler}
 
+
+def build_tiny_qwen_image_edit(dest: Path, seed: int = 1234, plus: bool = False) -> None:
+    """Write a tiny random Qwen-Image-Edit (plus=True: Edit-Plus) pipeline directory to `dest`: tiny-qwen-image's
+    components, a tokenizer with Qwen2-VL's image tokens, and a processor whose vision tower input is the real
+    one's (Qwen2VLImageProcessorPil: 14 px patches merged 2x2, a small pixel budget). The real checkpoints'
+    Qwen2VLProcessor builds only with torchvision; PaddleOCRVLProcessor drives the same image processor and the
+    same image-token expansion without it."""
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
+    from transformers import PaddleOCRVLProcessor, Qwen2VLImageProcessorPil
+
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    template = cls(*[None] * 6).prompt_template_encode
+    tok = qwen_tokenizer(template.replace("{}", ""), max_len=QWEN_MAX_LEN, vision=True)
+    processor = PaddleOCRVLProcessor(image_processor=Qwen2VLImageProcessorPil(min_pixels=28 * 28,
+                                                                              max_pixels=56 * 56 * 4), tokenizer=tok)
+    parts = qwen_image_components(tok, seed, image_token_id=tok.image_token_id)
+    cls(tokenizer=tok, processor=processor, **parts).save_pretrained(dest, safe_serialization=True)

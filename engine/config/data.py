@@ -6,7 +6,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from engine.config.declare import IMAGE_FAMILIES, LM, PARTS, STILL_FAMILIES, VIDEO_FAMILIES, Strict, key
+from engine.config.declare import (
+    EDIT_FAMILIES,
+    IMAGE_FAMILIES,
+    LM,
+    PARTS,
+    STILL_FAMILIES,
+    VIDEO_FAMILIES,
+    Strict,
+    key,
+)
 
 
 class MaskConfig(Strict):
@@ -74,10 +83,19 @@ class DataConfig(Strict):
     fps: float = key(16.0, gt=0.0, le=240.0, families=VIDEO_FAMILIES)
     frames: list[Annotated[int, Field(ge=1, le=1025, multiple_of=1)]] = key(
         default_factory=lambda: [33], min_length=1, families=VIDEO_FAMILIES)
+    # edit LoRAs (engine/config/controls.py): the control (input) image(s) of each target, by file stem; a list is one
+    # folder per reference slot. Only edit bases read them (its EDIT_PIPELINES).
+    control_path: (str | Annotated[list[str], Field(min_length=1, max_length=4)] | None) = key(
+        None, families=IMAGE_FAMILIES, read_by=EDIT_FAMILIES, dump_default=False)
+    validation: ValidationConfig | None = key(None, identity=PARTS)
 
     @model_validator(mode="after")
     def _frames_fit_the_vae(self):
         if bad := [f for f in self.frames if f % 4 != 1]:
             raise ValueError(f"frames: {bad} are not 4k + 1 (1, 5, 9, ..., 33, ..., 81), what the video VAEs encode")
         return self
-    validation: ValidationConfig | None = key(None, identity=PARTS)
+
+    def control_paths(self) -> list[str]:
+        """data.control_path as a list of folders, one per reference slot (empty: not an edit job)."""
+        cp = self.control_path
+        return [] if cp is None else [cp] if isinstance(cp, str) else list(cp)

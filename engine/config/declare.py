@@ -18,6 +18,8 @@ IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "
 VIDEO_FAMILIES = ("wan", "hunyuan_video")
 STILL_FAMILIES = tuple(f for f in IMAGE_FAMILIES if f not in VIDEO_FAMILIES)
 FAMILIES = (*LM, *IMAGE_FAMILIES)
+# The image families that train edit LoRAs on an edit base (data.control_path; engine/config/controls.py).
+EDIT_FAMILIES = ("flux", "qwen_image", "flux2")
 
 # identity=PARTS: the section's presence alone does not change the weights; only its own identity keys count,
 # and the section is left out of the identity when none of them is set.
@@ -30,20 +32,25 @@ class Strict(BaseModel):
 
 
 def key(default: Any = PydanticUndefined, *, families: tuple[str, ...] = FAMILIES,
-        read_by: tuple[str, ...] | None = None, identity: Identity = True, **field: Any) -> Any:
+        read_by: tuple[str, ...] | None = None, identity: Identity = True, dump_default: bool = True,
+        **field: Any) -> Any:
     """A pydantic Field with the declarations above.
 
     families: the families the key is for; set on another family's job it is refused, and dump_job leaves it out.
     read_by: the families whose trainer reads it so far (default: all of families); the others refuse it when set.
     identity: False for what may change between attempts without invalidating a checkpoint; PARTS, see above.
+    dump_default: False leaves the key out of dump_job while it holds its default (a key added after jobs were
+    written: their normalised dumps stay byte for byte what they were).
     """
     extra = {"families": families, "read_by": read_by or families, "identity": identity}
+    if not dump_default:
+        extra["dump_default"] = False
     return Field(default, json_schema_extra=extra, **field)
 
 
 def declared(field: FieldInfo, name: str) -> Any:
     extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-    return extra.get(name, {"families": FAMILIES, "read_by": FAMILIES, "identity": True}[name])
+    return extra.get(name, {"families": FAMILIES, "read_by": FAMILIES, "identity": True, "dump_default": True}[name])
 
 
 def section_type(field: FieldInfo) -> type[BaseModel] | None:
@@ -79,6 +86,16 @@ def drop_other_families(model: type[BaseModel], dumped: dict[str, Any], family: 
             del dumped[name]
         elif (sub := section_type(field)) is not None and isinstance(dumped[name], dict):
             drop_other_families(sub, dumped[name], family)
+
+
+def drop_quiet_defaults(model: type[BaseModel], dumped: dict[str, Any]) -> None:
+    """Remove, in place, the keys declared dump_default=False that hold their default."""
+    for name in list(dumped):
+        field = model.model_fields[name]
+        if not declared(field, "dump_default") and dumped[name] == field.get_default(call_default_factory=True):
+            del dumped[name]
+        elif (sub := section_type(field)) is not None and isinstance(dumped[name], dict):
+            drop_quiet_defaults(sub, dumped[name])
 
 
 def keys_set_but_not_for(section: BaseModel, family: str, prefix: str = "") -> list[str]:

@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from engine.config import paths
-from engine.config.declare import drop_other_families
+from engine.config.declare import drop_other_families, drop_quiet_defaults
 from engine.config.defaults import resolve_defaults
 from engine.config.describe import describe_errors
 from engine.config.policy import JobPolicy
@@ -81,4 +81,5 @@ def dump_job(cfg: JobConfig) -> str:
     # The other families' keys stay out: they only hold defaults here, and written out they would be refused
     # (rules.keys_are_for_the_family) when the trainer reads jobs/ID/job.yaml back.
     drop_other_families(JobConfig, d, cfg.model.family)
+    drop_quiet_defaults(JobConfig, d)
     return yaml.safe_dump(d, sort_keys=False)

@@ -40,6 +40,13 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
     if cfg.data.regularisation is not None:
         cfg.data.regularisation.path = _resolve(cfg.data.regularisation.path, base_dir)
+    if cfg.data.control_path is not None:
+        folders = [_resolve(p, base_dir) for p in cfg.data.control_paths()]
+        cfg.data.control_path = folders[0] if isinstance(cfg.data.control_path, str) else folders
+    for p in cfg.sample.prompts:  # a sample prompt's control images (edit jobs)
+        if not isinstance(p, str) and p.control is not None:
+            files = [_resolve(c, base_dir) for c in ([p.control] if isinstance(p.control, str) else p.control)]
+            p.control = files[0] if isinstance(p.control, str) else files
     if cfg.data.validation is not None and cfg.data.validation.path is not None:
         cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
 
@@ -90,3 +97,23 @@ def check_paths(cfg: JobConfig) -> None:
             check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
         if val_path is not None:
             check_image_folder(val_path, key="data.validation.path")
+        if cfg.data.control_path is not None:
+            _check_edit_job(cfg, mp, dp)
+
+
+def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:
+    """data.control_path: an edit base (where its pipeline class can be read here), and every pair complete."""
+    from engine.config.controls import check_controls, check_edit_base, pipeline_class, upright_size
+
+    slots, pipeline = len(cfg.data.control_paths()), None
+    if mp.startswith(BUILTIN_PREFIX):
+        pipeline = BUILTIN_MODELS[mp[len(BUILTIN_PREFIX):]].pipeline
+        check_edit_base(cfg.model.family, pipeline, mp, slots)
+    elif Path(mp).is_absolute():
+        pipeline = pipeline_class(Path(mp))
+        check_edit_base(cfg.model.family, pipeline, mp, slots)
+    # a hub id: the trainer checks its model_index.json when it has it (engine/families/image/edit.py)
+    check_controls(dp, cfg.data.control_paths(), pipeline, cfg.data.resolution)
+    for i, files in enumerate(cfg.sample.controls()):
+        for f in files:
+            upright_size(Path(f), key=f"sample.prompts[{i}].control")

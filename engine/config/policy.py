@@ -32,7 +32,7 @@ from engine.errors import JobInvalid
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
 # Every path a trainer reads: a key missing here would let a job read outside the roots.
 PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
-             ("data", "regularisation", "path"))
+             ("data", "regularisation", "path"), ("data", "control_path"))
 WALKED = "data"  # the section whose folders are checked file by file
 
 
@@ -91,23 +91,33 @@ class JobPolicy:
             p: Any = raw
             for k in keys:
                 p = p.get(k) if isinstance(p, dict) else None
-            if not isinstance(p, str) or p.startswith("builtin:"):
-                continue
-            cand = Path(os.path.expanduser(p))
-            if not cand.is_absolute():
-                cand = base_dir / cand
-            if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
-                continue  # a hub id (org/name), not a local path
-            if not os.path.lexists(cand):
-                continue  # the engine's validator says "does not exist", which is the clearer message
-            real = Path(os.path.realpath(cand))
-            if not _under(real, self.roots):
-                raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
-                                 "add a root to allowed_roots in the daemon config")
-            if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
-                raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
-                                 f"allowed roots ({shown}); every file in a data folder must lie under one "
-                                 "(add a root to allowed_roots in the daemon config)")
+            for one in p if isinstance(p, list) else [p]:  # data.control_path may list a folder per slot
+                self._check_root(section, name, one, base_dir, shown)
+        sample = raw.get("sample")
+        prompts = sample.get("prompts") if isinstance(sample, dict) else None
+        for i, prompt in enumerate(prompts if isinstance(prompts, list) else []):
+            control = prompt.get("control") if isinstance(prompt, dict) else None  # an edit job's sample controls
+            for one in control if isinstance(control, list) else [control]:
+                self._check_root("sample", f"sample.prompts[{i}].control", one, base_dir, shown)
+
+    def _check_root(self, section: str, name: str, p: Any, base_dir: Path, shown: str) -> None:
+        if not isinstance(p, str) or p.startswith("builtin:"):
+            return
+        cand = Path(os.path.expanduser(p))
+        if not cand.is_absolute():
+            cand = base_dir / cand
+        if section == "model" and not cand.exists() and not p.startswith((".", "/", "~")):
+            return  # a hub id (org/name), not a local path
+        if not os.path.lexists(cand):
+            return  # the engine's validator says "does not exist", which is the clearer message
+        real = Path(os.path.realpath(cand))
+        if not _under(real, self.roots):
+            raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
+                             "add a root to allowed_roots in the daemon config")
+        if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
+            raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
+                             f"allowed roots ({shown}); every file in a data folder must lie under one "
+                             "(add a root to allowed_roots in the daemon config)")
 
     def allows_path(self, path: Path) -> bool:
         return _under(Path(os.path.realpath(path)), self.roots)

@@ -169,6 +169,13 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     if s.every_steps is not None and not s.prompts:
         out.append(Problem("sample.prompts", "sample.prompts: sample.every_steps is set but there are no prompts "
                                              "to render"))
+    for i, files in enumerate(s.controls()):
+        if files and cfg.data.control_path is None:
+            out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: control images are "
+                                                               "for edit jobs (data.control_path)"))
+        elif files and len(files) != len(cfg.data.control_paths()):
+            out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: one image per "
+                                                               f"data.control_path folder ({len(cfg.data.control_paths())})"))
     for k in ("width", "height"):
         if getattr(s, k) % 16:
             out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of 16 (got {getattr(s, k)})"))
@@ -192,6 +199,27 @@ def video_jobs_read_what_they_can(cfg: JobConfig) -> list[Problem]:
         out.append(Problem("model.expert, resources.gpus",
                            "model.expert, resources.gpus: expert: both runs one expert per sample, which DDP "
                            "reads as unused parameters; use one process, or one job per expert"))
+    return out
+
+
+def edit_jobs_pair_every_image(cfg: JobConfig) -> list[Problem]:
+    """data.control_path pairs data.path's images; the other image sets have no controls to pair (yet)."""
+    d = cfg.data
+    if d.control_path is None:
+        return []
+    out = []
+    if d.regularisation is not None:
+        out.append(Problem("data.regularisation, data.control_path", "data.regularisation, data.control_path: "
+                           "regularisation images have no control images; leave one of them out"))
+    if d.validation is not None and d.validation.path is not None:
+        out.append(Problem("data.validation.path, data.control_path", "data.validation.path, data.control_path: "
+                           "an edit job holds out validation pairs of data.path with data.validation.fraction"))
+    # Qwen-Image-Edit encodes every text with a control image: samples and DOP's class prompts have none yet.
+    if cfg.model.family == "qwen_image":
+        for key, on in (("sample.prompts", cfg.sample.prompts), ("train.dop", cfg.train.dop)):
+            if on:
+                out.append(Problem(f"{key}, data.control_path", f"{key}, data.control_path: Qwen-Image-Edit reads "
+                                   "every prompt with a control image, which this key's prompts do not have yet"))
     return out
 
 
@@ -276,6 +304,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
     fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, video_jobs_read_what_they_can,
+    edit_jobs_pair_every_image,
 )
 
 

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from engine.config.declare import Strict
+from engine.config.declare import Strict, key
 
 Text = Annotated[str, Field(min_length=1, max_length=2000)]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -18,6 +18,8 @@ class SamplePrompt(Strict):
     prompt: Text
     negative: Annotated[str, Field(max_length=2000)] = ""  # "" = none: guidance pushes from the empty caption
     seed: Seed | None = None  # None: sample.seed + the prompt's index
+    # an edit job's control image(s) for this prompt (a file, or one per data.control_path slot)
+    control: str | Annotated[list[str], Field(min_length=1, max_length=4)] | None = key(None, dump_default=False)
 
 
 class SampleConfig(Strict):
@@ -37,4 +39,12 @@ class SampleConfig(Strict):
         for i, p in enumerate(self.prompts):
             p = p if isinstance(p, SamplePrompt) else SamplePrompt(prompt=p)
             out.append((p.prompt, p.negative, self.seed + i if p.seed is None else p.seed))
+        return out
+
+    def controls(self) -> list[list[str]]:
+        """Each prompt's control images (data.control_path's edit jobs), [] where it names none."""
+        out = []
+        for p in self.prompts:
+            c = p.control if isinstance(p, SamplePrompt) else None
+            out.append([] if c is None else [c] if isinstance(c, str) else list(c))
         return out

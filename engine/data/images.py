@@ -33,31 +33,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.buckets import MAX_ASPECT, assign_bucket, bucket_step, buckets_for  # noqa: F401 - their home was here
 from engine.config.sources import list_images
 from engine.errors import JobInvalid
-
-MAX_ASPECT = 2.0
-
-
-def bucket_step(resolution: int) -> int:
-    return 16 if resolution <= 256 else 64
-
-
-def buckets_for(resolution: int) -> list[tuple[int, int]]:
-    """Bucket sizes (w, h) around resolution² area, aspect ratio within 2:1, multiples of the step."""
-    step = bucket_step(resolution)
-    area = resolution * resolution
-    out = set()
-    for w in range(step, 2 * resolution + 1, step):
-        h = (area // w) // step * step
-        if h >= step and max(w / h, h / w) <= MAX_ASPECT:
-            out.add((w, h))
-    return sorted(out)
-
-
-def assign_bucket(width: int, height: int, resolution: int) -> tuple[int, int]:
-    target = math.log(width / height)
-    return min(buckets_for(resolution), key=lambda b: (abs(math.log(b[0] / b[1]) - target), -b[0] * b[1]))
 
 
 def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
@@ -111,6 +89,7 @@ class Item:
     mask: MaskSource | None = None
     loss_weight: float = 1.0
     repeats: int | None = None  # per epoch; None = the order's own (data.repeats)
+    controls: tuple = ()  # an edit pair's control images (engine/config/controls.py ControlSource), one per slot
 
 
 def make_caption(raw: str | None, trigger: str | None) -> str:
@@ -150,18 +129,21 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
 
 
 def make_items(records: list[ImageRecord], resolutions: list[int], masks: dict[str, MaskSource] | None = None,
-               loss_weight: float = 1.0, repeats: int | None = None) -> list[Item]:
-    """Every record at each resolution; `masks` by record.rel, `loss_weight` and `repeats` for all of them."""
-    masks = masks or {}
-    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats)
-            for r in records for res in sorted(set(resolutions))]
+               loss_weight: float = 1.0, repeats: int | None = None, controls: dict | None = None) -> list[Item]:
+    """Every record at each resolution; `masks` and `controls` by record.rel, `loss_weight` and `repeats` for all."""
+    masks, controls = masks or {}, controls or {}
+    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats,
+                 controls.get(r.rel, ())) for r in records for res in sorted(set(resolutions))]
 
 
-def dataset_hash(records: list[ImageRecord]) -> str:
-    """Identifies the training set (image bytes and final captions) in output metadata."""
+def dataset_hash(records: list[ImageRecord], controls: dict | None = None) -> str:
+    """Identifies the training set (image bytes and final captions, and an edit job's control bytes by record.rel)
+    in output metadata."""
     h = hashlib.sha256()
     for r in records:
         h.update(f"{r.rel}\0{r.sha256}\0{r.caption}\n".encode())
+        for c in (controls or {}).get(r.rel, ()):
+            h.update(f"control\0{c.sha256}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -60,6 +60,7 @@ class VideoItem:
     mask: None = None
     loss_weight: float = 1.0
     repeats: int | None = None
+    controls: tuple = ()  # no edit pairs for video (engine/families/image/cache.py plans controls per item)
 
 
 def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None, log=None) -> list[VideoRecord]:

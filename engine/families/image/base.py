@@ -48,6 +48,7 @@ from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.dataset import ImageData, ImageDataset, PipelineEncoder, scan_images
 from engine.families.image.dop import with_preservation
+from engine.families.image.edit import check_edit_items, check_edit_model, controls
 from engine.families.image.flow_lora import (
     flip_and_drop,
     load_lora_transformer,
@@ -79,11 +80,14 @@ class ImageFamily(ImageData):
         quiet_libraries(diffusers=True)  # diffusers' loading bars have only an API switch
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
+        pipeline = check_edit_model(cfg, path)
         self.records, self.items, self.n_train = scan_images(cfg, log)
+        check_edit_items(pipeline, self.items)
         enc = PipelineEncoder(self.model, path, cfg)
         self.cache, self.plan, self.report = fill_cache(
             cfg, self.items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
-            open_image_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
+            open_image_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder,
+            text_sees_controls=getattr(self.model, "text_sees_controls", False))
 
     # ---------------------------------------------------------------- model
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
@@ -111,9 +115,12 @@ class ImageFamily(ImageData):
         s = sigma[:, None, None, None]
         x_t = (1 - s) * x0 + s * noise
 
+        # An edit pair's control latents (data.control_path), mirrored with the target: the model appends them.
+        edit = {"controls": ctl} if (ctl := controls(batch, flip)) else {}
+
         def predict(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             # Under DDP (several processes) the forward goes through the wrapper, the config is the inner model's.
-            return self.model.predict(model, getattr(model, "module", model), x_t, sigma, embeds, mask, cfg)
+            return self.model.predict(model, getattr(model, "module", model), x_t, sigma, embeds, mask, cfg, **edit)
 
         pred = predict(text["prompt_embeds"], text["prompt_mask"])
         # data.masks are on the latent grid: the model's own pack lays them out like its tokens.

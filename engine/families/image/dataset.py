@@ -25,6 +25,12 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
 
     records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
     masks = training_masks(cfg, records, log)
+    controls = None
+    if cfg.data.control_path is not None:  # edit pairs, checked again here as at submit (before anything is cached)
+        from engine.config.controls import pair_controls
+
+        controls = pair_controls(Path(cfg.data.path), {r.rel: (r.width, r.height) for r in records},
+                                 cfg.data.control_paths())
     held, held_masks = [], masks
     val = cfg.data.validation
     if val is not None and val.fraction is not None:  # whole images are held out, every resolution of each
@@ -32,9 +38,9 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
         records, held = [records[i] for i in train], [records[i] for i in held_i]
     elif val is not None:  # a folder of its own: no masks (the training masks stay with the training images)
         held, held_masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
-    items = make_items(records, cfg.data.resolution, masks) + regularisation_items(cfg, log)
+    items = make_items(records, cfg.data.resolution, masks, controls=controls) + regularisation_items(cfg, log)
     n_train = len(items)
-    return records, items + make_items(held, cfg.data.resolution, held_masks), n_train
+    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls), n_train
 
 
 def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):
@@ -70,6 +76,12 @@ class CachedImages:
         batch = {"latents": torch.stack([x["latent"] for x in lat])}
         if "latent_flip" in lat[0]:
             batch["latents_flip"] = torch.stack([x["latent_flip"] for x in lat])
+        for j in range(len(self.plan.item_controls[indices[0]]) if self.plan.item_controls else 0):
+            # an edit pair's control latents of slot j (at the target's bucket, so one size in a batch)
+            ctl = [self.cache.load(self.plan.item_controls[i][j]) for i in indices]
+            batch[f"control_{j}"] = torch.stack([x["latent"] for x in ctl])
+            if "latent_flip" in ctl[0]:
+                batch[f"control_{j}_flip"] = torch.stack([x["latent_flip"] for x in ctl])
         return lat, batch
 
 
@@ -81,12 +93,16 @@ class ImageDataset(CachedImages):
         from engine.data.image_sets import extra_batch
 
         lat, batch = self.latents(indices)
-        texts = [self.cache.load(self.plan.item_text[i])["prompt_embeds"] for i in indices]
-        length = max(max(t.shape[0] for t in texts), self.empty["prompt_embeds"].shape[0])
-        embeds, mask = pad_texts(texts, length)
-        empty, empty_mask = pad_texts([self.empty["prompt_embeds"]], length)
-        batch.update({"prompt_embeds": embeds, "prompt_mask": mask, "empty_prompt_embeds": empty,
-                      "empty_prompt_mask": empty_mask})
+        entries = [self.cache.load(self.plan.item_text[i]) for i in indices]
+        # An edit pair's own "" (with its controls) for caption dropout, else the one empty caption.
+        empties = [self.cache.load(self.plan.item_empty_text[i]) for i in indices] if self.plan.item_empty_text \
+            else [self.empty]
+        length = max(e["prompt_embeds"].shape[0] for e in entries + empties)
+        for name, group in (("", entries), ("empty_", empties)):
+            batch[f"{name}prompt_embeds"], batch[f"{name}prompt_mask"] = pad_texts(
+                [e["prompt_embeds"] for e in group], length)
+            if "prompt_embeds_flip" in group[0]:  # encoded with the mirrored controls: as long as the other
+                batch[f"{name}prompt_embeds_flip"] = pad_texts([e["prompt_embeds_flip"] for e in group], length)[0]
         batch.update(extra_batch(self.items, self.cache, self.plan, indices, lat, self.texts))
         return batch
 
@@ -126,7 +142,11 @@ class ImageData:
     def dataset_hash(self) -> str:
         from engine.data.images import dataset_hash
 
-        return dataset_hash(self.records) if self.records else ""
+        if not self.records:
+            return ""
+        # An edit job's controls are part of what it trained on (a job without them keeps its hash).
+        controls = {it.record.rel: it.controls for it in self.items or [] if it.controls}
+        return dataset_hash(self.records, controls)
 
     def validation_set(self, cfg: JobConfig, workdir: Path, log):
         """The held-out (or data.validation.path) items, which prepare cached after the training items."""
@@ -197,8 +217,14 @@ class PipelineEncoder:
         else:
             for e in encoders:
                 e.to(device)
-        def encode(text: str) -> dict[str, torch.Tensor]:
-            out = self.model.encode_text(pipe, text, max_len, device)  # HunyuanVideo: several tensors, by name
-            return out if isinstance(out, dict) else {"prompt_embeds": out}
+        def encode(payload) -> dict[str, torch.Tensor]:
+            if isinstance(payload, str):
+                out = self.model.encode_text(pipe, payload, max_len, device)  # HunyuanVideo: several tensors, by name
+                return out if isinstance(out, dict) else {"prompt_embeds": out}
+            from engine.families.image.edit import control_images
+
+            text, item, flip = payload  # an edit pair's instruction, with its controls (and mirrored: data.flip)
+            return {name: self.model.encode_text(pipe, text, max_len, device, images=control_images(item, flipped))
+                    for name, flipped in [("prompt_embeds", False)] + ([("prompt_embeds_flip", True)] if flip else [])}
 
         return encode

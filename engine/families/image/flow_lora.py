@@ -48,12 +48,21 @@ def flip_and_drop(batch: dict[str, Any], cfg: JobConfig, generator: torch.Genera
     if "latents_flip" in batch and draw:
         flip = (torch.rand(b, generator=generator) < 0.5).to(device)
         x0 = torch.where(flip.view(b, *[1] * (x0.dim() - 1)), batch["latents_flip"], x0)  # video latents: 5-D
-    out = {k: batch[k] for k in conds}
+    out = {k: _flipped(batch, k, flip) for k in conds}
     if cfg.data.caption_dropout > 0 and draw:
         drop = (torch.rand(b, generator=generator) < cfg.data.caption_dropout).to(device)
-        out = {k: torch.where(drop.view(b, *[1] * (v.dim() - 1)), batch[f"empty_{k}"].expand_as(v), v)
-               for k, v in out.items()}
+        out = {k: torch.where(drop.view(b, *[1] * (v.dim() - 1)), _flipped(batch, f"empty_{k}", flip).expand_as(v),
+                              v) for k, v in out.items()}
     return x0, flip, out
+
+
+def _flipped(batch: dict[str, Any], key: str, flip: torch.Tensor | None) -> torch.Tensor:
+    """batch[key], or where the sample was mirrored its KEY_flip: an edit pair's instruction encoded with its
+    mirrored control (Qwen-Image-Edit). Other batches have no KEY_flip."""
+    v = batch[key]
+    if flip is None or f"{key}_flip" not in batch:
+        return v
+    return torch.where(flip.view(-1, *[1] * (v.dim() - 1)), batch[f"{key}_flip"], v)
 
 
 def add_lora(transformer: torch.nn.Module, cfg: JobConfig, default_targets: str) -> torch.nn.Module:

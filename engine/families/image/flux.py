@@ -30,6 +30,12 @@ every image token gets a position id (0, row, col)
 public static helpers of the diffusers pipeline and used as is, so training
 sees exactly what inference does. FLUX.1-dev also embeds a guidance value
 (train.guidance); schnell has no guidance embedding and ignores it.
+
+FLUX.1 Kontext (a base whose model_index.json names FluxKontextPipeline) trains
+edit LoRAs on pairs (data.control_path): the control's latent, packed and with
+position ids (1, row, col) by FluxKontextPipeline.prepare_latents, follows the
+noisy target's tokens, and the loss reads the target's tokens only
+(engine/families/image/edit.py).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from engine.config.job import JobConfig
 from engine.data.image_sets import extra_batch
 from engine.families.image.dataset import CachedImages, ImageData, scan_images
 from engine.families.image.dop import with_preservation
+from engine.families.image.edit import check_edit_items, check_edit_model, controls, kontext_inputs
 from engine.families.image.flow_lora import add_lora, flip_and_drop, load_lora_transformer
 from engine.families.image.flow_lora import sample_sigmas as sample_shifted
 from engine.families.image.flux_encode import fill_cache
@@ -129,7 +136,9 @@ class Flux(ImageData):
         quiet_libraries(diffusers=True)
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
+        pipeline = check_edit_model(cfg, path)
         self.records, self.items, self.n_train = scan_images(cfg, log)
+        check_edit_items(pipeline, self.items)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
 
     # ---------------------------------------------------------------- model
@@ -166,6 +175,9 @@ class Flux(ImageData):
 
         packed = FluxPipeline._pack_latents(x_t.to(dtype), b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype)
+        hidden = packed
+        if ctl := controls(batch, flip):  # FLUX.1 Kontext: the control's tokens and ids after the target's
+            hidden, img_ids = kontext_inputs(packed, ctl[0].to(device), h, w, dtype)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype)
         guidance = None
         if inner.config.guidance_embeds:
@@ -173,7 +185,7 @@ class Flux(ImageData):
 
         def predict(embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
             return model(
-                hidden_states=packed,
+                hidden_states=hidden,
                 timestep=sigma.to(dtype),
                 guidance=guidance,
                 pooled_projections=pooled.to(dtype),
@@ -181,7 +193,7 @@ class Flux(ImageData):
                 txt_ids=txt_ids,
                 img_ids=img_ids,
                 return_dict=False,
-            )[0]
+            )[0][:, : packed.shape[1]]  # the target's tokens: an edit model's loss leaves the control's out
 
         pred = predict(embeds, pooled)
         pack = functools.partial(FluxPipeline._pack_latents, batch_size=b, num_channels_latents=c, height=h, width=w)

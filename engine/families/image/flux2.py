@@ -154,23 +154,30 @@ class Flux2Model:
 
         return Flux2Pipeline._pack_latents(x)
 
-    def predict(self, model, inner, x_t, sigma, embeds, mask, cfg: JobConfig) -> torch.Tensor:
+    def predict(self, model, inner, x_t, sigma, embeds, mask, cfg: JobConfig, controls=()) -> torch.Tensor:
+        """controls: reference latents (data.control_path), one per slot, after the target's tokens; the
+        prediction is the target's tokens only."""
         from diffusers import Flux2Pipeline
 
+        from engine.families.image.edit import flux2_reference_inputs
+
         dtype, device, b = inner.dtype, x_t.device, x_t.shape[0]
+        hidden, ids = self.pack(x_t.to(dtype)), Flux2Pipeline._prepare_latent_ids(x_t).to(device)
+        if controls:
+            hidden, ids = flux2_reference_inputs(hidden, ids, [c.to(device) for c in controls], dtype)
         guidance = None
         if inner.config.guidance_embeds:
             guidance = torch.full((b,), cfg.train.guidance, device=device, dtype=torch.float32)
         # FLUX.2 attends over the padded caption without a mask, at inference as here.
         return model(
-            hidden_states=self.pack(x_t.to(dtype)),
+            hidden_states=hidden,
             encoder_hidden_states=embeds.to(dtype),
             timestep=sigma.to(dtype),
-            img_ids=Flux2Pipeline._prepare_latent_ids(x_t).to(device),
+            img_ids=ids,
             txt_ids=Flux2Pipeline._prepare_text_ids(embeds).to(device),
             guidance=guidance,
             return_dict=False,
-        )[0]
+        )[0][:, : x_t.shape[-2] * x_t.shape[-1]]
 
     def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
         # sample.guidance is dev's guidance embedding, and klein's classifier-free guidance scale against the

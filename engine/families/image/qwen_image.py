@@ -15,6 +15,12 @@ What is Qwen-Image's own, all through diffusers' `QwenImagePipeline`:
   the caption inside the pipeline's chat template (its 34 template tokens
   dropped). Captions keep their own length: a batch is padded to its longest
   with `encoder_hidden_states_mask`, as the pipeline does for a prompt list.
+- Edit bases (Qwen-Image-Edit, Edit-Plus; data.control_path): the
+  instruction is encoded with the control image(s) by the edit pipeline's own
+  `encode_prompt` (its vision-language template), and the control latents
+  follow the target's tokens with their own `img_shapes`, packed by
+  Edit-Plus' `prepare_latents` (Edit's, for one control)
+  (engine/families/image/edit.py).
 - Timesteps: `shift` uses the pipeline's `calculate_shift` with the model's
   scheduler settings (base/max_shift over base/max_image_seq_len) and the
   scheduler's exponential time shift.
@@ -67,6 +73,7 @@ class QwenImageModel:
     """The Qwen-Image half of an ImageFamily (see the module docstring)."""
 
     name = "qwen_image"
+    text_sees_controls = True  # the edit pipelines encode the instruction with the control image(s)
     default_targets = DEFAULT_TARGETS
     fp8_skip = FP8_SKIP
 
@@ -81,7 +88,15 @@ class QwenImageModel:
     def encode_latents(self, pipe, pixels: torch.Tensor) -> torch.Tensor:
         return qwen_vae_latent(pipe, pixels)
 
-    def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
+    def encode_text(self, pipe, text: str, max_len: int, device: torch.device, images=None) -> torch.Tensor:
+        """images: an edit pair's control images (PIL), which the edit pipelines' vision-language encoder reads with
+        the instruction (engine/families/image/edit.py qwen_prompt_images)."""
+        if images:
+            from engine.families.image.edit import qwen_prompt_images
+
+            embeds, _mask = pipe.encode_prompt(text, image=qwen_prompt_images(pipe, images), device=device,
+                                               max_sequence_length=max_len)
+            return embeds[0]
         embeds, _mask = pipe.encode_prompt(text, device=device, max_sequence_length=max_len)
         return embeds[0]
 
@@ -96,17 +111,24 @@ class QwenImageModel:
         b, c, h, w = x.shape
         return QwenImagePipeline._pack_latents(x, b, c, h, w)
 
-    def predict(self, model, inner, x_t, sigma, embeds, mask, cfg: JobConfig) -> torch.Tensor:
+    def predict(self, model, inner, x_t, sigma, embeds, mask, cfg: JobConfig, controls=()) -> torch.Tensor:
+        """controls: an edit pair's control latents (Qwen-Image-Edit), appended after the target's tokens with
+        their own img_shapes; the prediction is the target's tokens only."""
         dtype, device = inner.dtype, x_t.device
         b, _c, h, w = x_t.shape
+        hidden, shapes = self.pack(x_t.to(dtype)), [[(1, h // 2, w // 2)]] * b
+        if controls:
+            from engine.families.image.edit import qwen_edit_inputs
+
+            hidden, shapes = qwen_edit_inputs(hidden, [c.to(device) for c in controls], h, w, dtype)
         return model(
-            hidden_states=self.pack(x_t.to(dtype)),
+            hidden_states=hidden,
             encoder_hidden_states=embeds.to(device, dtype),
             encoder_hidden_states_mask=mask.to(device),
             timestep=sigma.to(dtype),
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=shapes,
             return_dict=False,
-        )[0]
+        )[0][:, : (h // 2) * (w // 2)]
 
     def sample_kwargs(self, emb, negative, device, dtype, cfg: JobConfig) -> dict[str, Any]:
         # sample.guidance is Qwen-Image's true CFG scale, against the negative prompt (the empty caption by default).

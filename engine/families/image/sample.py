@@ -11,7 +11,9 @@ text encoder is loaded during training; the VAE decoder is loaded at the first
 render and kept.
 
 Files: WORKDIR/samples/step-NNNNNNNN/NN.png, each written atomically; a
-`samples` event lists the paths (what `lorad status ID` shows).
+`samples` event lists the paths (what `lorad status ID` shows). An edit job's
+prompt may name its control image(s) (`control`): the edit pipeline renders
+from them, and the event lists them beside the prompts.
 
 Rendering must not change training: it runs under `torch.random.fork_rng`
 with its own generators, in eval mode and without gradients, and puts the
@@ -52,6 +54,7 @@ class SampleRenderer:
         self.prompts = [cache.load(k) for k in plan.prompt_texts]
         self.negatives = [cache.load(k) for k in plan.negative_texts]
         self.entries = cfg.sample.entries()
+        self.controls = cfg.sample.controls()  # an edit job's control images per prompt ([] for none)
         self.warned = Once()
         self.pipe = None
         self.build_pipeline = pipeline or self._flux_pipeline
@@ -71,14 +74,21 @@ class SampleRenderer:
                 "pooled_prompt_embeds": emb["pooled"][None].to(device, dtype)}
 
     def _flux_pipeline(self, transformer):
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            FluxKontextPipeline,
+            FluxPipeline,
+        )
 
         rev = self.cfg.model.revision
         vae = AutoencoderKL.from_pretrained(self.model_path, subfolder="vae", revision=rev,
                                             dtype=torch_dtype(self.cfg.model.dtype))
         sched = FlowMatchEulerDiscreteScheduler.from_pretrained(self.model_path, subfolder="scheduler", revision=rev)
-        return FluxPipeline(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
-                            text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+        # An edit job on FLUX.1 is a Kontext base (engine/config/controls.py): its pipeline takes the control.
+        cls = FluxKontextPipeline if self.cfg.data.control_path is not None else FluxPipeline
+        return cls(scheduler=sched, vae=vae.to(transformer.device), text_encoder=None, tokenizer=None,
+                   text_encoder_2=None, tokenizer_2=None, transformer=transformer)
 
     def render(self, transformer: torch.nn.Module, step: int, log) -> list[Path]:
         s = self.cfg.sample
@@ -87,7 +97,7 @@ class SampleRenderer:
         pipe = self._pipeline(transformer)
         accepted = inspect.signature(pipe.__call__).parameters
         device = transformer.device
-        paths = []
+        paths, shown = [], []  # shown: per prompt, the control images as rendered from (for the dashboard)
         was_training = transformer.training
         transformer.eval()
         devices = [torch.cuda.current_device()] if device.type == "cuda" else []
@@ -106,6 +116,16 @@ class SampleRenderer:
                         log.warning("sample_negative_ignored", prompt=i,
                                     message=f"sample.prompts[{i}]: this model's pipeline takes no negative prompt; "
                                             f"rendered without it")
+                    if self.controls[i] and "image" in accepted:  # an edit model's input image(s)
+                        kwargs["image"] = control_input(self.controls[i], (s.width, s.height))
+                        shown.append(self._write_controls(out_dir, i, kwargs["image"]))
+                    else:
+                        shown.append([])
+                    if self.cfg.data.control_path is not None:
+                        # Kontext: the sample's size, not its ~1 MP default, and the control not resized to its
+                        # preferred resolutions (training's controls are at their target's size too)
+                        kwargs.update({k: v for k, v in (("max_area", s.width * s.height), ("_auto_resize", False))
+                                       if k in accepted})
                     image = pipe(
                         **kwargs,
                         height=s.height,
@@ -122,5 +142,29 @@ class SampleRenderer:
                     paths.append(path)
         finally:
             transformer.train(was_training)
-        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries])
+        # The control files named, and their fitted copies beside the samples (the dashboard shows those).
+        controls = {"controls": self.controls, "control_images": shown} if any(self.controls) else {}
+        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries],
+                 **controls)
         return paths
+
+    def _write_controls(self, out_dir: Path, i: int, image) -> list[str]:
+        """NN-control-J.png: prompt NN's control images as the pipeline got them, written atomically."""
+        out = []
+        for j, im in enumerate(image if isinstance(image, list) else [image]):
+            buf = io.BytesIO()
+            im.save(buf, format="PNG")
+            path = out_dir / f"{i:02d}-control-{j}.png"
+            write_file_durable(self.fs, path, buf.getvalue())
+            out.append(str(path))
+        return out
+
+
+def control_input(files: list[str], size: tuple[int, int]):
+    """A sample prompt's control images as the edit pipelines take them: one image (Kontext), or a list (FLUX.2's
+    references, one per slot); each resized to cover the sample's size and centre-cropped to it, as training
+    fits a control to its target's bucket."""
+    from engine.data.images import load_for_bucket
+
+    images = [load_for_bucket(f, size) for f in files]
+    return images[0] if len(images) == 1 else images
