@@ -47,8 +47,8 @@ def fetch(remote: Remote, key: str, staging: Path, validate: Callable[[str], obj
     if text is None:
         try:
             text = remote.get(f"{key}/job.yaml").decode("utf-8")
-        except FileNotFoundError:
-            raise JobInvalid(f"mirror {remote.name!r} has no job {key!r} (no {key}/job.yaml there)") from None
+        except FileNotFoundError as e:
+            raise JobInvalid(f"mirror {remote.name!r} has no job {key!r} (no {key}/job.yaml there: {e})") from None
         except UnicodeDecodeError:
             raise JobInvalid(f"mirror {remote.name!r}: {key}/job.yaml is not UTF-8 text") from None
     cfg = validate(text)
