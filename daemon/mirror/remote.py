@@ -19,6 +19,7 @@ import yaml
 from daemon.config.mirrors import MirrorSettings
 
 SCRUBBED = "***"
+BURST_S = 0.25  # the bandwidth cap lets this many seconds of unused budget go at once after a quiet spell
 
 
 class MirrorError(Exception):
@@ -182,6 +183,6 @@ class Remote:
         if cap is None:
             return
         now = time.monotonic()
-        self._sent_at = max(self._sent_at, now - 1.0) + n / cap  # at most a second of unused budget carried
+        self._sent_at = max(self._sent_at, now - BURST_S) + n / cap  # unused budget carried: at most BURST_S
         if self._sent_at > now:
             time.sleep(self._sent_at - now)

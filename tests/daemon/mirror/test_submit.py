@@ -79,3 +79,15 @@ def test_a_mirror_that_fails_later_is_one_line_in_the_status_while_the_job_goes_
     assert reply.jobs[0].state == "queued"  # the job's state is the trainer's business, not the mirror's
     detail = handlers.status(daemon, p.Status(job=jid)).job.mirror
     assert detail.behind_steps == 4 and detail.remote_step is None and "signature" in detail.last_error.lower()
+
+
+def test_a_job_done_before_its_mirror_says_so_in_the_queue(capsys):
+    lag = p.MirrorLag(mirror="r2", key="svc-1", local_step=24, remote_step=20, behind_steps=4, behind_s=12.0)
+    row = {"id": "svc-1", "name": "svc", "state": "succeeded", "priority": 0, "step": 24, "total": 24}
+    render.print_table(p.QueueReply(jobs=[p.JobRow(**row, mirror=lag)]))
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "svc-1" in ln]
+    assert "done, mirror behind" in line and "by 4 steps" in line
+    render.print_table(p.QueueReply(jobs=[p.JobRow(**row, mirror=lag.model_copy(update=dict(
+        remote_step=24, behind_steps=0, behind_s=0.0, output_mirrored=True, caught_up=True)))]))
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "svc-1" in ln]
+    assert "succeeded" in line and "mirror" not in line

@@ -197,3 +197,13 @@ def test_a_mirror_that_goes_down_is_retried_with_backoff_and_catches_up_once_bac
     wait_until(lambda: m.status()["remote_step"] == 12, 30, f"the catch-up ({m.status()})")
     wait_until(lambda: m.status()["last_error"] is None, 10, "the error to clear")
     m.close(timeout=5)
+
+
+def test_the_bandwidth_cap_paces_uploads_to_its_average_rate(tmp_path):
+    remote = Remote("nas", MirrorSettings(url=f"file://{tmp_path / 'nas'}", bandwidth_bytes_s=1_000_000))
+    started = time.monotonic()
+    for i in range(6):
+        remote.put(f"f{i}", bytes(100_000))
+    took = time.monotonic() - started
+    assert took >= 0.6 - 0.25 - 0.02  # 600 kB at 1 MB/s, less the burst allowed after a quiet spell
+    assert [len(remote.get(f"f{i}")) for i in range(6)] == [100_000] * 6
