@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 from daemon.mirror.remote import MirrorError, Remote
 from daemon.supervisor.disk_progress import committed_checkpoints
 from daemon.system.log import job_event
+from daemon.system.safe_files import open_at, opened_dir, read_fd
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 EVENT_CHUNK = re.compile(r"^(\d{12})-(\d{12})\.jsonl$")
@@ -159,11 +161,12 @@ class JobMirror:
 
     def _upload_checkpoint(self, step: int, path: Path) -> None:
         name = path.name
-        manifest_bytes = (path / "manifest.json").read_bytes()
+        manifest_bytes = read_in_job(self.workdir, f"checkpoints/{name}/manifest.json")
         files = json.loads(manifest_bytes)["files"]
         delay = _debug_file_delay()
         for rel, meta in files.items():
-            data = (path / rel).read_bytes()  # FileNotFoundError: pruned meanwhile → the next pass takes a newer one
+            # FileNotFoundError: pruned meanwhile → the next pass takes a newer one
+            data = read_in_job(self.workdir, f"checkpoints/{name}/{rel}")
             if hashlib.sha256(data).hexdigest() != meta["sha256"]:
                 raise MirrorError(f"{name}/{rel} no longer matches its checksum locally: not uploaded")
             self.remote.put(f"{self.key}/checkpoints/{name}/{rel}", data)
@@ -199,11 +202,9 @@ class JobMirror:
             ends = [int(m.group(2)) for n in self.remote.listdir(f"{self.key}/events") if (m := EVENT_CHUNK.match(n))]
             self.events_offset = max(ends, default=0)
         try:
-            with open(self.workdir / "events.jsonl", "rb") as f:
-                f.seek(self.events_offset)
-                data = f.read(EVENT_CHUNK_MAX)
-        except FileNotFoundError:
-            return
+            data = read_in_job(self.workdir, "events.jsonl", self.events_offset, EVENT_CHUNK_MAX)
+        except OSError:
+            return  # not there yet, or not a regular file of the job's own (a planted symlink): nothing to send
         data = data[: data.rfind(b"\n") + 1]  # whole lines only
         if not data:
             return
@@ -214,13 +215,53 @@ class JobMirror:
             self._kick = True  # more to send
 
     def _upload_output(self) -> None:
-        out = self.workdir / "output"
-        names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+        names = files_in_job(self.workdir, "output")
         for rel in sorted(names, key=lambda n: n == OUTPUT_STAMP):  # its stamp last
-            self.remote.put(f"{self.key}/output/{rel}", (out / rel).read_bytes())
+            self.remote.put(f"{self.key}/output/{rel}", read_in_job(self.workdir, f"output/{rel}"))
         self.last_upload_at = time.time()
         self.log.info("mirror_output_uploaded", job=self.job_id, mirror=self.remote.name, files=len(names))
         job_event(self.workdir, self.job_id, "mirror_output_uploaded", mirror=self.remote.name)
+
+
+def open_in_job(workdir: Path, rel: str) -> int:
+    """A read descriptor of workdir/REL reached through directory descriptors that never follow a symlink: the
+    trainer user writes below the job directory, and must not make the daemon upload a file of someone else."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise FileNotFoundError(f"{rel!r} is not a path inside the job")
+    with opened_dir(Path(workdir)) as top:
+        fds = [top]
+        try:
+            for d in parts[:-1]:
+                fds.append(os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+            return open_at(fds[-1], parts[-1])
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+
+
+def read_in_job(workdir: Path, rel: str, offset: int = 0, most: int = 1 << 40) -> bytes:
+    fd = open_in_job(workdir, rel)
+    try:
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        return read_fd(fd, most)
+    finally:
+        os.close(fd)
+
+
+def files_in_job(workdir: Path, rel: str) -> list[str]:
+    """The regular files below workdir/REL (relative to it), no symlink followed; [] when it is not there."""
+    out = []
+    try:
+        with opened_dir(Path(workdir)) as top:
+            for root, _dirs, files, root_fd in os.fwalk(rel, dir_fd=top, follow_symlinks=False):
+                for name in files:
+                    if stat.S_ISREG(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode):
+                        out.append(f"{root}/{name}"[len(rel) + 1:])
+    except OSError:
+        return []
+    return sorted(out)
 
 
 def newest_remote(remote: Remote, key: str) -> int | None:

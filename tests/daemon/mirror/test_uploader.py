@@ -207,3 +207,16 @@ def test_the_bandwidth_cap_paces_uploads_to_its_average_rate(tmp_path):
     took = time.monotonic() - started
     assert took >= 0.6 - 0.25 - 0.02  # 600 kB at 1 MB/s, less the burst allowed after a quiet spell
     assert [len(remote.get(f"f{i}")) for i in range(6)] == [100_000] * 6
+
+
+def test_files_the_trainer_user_links_elsewhere_are_never_uploaded(job_copy, tmp_path):
+    workdir, text, cfg = job_copy
+    secret = tmp_path / "someone-elses.txt"
+    secret.write_text("TOPSECRET\n")
+    (workdir / "output" / "linked.txt").symlink_to(secret)
+    (workdir / "events.jsonl").unlink()
+    (workdir / "events.jsonl").symlink_to(secret)
+    remote = Remote("nas", MirrorSettings(url=f"file://{tmp_path / 'nas'}"))
+    mirrored(workdir, text, remote)
+    assert "linked.txt" not in remote.listdir("tiny-1/output") and remote.listdir("tiny-1/events") == []
+    assert not any(b"TOPSECRET" in p.read_bytes() for p in (tmp_path / "nas").rglob("*") if p.is_file())
