@@ -125,6 +125,9 @@ class MirrorLag(BaseModel):
     last_error: str | None = None
     output_mirrored: bool = False
     caught_up: bool = False
+    hub_repo: str | None = None  # output.push_to_hub (daemon/mirror/hub.py)
+    hub_pushed: bool = False
+    hub_error: str | None = None
 
 
 class JobRow(BaseModel):

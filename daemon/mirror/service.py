@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.mirror.hub import HubPush
 from daemon.mirror.remote import MirrorError, Remote
 from daemon.mirror.uploader import JobMirror
 from daemon.store.db import Store
@@ -31,6 +32,7 @@ class Mirrors:
         self.home, self.cfg, self.store, self.log = Path(home), cfg, store, log
         self.jobs: dict[str, JobMirror] = {}
         self.problems: dict[str, dict[str, Any]] = {}  # job id → a status that says why it has no uploader
+        self.hub: dict[str, HubPush] = {}  # output.push_to_hub: one push per succeeded job that asks for it
         self.lock = threading.Lock()
 
     # ------------------------------------------------------------------ which mirror
@@ -79,22 +81,25 @@ class Mirrors:
     def finished(self, job_id: str) -> None:
         if (m := self._uploader(job_id)) is not None:
             m.finished()
+        job = self.store.get(job_id)
+        repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
+        if repo and job_id not in self.hub:
+            self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log).start()
 
     def close(self) -> None:
-        for m in list(self.jobs.values()):
+        for m in [*self.jobs.values(), *self.hub.values()]:
             m.close()
 
     # ------------------------------------------------------------------ read by status, the dashboard, /metrics
     def status(self, job_id: str) -> dict[str, Any] | None:
         m = self.jobs.get(job_id)
-        if m is not None:
-            return m.status()
-        return self.problems.get(job_id) or None
+        out = m.status() if m is not None else dict(self.problems.get(job_id) or {})
+        if (h := self.hub.get(job_id)) is not None:
+            out.update(h.status())
+        return out or None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        out = {k: v for k, v in self.problems.items() if v}
-        out.update({job_id: m.status() for job_id, m in list(self.jobs.items())})
-        return out
+        return {job_id: s for job_id in [*self.problems, *self.jobs] if (s := self.status(job_id))}
 
     # ------------------------------------------------------------------ submit
     def check_job(self, doc: dict[str, Any]) -> None:

@@ -201,7 +201,7 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications, mirrors=Mirrors(home, cfg, store, log) if cfg.mirrors else None,
+                     notifications=notifications, mirrors=Mirrors(home, cfg, store, log),
                      prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
