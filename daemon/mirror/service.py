@@ -75,16 +75,22 @@ class Mirrors:
 
     # ------------------------------------------------------------------ told by the supervisor
     def committed(self, job_id: str, step: int) -> None:
-        if (m := self._uploader(job_id)) is not None:
-            m.committed(step)
+        try:
+            if (m := self._uploader(job_id)) is not None:
+                m.committed(step)
+        except Exception as e:  # noqa: BLE001 — called from the supervisor's heartbeat step: never in its way
+            self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
     def finished(self, job_id: str) -> None:
-        if (m := self._uploader(job_id)) is not None:
-            m.finished()
-        job = self.store.get(job_id)
-        repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
-        if repo and job_id not in self.hub:
-            self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log).start()
+        try:
+            if (m := self._uploader(job_id)) is not None:
+                m.finished()
+            job = self.store.get(job_id)
+            repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
+            if repo and job_id not in self.hub:
+                self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log).start()
+        except Exception as e:  # noqa: BLE001 — called from the reap step: never in its way
+            self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
         for m in [*self.jobs.values(), *self.hub.values()]:
