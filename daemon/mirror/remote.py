@@ -116,12 +116,17 @@ class Remote:
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn, *args, missing: bool = True):
+        """fn(fs, *args); FileNotFoundError passes through when `missing` (a read of what is not there), every
+        other failure is a MirrorError (and the connection is dropped)."""
         fs = self.fs()
         try:
             return fn(fs, *args)
-        except FileNotFoundError:
-            raise
+        except FileNotFoundError as e:
+            if missing:
+                raise
+            self.reset()
+            raise self.error(what, e) from None
         except Exception as e:  # noqa: BLE001
             self.reset()
             raise self.error(what, e) from None
@@ -133,7 +138,7 @@ class Remote:
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             fs.pipe_file(path, data)
 
-        self._call(f"upload {rel}", do, self.path(rel))
+        self._call(f"upload {rel}", do, self.path(rel), missing=False)  # never "pruned locally" to the uploader
         self._pace(len(data))
 
     def put_json(self, rel: str, doc: Any) -> None:

@@ -120,8 +120,8 @@ class JobMirror:
                 self._kick = False
             try:
                 self._pass()
-            except (MirrorError, OSError) as e:
-                self._failed(str(e) if isinstance(e, MirrorError) else f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 — whatever it is, the job goes on; said, retried with backoff
+                self._failed(str(e) if isinstance(e, MirrorError) else f"{type(e).__name__}: {e}"[:500])
                 with self.cond:
                     self.cond.wait(delay)  # the backoff; a stop ends it
                     self._kick = True
@@ -149,7 +149,13 @@ class JobMirror:
             self.remote_step = newest_remote(self.remote, self.key)
         local = committed_checkpoints(self.workdir)
         if local and (self.remote_step is None or local[0].step > self.remote_step):
-            self._upload_checkpoint(local[0].step, local[0].path)
+            try:
+                self._upload_checkpoint(local[0].step, local[0].path)
+            except FileNotFoundError:
+                # Pruned locally while it went (newer commits came): the next pass takes the newest, at once.
+                with self.cond:
+                    self._kick = True
+                return
         self._prune()
         output = self.want_output and not self.output_done
         if output:

@@ -79,6 +79,10 @@ def test_a_mirror_that_fails_later_is_one_line_in_the_status_while_the_job_goes_
     assert reply.jobs[0].state == "queued"  # the job's state is the trainer's business, not the mirror's
     detail = handlers.status(daemon, p.Status(job=jid)).job.mirror
     assert detail.behind_steps == 4 and detail.remote_step is None and "signature" in detail.last_error.lower()
+    gone = daemon.intake.submit_text("gone.yaml", yaml.safe_dump(good_job("gone", output={"mirror": "gone"}))).job_id
+    daemon.supervisor.mirrors.committed(gone, 4)
+    wait_until(lambda: (daemon.supervisor.mirrors.status(gone) or {}).get("last_error"), 30, "the missing bucket")
+    assert "bucket does not exist" in daemon.supervisor.mirrors.status(gone)["last_error"]
 
 
 def test_a_job_done_before_its_mirror_says_so_in_the_queue(capsys):

@@ -220,3 +220,19 @@ def test_files_the_trainer_user_links_elsewhere_are_never_uploaded(job_copy, tmp
     mirrored(workdir, text, remote)
     assert "linked.txt" not in remote.listdir("tiny-1/output") and remote.listdir("tiny-1/events") == []
     assert not any(b"TOPSECRET" in p.read_bytes() for p in (tmp_path / "nas").rglob("*") if p.is_file())
+
+
+def test_a_checkpoint_pruned_locally_while_it_goes_is_no_error_the_next_newest_goes_instead(job_copy, tmp_path,
+                                                                                             monkeypatch):
+    workdir, text, cfg = job_copy
+    monkeypatch.setenv("LORAD_DEBUG_MIRROR_FILE_DELAY_S", "0.1")
+    remote = Remote("nas", MirrorSettings(url=f"file://{tmp_path / 'nas'}"))
+    m = JobMirror("tiny-1", workdir, "tiny-1", remote, 2, text, RecLog()).start()
+    m.committed(12)
+    wait_until(lambda: remote.listdir("tiny-1/checkpoints/step-00000012"), 30, "step 12 under way")
+    shutil.rmtree(workdir / "checkpoints" / "step-00000012")  # the trainer's pruning, as it would race
+    older = committed_checkpoints(workdir)[0].step
+    wait_until(lambda: m.status()["remote_step"] == older, 30, f"step {older} mirrored instead ({m.status()})")
+    m.close(timeout=5)
+    assert m.status()["last_error"] is None
+    assert "manifest.json" not in remote.listdir("tiny-1/checkpoints/step-00000012")
