@@ -152,6 +152,8 @@ def _mirrors(lags: dict[str, dict[str, Any]]) -> Iterator[Metric]:
         ("lorad_mirror_last_upload_timestamp_seconds", "when the mirror last took an upload (0: never)"),
         ("lorad_mirror_error", "1 while the mirror's last try failed (retried with backoff)")]]
     for job, m in sorted(lags.items()):
+        if not m.get("mirror"):
+            continue  # a job with only a Hub push (output.push_to_hub) has no mirror lag
         labels = [job, str(m.get("mirror") or "")]
         for fam, v in zip(fams, (m.get("behind_steps"), m.get("behind_s"), m.get("last_upload_at"),
                                  1.0 if m.get("last_error") else 0.0), strict=True):
