@@ -4,7 +4,7 @@ the job's step time against the same job without a mirror, and the mirror catchi
     .venv/bin/python bench/mirror_faults.py                       # SFTP (sshd on loopback), down 60 s
     .venv/bin/python bench/mirror_faults.py --backend s3 --down-s 20 --steps 600
 
-Runs the quickstart job (tiny-llama on CPU, a checkpoint every --every steps) twice in fresh homes, one after the
+Runs the quickstart job made lighter (tiny-llama on CPU, batch 2, LoRA on q/v, a checkpoint every --every steps) twice in fresh homes, one after the
 other: first without a mirror, then with one (the server started on loopback by tests/helpers/storage.py). In the
 second run the server is SIGKILLed while the first checkpoint's upload is in flight (each file's upload is made to
 last LORAD_DEBUG_MIRROR_FILE_DELAY_S, so that "mid-upload" is a window we can hit), and started again --down-s
@@ -46,7 +46,8 @@ def job(steps: int, every: int, seq_len: int) -> dict:
     d = yaml.safe_load(QUICKSTART.read_text())
     d["data"]["path"] = str(REPO / "configs" / "examples" / d["data"]["path"])
     d["data"]["seq_len"] = seq_len
-    d["train"]["steps"] = steps
+    d["train"].update(steps=steps, batch_size=2)
+    d["lora"]["targets"] = ["q_proj", "v_proj"]  # lighter than the quickstart: a short run still spans the fault
     d["checkpoint"] = {"every_steps": every, "every_seconds": None, "keep": 2}
     return d
 
@@ -83,7 +84,8 @@ def serve(root: Path, name: str, cfg: dict, env: dict[str, str]) -> tuple[subpro
     log = open(root / f"{name}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(home), "--config",
                              str(root / f"{name}.yaml")], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                            env={**os.environ, **env})
+                            env={**os.environ, **env,  # its trainers import this tree's engine, as it does
+                                 "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")})
     deadline = time.monotonic() + 60
     while not (home / "lorad.sock").exists():
         if time.monotonic() > deadline or proc.poll() is not None:
@@ -108,7 +110,8 @@ def train(root: Path, name: str, cfg: dict, args: argparse.Namespace, env: dict[
         print(f"{name}: done in {time.time() - j['submitted_at']:.0f} s", flush=True)
         return {"job": j, "home": home, "jid": jid, "times": step_times(workdir), "proc": proc}
     except BaseException:
-        proc.kill()
+        proc.terminate()  # a clean stop: the daemon stops its trainer too
+        proc.wait(180)
         raise
 
 
@@ -185,9 +188,9 @@ def report(args: argparse.Namespace, r: dict) -> bool:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["sftp", "s3"], default="sftp")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--every", type=int, default=40)
-    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--down-s", type=float, default=60.0)
     ap.add_argument("--kill-after-s", type=float, default=0.3)
     ap.add_argument("--file-delay-s", type=float, default=0.3)
