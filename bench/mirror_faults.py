@@ -163,6 +163,11 @@ def measure(args: argparse.Namespace, root: Path, server) -> dict:
         faults["lag"] = lag
         faults["remote_step"] = newest_remote(remote, mirrored["jid"])
         faults["output"] = remote.exists(f"{mirrored['jid']}/output/adapter_model.safetensors")
+        said = [json.loads(ln) for ln in (mirrored["home"] / "jobs" / mirrored["jid"] / "events.jsonl").read_text()
+                .splitlines() if '"mirror_' in ln]
+        faults["failed_said"] = sum(e["event"] == "mirror_failed" for e in said)
+        back = [e["ts"] for e in said if e["event"] == "mirror_recovered"]
+        faults["recovered_at"] = datetime.fromisoformat(back[0].replace("Z", "+00:00")).timestamp() if back else None
     finally:
         mirrored["proc"].terminate()
     return {"plain": plain["times"], "mirrored": mirrored["times"], "faults": faults}
@@ -177,8 +182,10 @@ def report(args: argparse.Namespace, r: dict) -> bool:
     print(f"median step time: no mirror {p:.4f} s ({len(r['plain'])} steps, longest {max(r['plain']):.3f} s), "
           f"mirror with the fault {m:.4f} s ({len(r['mirrored'])} steps, longest {max(r['mirrored']):.3f} s): "
           f"ratio {ratio:.3f}")
-    print(f"mirror caught up: newest complete remote checkpoint step {f['remote_step']}, output there: {f['output']}, "
-          f"{f['caught_up_at'] - f['back_at']:.1f} s after the server came back; last error: "
+    recovered = f"{f['recovered_at'] - f['back_at']:.1f} s" if f["recovered_at"] else "never"
+    print(f"mirror: failures said {f['failed_said']} time(s); uploads again {recovered} after the server came back; "
+          f"caught up (newest complete remote checkpoint step {f['remote_step']}, output there: {f['output']}) "
+          f"{f['caught_up_at'] - f['back_at']:.1f} s after it (the job still training meanwhile); last error: "
           f"{f['lag'].get('last_error')}")
     ok = ratio <= 1.10 and bool(caught)
     print(f"within the bars (step ratio <= 1.10, caught up): {ok}")
