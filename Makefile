@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean browser
+.PHONY: venv demo test lint bench clean browser sshd
 
 venv: $(STAMP)
 
@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[train,dev]'
+	$(BIN)/pip install -q -e '.[train,dev,mirror]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	bash configs/demo.sh
 
-test: $(STAMP) browser
+test: $(STAMP) browser sshd
 	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 tests
 
 # The dashboard's browser test drives Debian's chromium through chromedriver (tests/e2e/test_dashboard_browser.py).
@@ -33,6 +33,17 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
 	      || echo "could not install chromium: the browser test will be skipped"; \
 	  else echo "no /usr/bin/chromium and not root with apt-get: the browser test will be skipped"; fi; \
+	fi
+
+# The mirror's SFTP tests run Debian's sshd on a loopback port (tests/helpers/storage.py). Installed here when
+# missing and we may (root, apt-get); otherwise those tests are skipped and say why.
+sshd:
+	@if [ ! -x /usr/sbin/sshd ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing openssh-server (apt-get) for the mirror's SFTP tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server \
+	      || echo "could not install openssh-server: the SFTP tests will be skipped"; \
+	  else echo "no /usr/sbin/sshd and not root with apt-get: the SFTP tests will be skipped"; fi; \
 	fi
 
 lint: $(STAMP)

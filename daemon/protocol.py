@@ -31,7 +31,10 @@ class Ping(_Msg):
 class Submit(_Msg):
     verb: Literal["submit"] = "submit"
     name: str = Field(min_length=1, max_length=200)  # the job file's name, for messages
-    text: str  # the normalised job YAML (absolute paths); validated again by the daemon
+    text: str = ""  # the normalised job YAML (absolute paths); validated again by the daemon
+    # MIRROR_URL/JOB, NAME/JOB or a job key: the job restored from a mirror (daemon/mirror/); text, when given,
+    # must match its checkpoint's identity
+    from_mirror: str | None = Field(None, min_length=1, max_length=1000)
 
     def __repr_args__(self):  # keep whole configs out of debug output
         return [("verb", self.verb), ("name", self.name), ("text", f"<{len(self.text)} chars>")]
@@ -110,6 +113,23 @@ VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
 
 
 # ---------------------------------------------------------------- replies
+class MirrorLag(BaseModel):
+    """A job's mirror (daemon/mirror/): how far the remote copy is behind the local commits, and its last error."""
+    mirror: str | None = None
+    key: str | None = None  # the job's folder on the mirror
+    local_step: int | None = None  # the newest local commit
+    remote_step: int | None = None  # the newest complete remote checkpoint
+    behind_steps: int | None = None
+    behind_s: float | None = None  # since the oldest commit not mirrored yet
+    last_upload_at: float | None = None
+    last_error: str | None = None
+    output_mirrored: bool = False
+    caught_up: bool = False
+    hub_repo: str | None = None  # output.push_to_hub (daemon/mirror/hub.py)
+    hub_pushed: bool = False
+    hub_error: str | None = None
+
+
 class JobRow(BaseModel):
     id: str
     name: str
@@ -126,6 +146,7 @@ class JobRow(BaseModel):
     requested: str | None = None
     retries: int = 0
     wait_bytes: int | None = None  # waiting: the free space it needs
+    mirror: MirrorLag | None = None  # a mirrored job's lag
 
 
 class Attempt(BaseModel):
@@ -209,6 +230,7 @@ class SameName(BaseModel):
 class SubmitReply(_Data):
     job: str
     same_name: list[SameName] = []  # other jobs of the same name, to be told apart by id
+    restored: str | None = None  # --from: the checkpoint it resumes from, and the ones walked back past
 
 
 class QueueReply(_Data):

@@ -19,6 +19,7 @@ import yaml
 from tests.helpers.daemon import adapter_file, daemon_job, lorad_run, write_yaml
 from tests.helpers.images import tiny_image_model  # noqa: F401 - a session fixture for every test module
 from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict
+from tests.helpers.storage import s3_server, sftp_server  # noqa: F401 - loopback servers, started on first use
 
 # Tables are as wide as the terminal; tests read their cells. Without this, the width depended on how pytest
 # was started (a terminal, a pipe, an xdist worker), and a note cut to fit a narrow one failed a test.

@@ -216,7 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_ = sub.add_parser("ping", parents=[common], help="is the daemon up?")
     p_.set_defaults(fn=cmd_ping)
     p_ = sub.add_parser("submit", parents=[common], help="validate a job file and queue it; prints the job id")
-    p_.add_argument("job", type=_job_file, help="job YAML file")
+    p_.add_argument("job", type=_job_file, nargs="?", help="job YAML file (with --from: optional, must match)")
+    p_.add_argument("--from", dest="from_mirror", metavar="MIRROR_URL/JOB",
+                    help="resume a mirrored job here from its newest complete remote checkpoint (docs/mirror.md)")
     p_.set_defaults(fn=cmd_submit)
     p_ = sub.add_parser("status", parents=[common], help="the queue, or one job in detail")
     p_.add_argument("job", nargs="?", type=_job_ref, help="job id (or name)")

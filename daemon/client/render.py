@@ -69,7 +69,10 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
             note = f"waiting: {waiting_note(j.wait_bytes)}"
         if j.state in ("succeeded", "cancelled"):
             note = ""
-        rows.append([j.id, j.name, j.state, str(j.priority), f"{j.step}/{j.total}",
+        if j.mirror is not None and (m := mirror_note(j.state, j.mirror)):
+            note = f"{note}; {m}" if note else m
+        rows.append([j.id, j.name, "done, mirror behind" if j.state == "succeeded" and j.mirror is not None
+                     and j.mirror.mirror is not None and not j.mirror.caught_up else j.state, str(j.priority), f"{j.step}/{j.total}",
                      f"{j.loss:.4f}" if j.loss is not None else "-",
                      f"{j.val_loss:.4f}" if j.val_loss is not None else "-",
                      f"{j.s_per_step:.3f}" if j.s_per_step else "-",
@@ -155,6 +158,10 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         rows.append(("requested", j.requested))
     if j.last_error:
         rows.append(("last error", j.last_error))
+    if j.mirror is not None:
+        rows.append(("mirror", mirror_note(j.state, j.mirror, detail=True) or ("caught up" if j.mirror.mirror else "-")))
+        if j.mirror.hub_repo:
+            rows.append(("hub", f"{j.mirror.hub_repo}: " + ("pushed" if j.mirror.hub_pushed else "not yet")))
     if j.samples:
         rows.append((f"samples (step {j.samples_step})", j.samples[0]))
         rows += [("", path) for path in j.samples[1:]]
@@ -170,6 +177,27 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         print(f"  #{a.n:<3} {when(a.started_at)} → {end}  pid {num(a.pid)}  exit {num(a.exit_code)}  "
               f"steps {a.start_step}→{a.end_step if a.end_step is not None else '…'}"
               + (f"  error: {a.error}" if a.error else ""))
+
+
+def mirror_note(state: str, m: p.MirrorLag, detail: bool = False) -> str:
+    """'done, mirror behind by 4 steps (31 s): ...error' and the like; '' when it is caught up and well."""
+    parts = []
+    if m.mirror is None:  # only a hub push
+        pass
+    elif m.behind_steps:
+        lead = "done, mirror" if state == "succeeded" else "mirror"
+        parts.append(f"{lead} behind by {m.behind_steps} steps ({m.behind_s or 0:.0f} s)")
+    elif state == "succeeded" and not m.output_mirrored:
+        parts.append("done, mirror behind by the output")
+    if m.last_error:
+        parts.append(f"mirror error: {m.last_error}")
+    if m.hub_error:
+        parts.append(f"hub push to {m.hub_repo} failed, retried: {m.hub_error}")
+    if detail and m.mirror is not None:
+        where = f"{m.mirror}/{m.key}" if m.key else (m.mirror or "-")
+        last = f"last upload {when(m.last_upload_at)}" if m.last_upload_at else "nothing uploaded yet"
+        parts.insert(0, f"{where}, remote step {num(m.remote_step)}, {last}")
+    return "; ".join(parts)
 
 
 def compact(v: Any) -> Any:

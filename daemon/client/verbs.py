@@ -58,6 +58,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from engine.config.job import dump_job, load_job
     from engine.errors import JobInvalid
 
+    if args.job is None:
+        if not args.from_mirror:
+            return fail(args.json, "usage", "lorad submit: give a job file, or --from MIRROR_URL/JOB", 64)
+        data = call(args, p.Submit(name="from-mirror.yaml", from_mirror=args.from_mirror))
+        reply = p.SubmitReply.model_validate(data)
+        return out(args, data, lambda d: print(f"{reply.job} (from the mirror: {reply.restored})"))
     try:
         # The schema locally first (a typo is shown without a daemon), with relative paths resolved against the
         # file's directory. What the paths hold is for the daemon to check, in the same order and with the
@@ -65,13 +71,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         cfg = load_job(args.job, check_paths=False)
     except JobInvalid as e:
         return fail(args.json, "invalid_job", f"invalid job: {e}", 65)
-    data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg)))
+    data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg), from_mirror=args.from_mirror or None))
     reply = p.SubmitReply.model_validate(data)
     if reply.same_name and not args.json:
         others = ", ".join(f"{j.id} ({j.state})" for j in reply.same_name)
         print(f"lorad: note: {cfg.name!r} is also the name of {others}; refer to these jobs by id",
               file=sys.stderr)
-    return out(args, data, lambda d: print(reply.job))
+    return out(args, data, lambda d: print(reply.job + (f" (from the mirror: {reply.restored})" if reply.restored
+                                                        else "")))
 
 
 def cmd_status(args: argparse.Namespace) -> int:

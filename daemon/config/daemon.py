@@ -6,9 +6,10 @@ import os
 from pathlib import Path
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from daemon.config.cluster import ClusterSettings
+from daemon.config.mirrors import MirrorSettings
 from daemon.config.notify import NotifySettings
 from daemon.config.power import PowerSettings
 from daemon.config.web import WebSettings
@@ -65,6 +66,14 @@ class DaemonConfig(BaseModel):
     web: WebSettings = Field(default_factory=WebSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     cluster: ClusterSettings | None = None  # jobs that span machines (daemon/supervisor/cluster.py); none: refused at submit
+    mirrors: dict[str, MirrorSettings] = Field(default_factory=dict)  # named off-box copies (daemon/mirror/)
+    default_mirror: str | None = None  # the mirror of a job that names none (output.mirror); null: none
+
+    @model_validator(mode="after")
+    def _default_mirror_named(self) -> DaemonConfig:
+        if self.default_mirror is not None and self.default_mirror not in self.mirrors:
+            raise ValueError(f"default_mirror {self.default_mirror!r} is not one of mirrors: {sorted(self.mirrors)}")
+        return self
 
     def roots(self, home: Path) -> list[Path]:
         out = []

@@ -30,10 +30,13 @@ def start_dashboard(home: Path, cfg: Any, ctx: Any, log) -> Any:
         return json.loads(handlers.dispatch(ctx, req))  # the socket verb's own handler and error mapping
 
     def health() -> dict[str, Any]:
-        return {**handlers.ping(ctx, p.Ping()).wire(), "inbox_stuck": len(ctx.intake.stuck) if ctx.intake else 0}
+        mirrors = getattr(ctx.supervisor, "mirrors", None)
+        return {**handlers.ping(ctx, p.Ping()).wire(), "inbox_stuck": len(ctx.intake.stuck) if ctx.intake else 0,
+                "mirrors": mirrors.statuses() if mirrors is not None else {}}
 
     dash = Dashboard(home, view, cfg.web, call, token, metrics.registry(view, health, Path(home) / "rejected"),
-                     schedule=cfg.power.schedule.model_dump(), max_body_bytes=cfg.max_request_bytes)
+                     schedule=cfg.power.schedule.model_dump(), max_body_bytes=cfg.max_request_bytes,
+                     mirror_lag=ctx.supervisor.mirrors.status if getattr(ctx.supervisor, "mirrors", None) else None)
     listener = WebListener(build_app(dash), cfg.web.listen, cfg.web.header_timeout_s)
     try:
         listener.start()

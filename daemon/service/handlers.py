@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
-from daemon.intake.accept import recent_rejections
+from daemon.intake.accept import recent_rejections, validate_text
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
 from daemon.supervisor.disk_progress import committed_checkpoints
 from daemon.supervisor.scheduling import status_order
 from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at
+from engine.config.reading import YamlProblem, read_yaml
 from engine.errors import JobInvalid
 from engine.version import lorad_version
 
@@ -74,12 +75,32 @@ def ping(ctx: Context, req: p.Ping) -> p.PingReply:
 
 
 def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
+    mirrors = getattr(ctx.supervisor, "mirrors", None)
+    restored = None
     try:
-        out = ctx.intake.submit_text(req.name, req.text)
+        if req.from_mirror is not None:  # a job brought over from a mirror (daemon/mirror/restore.py)
+            if mirrors is None:
+                raise JobInvalid("--from: this daemon has no mirrors")
+            out, restored = mirrors.restore(
+                req.from_mirror, lambda text, source, prepare: ctx.intake.submit_text(req.name, text, source, prepare),
+                lambda text: validate_text(text, req.name, ctx.home, ctx.intake.cfg, ctx.home), req.text or None)
+        else:
+            if mirrors is not None:
+                mirrors.check_job(_doc(req.text))  # a mirror that cannot work is refused now, when it can be told
+            out = ctx.intake.submit_text(req.name, req.text)
     except JobInvalid as e:
         raise p.ProtocolError("invalid_job", str(e)) from None
     ctx.wake()
-    return p.SubmitReply(job=out.job_id, same_name=[p.SameName(id=j["id"], state=j["state"]) for j in out.same_name])
+    return p.SubmitReply(job=out.job_id, same_name=[p.SameName(id=j["id"], state=j["state"]) for j in out.same_name],
+                         restored=restored)
+
+
+def _doc(text: str) -> dict[str, Any]:
+    try:
+        doc = read_yaml(text)
+    except YamlProblem:
+        return {}  # the intake says what is wrong with it
+    return doc if isinstance(doc, dict) else {}
 
 
 SAMPLE_STEP = re.compile(r"^step-(\d{1,12})$")
@@ -117,7 +138,8 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     if src[:1].isdigit() and "-" in src:
         job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
     samples_step, samples = latest_samples(Path(job["workdir"]))
-    detail = p.JobDetail.model_validate({**job, "attempts": ctx.store.attempts(job["id"]),
+    detail = p.JobDetail.model_validate({**job, "mirror": _mirror_lag(ctx, job["id"]),
+                                         "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20),
                                          "samples_step": samples_step, "samples": samples})
     from daemon.power import api as power_api  # W, J/step, kWh, steps/kWh (None when nothing was measured)
@@ -126,12 +148,18 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     return p.JobStatusReply(job=detail, power=power_api.job_power(policy, ctx.home / "state.db", job["id"]))
 
 
+def _mirror_lag(ctx: Context, job_id: str) -> dict[str, Any] | None:
+    mirrors = getattr(ctx.supervisor, "mirrors", None)
+    return mirrors.status(job_id) if mirrors is not None else None
+
+
 def queue(ctx: Context) -> p.QueueReply:
     """`lorad status` without a job."""
     rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
                                              REJECTIONS_SHOWN)
     return p.QueueReply(
-        jobs=[p.JobRow.model_validate(j) for j in status_order(ctx.store.jobs(), time.time())],
+        jobs=[p.JobRow.model_validate({**j, "mirror": _mirror_lag(ctx, j["id"])})
+              for j in status_order(ctx.store.jobs(), time.time())],
         draining=ctx.store.get_meta("drain") == "1",
         notes=list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
         rejected=rejected, rejected_within_s=REJECTIONS_WITHIN_S, rejected_total=n_rejected,

@@ -29,6 +29,7 @@ from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
 from daemon.intake.prune import RejectedPruner
+from daemon.mirror.service import Mirrors
 from daemon.power.run_policy import NullPolicy
 from daemon.service.dashboard import start_dashboard
 from daemon.service.handlers import Context, dispatch
@@ -200,7 +201,7 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications,
+                     notifications=notifications, mirrors=Mirrors(home, cfg, store, log),
                      prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling

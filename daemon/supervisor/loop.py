@@ -53,7 +53,7 @@ INTAKE_SHARE_WHILE_TRAINING = 0.25
 class Supervisor(ReapPath, StartPath):
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
                  intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None,
-                 prune_rejected=None):
+                 prune_rejected=None, mirrors=None):
         self.home = Path(home)
         self.cfg = cfg
         self.store = store
@@ -65,6 +65,7 @@ class Supervisor(ReapPath, StartPath):
         self.policy: Policy = policy or NullPolicy()
         self.notifier = notifier
         self.notifications = notifications  # daemon.supervisor.notifications.Notifications: webhook / command per event
+        self.mirrors = mirrors  # daemon.mirror.service.Mirrors: told of commits and successes, never waited for
         self.children: dict[str, Child] = {}
         self.pending = PendingWrites(log)  # job id → bookkeeping not yet written (trainer already gone)
         self.locks = TrainerLockContention(self.home, store, log)
@@ -181,6 +182,8 @@ class Supervisor(ReapPath, StartPath):
         checkpoint = c.heard(ev, now)
         if checkpoint:
             self.store.update(c.job_id, **checkpoint)
+            if self.mirrors is not None:
+                self.mirrors.committed(c.job_id, checkpoint["checkpoint_step"])
         if kind in ("resumed", "step") and not c.training_recorded:
             self.store.attempt_training(c.job_id, c.attempt, c.start_step)
             c.training_recorded = True
@@ -307,3 +310,5 @@ class Supervisor(ReapPath, StartPath):
         shut_down(self, deadline_s)
         if self.warm is not None:
             self.warm.close()
+        if self.mirrors is not None:
+            self.mirrors.close()

@@ -72,6 +72,8 @@ class ReapPath:
                      state=d.state, reason=d.reason, **refused)
         job_event(c.workdir, c.job_id, "trainer_exited", level=level, exit_code=code, state=d.state, reason=d.reason,
                   retry_in_s=d.retry_in)
+        if d.state == states.SUCCEEDED and self.mirrors is not None:
+            self.mirrors.finished(c.job_id)  # its output goes to the mirror; the job does not wait for it
         if (what := event_of_exit(d.state, d.reason)) is not None:
             self._tell(what, c.job_id, c.name, state=d.state, reason=d.reason, step=c.step, total=c.total,
                        exit_code=code, workdir=str(c.workdir))

@@ -56,8 +56,9 @@ SESSION_DAYS = 7
 class Dashboard:
     def __init__(self, home: Path, view: StoreView, settings: WebSettings, call: Caller, token: str,
                  metrics: CollectorRegistry | None = None, schedule: dict[str, Any] | None = None,
-                 max_body_bytes: int = 1 << 20):
+                 max_body_bytes: int = 1 << 20, mirror_lag: Callable[[str], dict[str, Any] | None] | None = None):
         self.home = Path(home)
+        self.mirror_lag = mirror_lag or (lambda job_id: None)  # a job's mirror lag (daemon/mirror/service.py)
         self.view = view
         self.s = settings
         self.call = call
@@ -151,7 +152,7 @@ class Dashboard:
         workdir = Path(j["workdir"])
         h = self.view.series(job_id, workdir)
         inner = "".join([
-            pages.job_summary(j), pages.actions(j, self.csrf(request)),
+            pages.job_summary(j), pages.mirror_lag(self.mirror_lag(job_id)), pages.actions(j, self.csrf(request)),
             "<section><h2>Training</h2>", pages.history_note(h.read, h.size),
             "<div class=charts>", self.job_charts(job_id, h), "</div></section>",
             pages.samples_grid(job_id, h.samples),

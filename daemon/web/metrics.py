@@ -67,6 +67,7 @@ class StoreCollector:
             g = GaugeMetricFamily(name, help_)
             g.add_metric([], 1.0 if key is None else float(h.get(key) or 0))
             yield g
+        yield from _mirrors(h.get("mirrors") or {})
         # A gauge: rejected/ is pruned by age and count (rejected_keep_days, rejected_keep), and by hand.
         c = GaugeMetricFamily("lorad_inbox_rejected_files", "rejections kept in HOME/rejected")
         try:
@@ -141,6 +142,23 @@ class StoreCollector:
             sim.add_metric([str(idx)], float(s["simulated"] or 0))
         out.extend([*gpu.values(), thr, sim])
         return out
+
+
+def _mirrors(lags: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Each mirrored job's lag (daemon/mirror/): steps and seconds behind, the last upload, whether it is failing."""
+    fams = [GaugeMetricFamily(n, h, labels=["job", "mirror"]) for n, h in [
+        ("lorad_mirror_behind_steps", "steps committed locally and not yet on the mirror"),
+        ("lorad_mirror_behind_seconds", "seconds since the oldest commit not yet on the mirror"),
+        ("lorad_mirror_last_upload_timestamp_seconds", "when the mirror last took an upload (0: never)"),
+        ("lorad_mirror_error", "1 while the mirror's last try failed (retried with backoff)")]]
+    for job, m in sorted(lags.items()):
+        if not m.get("mirror"):
+            continue  # a job with only a Hub push (output.push_to_hub) has no mirror lag
+        labels = [job, str(m.get("mirror") or "")]
+        for fam, v in zip(fams, (m.get("behind_steps"), m.get("behind_s"), m.get("last_upload_at"),
+                                 1.0 if m.get("last_error") else 0.0), strict=True):
+            fam.add_metric(labels, float(v or 0))
+    yield from fams
 
 
 def registry(view: StoreView, health: Callable[[], dict[str, Any]], rejected_dir: Path) -> CollectorRegistry:

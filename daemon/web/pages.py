@@ -148,6 +148,19 @@ def job_summary(j: dict[str, Any]) -> str:
     return "<table class='summary'>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in cells) + "</table>"
 
 
+def mirror_lag(m: dict[str, Any] | None) -> str:
+    """The job's mirror: where, how far behind (steps, seconds), the last upload and the last error."""
+    if not m:
+        return ""
+    behind = "caught up" if not m.get("behind_steps") else f"{m['behind_steps']} steps, {num(m.get('behind_s'), '{:.0f}')} s"
+    cells = [("Mirror", e(f"{m.get('mirror')}/{m.get('key') or ''}")), ("Behind", e(behind)),
+             ("Remote step", num(m.get("remote_step"))), ("Last upload", when(m.get("last_upload_at")))]
+    if m.get("last_error"):
+        cells.append(("Mirror error", f"<span class=err>{e(m['last_error'])}</span>"))
+    return "<table class='summary' id='mirror'>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in cells) \
+        + "</table>"
+
+
 def actions(j: dict[str, Any], csrf: str) -> str:
     if j["state"] in FINAL:
         return ""

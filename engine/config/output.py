@@ -12,6 +12,16 @@ from engine.config.declare import Strict
 class OutputConfig(Strict):
     # Unset for an image family: by lora.type (engine/config/defaults.py).
     formats: list[Literal["peft", "diffusers", "comfyui"]] = Field(default_factory=lambda: ["peft"])
+    # The daemon's mirror (its config's `mirrors:`) this job's checkpoints are copied to; null: the daemon's
+    # default_mirror. Not identity (the whole output section is not): a job may move to another mirror.
+    # Unset, neither is written into the normalised job (exclude_if): the dumps of jobs from before them stay as
+    # they were (tests/engine/config/pinned_jobs.yaml).
+    mirror: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                               exclude_if=lambda v: v is None)
+    # A Hugging Face Hub repo (USER/NAME) the final output is pushed to once the job succeeded (daemon/mirror/hub.py);
+    # never required for success.
+    push_to_hub: str | None = Field(None, max_length=200, pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
+                                    exclude_if=lambda v: v is None)
 
 
 class LoggingConfig(Strict):

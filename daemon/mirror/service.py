@@ -1,0 +1,165 @@
+"""The daemon's mirrors: which job goes to which mirror, one uploader per job, the lag, and restores.
+
+The supervisor tells it of each committed checkpoint (the trainer's `checkpoint_committed` heartbeat) and of a
+job's success; it never waits for it. A job's mirror: the mirror it was restored from (its store row's source,
+`mirror:NAME/KEY`, which the trainer user cannot rewrite), else its `output.mirror`, else the daemon's
+`default_mirror`. A job is `succeeded` as soon as its trainer is done; until its output is mirrored, `lorad
+status` says "done, mirror behind" (docs/mirror.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from daemon.config.daemon import DaemonConfig
+from daemon.mirror.hub import HubPush
+from daemon.mirror.remote import MirrorError, Remote
+from daemon.mirror.uploader import JobMirror
+from daemon.store.db import Store
+from daemon.supervisor.accepted_job import accepted_doc
+from daemon.system.log import job_event
+from engine.errors import JobInvalid
+
+SOURCE_PREFIX = "mirror:"  # a restored job's store source: mirror:NAME/KEY
+
+
+class Mirrors:
+    def __init__(self, home: Path, cfg: DaemonConfig, store: Store, log):
+        self.home, self.cfg, self.store, self.log = Path(home), cfg, store, log
+        self.jobs: dict[str, JobMirror] = {}
+        self.problems: dict[str, dict[str, Any]] = {}  # job id → a status that says why it has no uploader
+        self.hub: dict[str, HubPush] = {}  # output.push_to_hub: one push per succeeded job that asks for it
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ which mirror
+    def target(self, job: dict[str, Any]) -> tuple[str, str] | None:
+        """(mirror name, remote key) of a job row, or None when it is not mirrored."""
+        src = job.get("source") or ""
+        if src.startswith(SOURCE_PREFIX):
+            name, _, key = src[len(SOURCE_PREFIX):].partition("/")
+            return name, key
+        name = (accepted_doc(self.store, job).get("output") or {}).get("mirror") or self.cfg.default_mirror
+        return (name, job["id"]) if name else None
+
+    def remote(self, name: str) -> Remote:
+        if name not in self.cfg.mirrors:
+            raise MirrorError(f"mirror {name!r} is not in this daemon's config (mirrors: {sorted(self.cfg.mirrors)})")
+        return Remote(name, self.cfg.mirrors[name])
+
+    def _uploader(self, job_id: str) -> JobMirror | None:
+        with self.lock:
+            if job_id in self.jobs or job_id in self.problems:
+                return self.jobs.get(job_id)
+            job = self.store.get(job_id)
+            where = self.target(job)
+            if where is None:
+                self.problems[job_id] = {}
+                return None
+            try:
+                remote = self.remote(where[0])
+            except MirrorError as e:
+                self.problems[job_id] = {"mirror": where[0], "last_error": str(e), "behind_steps": None}
+                self.log.warning("mirror_unknown", job=job_id, error=str(e), message="the job trains on, unmirrored")
+                job_event(Path(job["workdir"]), job_id, "mirror_failed", level="warning", error=str(e))
+                return None
+            doc = accepted_doc(self.store, job)
+            keep = int((doc.get("checkpoint") or {}).get("keep") or 3)
+            text = self.store.accepted_text(job_id) or ""
+            m = JobMirror(job_id, Path(job["workdir"]), where[1], remote, keep, text, self.log).start()
+            self.jobs[job_id] = m
+            return m
+
+    # ------------------------------------------------------------------ told by the supervisor
+    def committed(self, job_id: str, step: int) -> None:
+        try:
+            if (m := self._uploader(job_id)) is not None:
+                m.committed(step)
+        except Exception as e:  # noqa: BLE001 — called from the supervisor's heartbeat step: never in its way
+            self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
+
+    def finished(self, job_id: str) -> None:
+        try:
+            if (m := self._uploader(job_id)) is not None:
+                m.finished()
+            job = self.store.get(job_id)
+            repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
+            if repo and job_id not in self.hub:
+                self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log).start()
+        except Exception as e:  # noqa: BLE001 — called from the reap step: never in its way
+            self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        for m in [*self.jobs.values(), *self.hub.values()]:
+            m.close()
+
+    # ------------------------------------------------------------------ read by status, the dashboard, /metrics
+    def status(self, job_id: str) -> dict[str, Any] | None:
+        m = self.jobs.get(job_id)
+        out = m.status() if m is not None else dict(self.problems.get(job_id) or {})
+        if (h := self.hub.get(job_id)) is not None:
+            out.update(h.status())
+        return out or None
+
+    def statuses(self) -> dict[str, dict[str, Any]]:
+        return {job_id: s for job_id in [*self.problems, *self.jobs] if (s := self.status(job_id))}
+
+    # ------------------------------------------------------------------ submit
+    def check_job(self, doc: dict[str, Any]) -> None:
+        """At submit: the job's mirror exists in the config and answers (reachable, credentials, bucket)."""
+        name = (doc.get("output") or {}).get("mirror") or self.cfg.default_mirror
+        if name is None:
+            return
+        try:
+            self.remote(name).check()
+        except MirrorError as e:
+            raise JobInvalid(f"{e} (output.mirror); the job was not queued") from None
+
+    def resolve(self, ref: str) -> tuple[str, str]:
+        """`--from` REF → (mirror name, key): MIRROR_URL/KEY, NAME/KEY, or KEY on the default mirror."""
+        ref = ref.rstrip("/")
+        for name, s in sorted(self.cfg.mirrors.items(), key=lambda kv: -len(kv[1].url)):
+            if ref.startswith(s.url + "/"):
+                return name, ref[len(s.url) + 1:]
+        name, _, key = ref.partition("/")
+        if key and name in self.cfg.mirrors:
+            return name, key
+        if "/" not in ref and "://" not in ref and self.cfg.default_mirror:
+            return self.cfg.default_mirror, ref
+        raise JobInvalid(f"--from {ref}: no mirror of this daemon's config matches (MIRROR_URL/JOB, NAME/JOB, or a "
+                         f"job key on the default mirror; mirrors: {sorted(self.cfg.mirrors)})")
+
+    def restore(self, ref: str, submit, validate, text: str | None = None) -> tuple[Any, str]:
+        """Download the newest usable remote checkpoint of REF, then submit its job with it in place.
+
+        submit(text, source, prepare) → the intake's outcome; prepare(workdir) runs before the job is queued."""
+        from daemon.mirror.restore import describe, fetch
+
+        name, key = self.resolve(ref)
+        try:
+            remote = self.remote(name)
+            staging_root = self.home / "mirror-staging"
+            staging_root.mkdir(mode=0o700, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix="restore-", dir=staging_root))
+        except (MirrorError, OSError) as e:
+            raise JobInvalid(str(e)) from None
+        try:
+            try:
+                got = fetch(remote, key, staging, validate, text)
+            except MirrorError as e:
+                raise JobInvalid(f"cannot restore from the mirror: {e}") from None
+            said = describe(got)
+
+            def prepare(workdir: Path) -> None:
+                (got.checkpoints).rename(workdir / "checkpoints")
+
+            out = submit(got.text, f"{SOURCE_PREFIX}{name}/{key}", prepare)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.log.info("mirror_restored", job=out.job_id, mirror=name, key=key, step=got.step, skipped=got.skipped)
+        job_event(self.home / "jobs" / out.job_id, out.job_id, "mirror_restored", mirror=name, key=key,
+                  step=got.step, skipped=[f"{n}: {why}" for n, why in got.skipped])
+        return out, said
