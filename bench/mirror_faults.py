@@ -33,6 +33,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from inbox_flood import step_times as step_events  # noqa: E402 - (wall time, gap) per step
 
 from daemon.config.mirrors import MirrorSettings  # noqa: E402
 from daemon.mirror.remote import Remote  # noqa: E402
@@ -54,19 +57,7 @@ def job(steps: int, every: int, seq_len: int) -> dict:
 
 def step_times(workdir: Path) -> list[float]:
     """Seconds between consecutive step events (events.jsonl's timestamps)."""
-    out, prev = [], None
-    for line in (workdir / "events.jsonl").read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") != "step":
-            continue
-        t = datetime.fromisoformat(ev["ts"].replace("Z", "+00:00")).timestamp()
-        if prev is not None and ev["step"] == prev[0] + 1:
-            out.append(t - prev[1])
-        prev = (ev["step"], t)
-    return out
+    return [gap for _t, gap in step_events(workdir)]
 
 
 def lorad(home: Path, *args: str) -> dict:

@@ -29,22 +29,16 @@ from pathlib import Path
 
 from engine.config.clips import ClipUnreadable, probe
 from engine.config.sources import list_media
+from engine.data.images import ImageRecord
 from engine.errors import JobInvalid
 
 __all__ = ["ClipUnreadable", "VideoItem", "VideoRecord", "make_video_items", "read_window", "scan_videos"]
 
 
 @dataclass(frozen=True)
-class VideoRecord:
-    """One clip or still: the fields an ImageRecord has (dataset_hash reads them), and its frames at data.fps."""
+class VideoRecord(ImageRecord):
+    """One clip or still: an ImageRecord (dataset_hash reads its fields) with its frames at data.fps."""
 
-    path: Path
-    rel: str
-    sha256: str
-    width: int
-    height: int
-    caption: str
-    caption_missing: bool
     frames: int  # at data.fps; 1 for a still
     still: bool
 
