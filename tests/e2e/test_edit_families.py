@@ -8,7 +8,6 @@ half-written, resumed) runs forked in the background while the same job trains u
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +17,9 @@ import yaml
 from PIL import Image
 
 from engine.config.job import load_job
-from tests.e2e.test_image_families import _Done, _Quiet, run_killed_twice
 from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
+from tests.helpers.kill_chain import Quiet, chains_beside_references
 
 # family -> (its tiny edit builtin, the pipeline class diffusers drives it with)
 EDIT = {"flux": ("tiny-flux-kontext", "FluxKontextPipeline"), "qwen_image": ("tiny-qwen-image-edit", "QwenImageEditPipeline"),
@@ -71,31 +70,24 @@ def job_dict(family: str, model_dir: Path, data: Path) -> dict:
 def runs(tmp_path_factory):
     """Per family: (model dir, job file, uninterrupted workdir, killed-twice future)."""
     from engine.builtin.models import materialise
-    from engine.recipe import train
 
     root = tmp_path_factory.mktemp("edit-families")
     data = make_pairs(root / "data")
-    pool = ThreadPoolExecutor(max_workers=len(FAMILIES))
-    jobs = {}
+    models, jobs = {}, {}
     for family in FAMILIES:
-        model = materialise(EDIT[family][0], root / "models")
+        models[family] = materialise(EDIT[family][0], root / "models")
         job = root / f"{family}.yaml"
-        job.write_text(yaml.safe_dump(job_dict(family, model, data)))
-        jobs[family] = (model, job, pool.submit(run_killed_twice, job, root / f"{family}-killed"))
-    out = {}
-    for family, (model, job, killed) in jobs.items():
-        wd = root / f"{family}-uninterrupted"
-        assert train(load_job(job), wd, progress="none") == 0
-        out[family] = (model, job, _Done(wd), killed)
-    yield out
-    pool.shutdown(wait=True)
+        job.write_text(yaml.safe_dump(job_dict(family, models[family], data)))
+        jobs[family] = (job, job)
+    with chains_beside_references(root, jobs) as done:
+        yield {family: (models[family], jobs[family][0], *done[family]) for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_edit_job_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(family, runs):
     _model, _job, reference, killed = runs[family]
     wd, story = killed.result(timeout=900)
-    ref = reference.result(timeout=900)
+    ref = reference
     want, got = tensor_bytes(ref / "output" / DIFFUSERS_FILE), tensor_bytes(wd / "output" / DIFFUSERS_FILE)
     assert sorted(want) == sorted(got) and [k for k in want if want[k] != got[k]] == [], story
 
@@ -140,9 +132,9 @@ def test_the_export_through_the_edit_pipelines_load_lora_weights_reproduces_the_
     from engine.families import get_family
 
     model_dir, job, reference, _ = runs[family]
-    wd = reference.result(timeout=900)
+    wd = reference
     cfg = load_job(job)
-    mem = with_last_checkpoint(get_family(family).load_model(cfg, wd, torch.device("cpu"), _Quiet()), wd)
+    mem = with_last_checkpoint(get_family(family).load_model(cfg, wd, torch.device("cpu"), Quiet()), wd)
     control = _as_trained(Path(cfg.data.control_paths()[0]) / "square.png", family)
     with torch.no_grad():
         want = _denoise(_edit_pipeline(family, model_dir, mem), control, family)
@@ -174,7 +166,7 @@ def _cached_control(family: str, runs, name: str) -> tuple[Path, Path, torch.Ten
     from engine.storage.cache import Cache, content_key
 
     model_dir, job, reference, _ = runs[family]
-    wd, cfg = reference.result(timeout=900), load_job(job)
+    wd, cfg = reference, load_job(job)
     ctl_path = Path(cfg.data.control_paths()[0]) / name
     side = RESOLUTION[family]
     key = content_key(kind="control", image=hashlib.sha256(ctl_path.read_bytes()).hexdigest(), bucket=[side, side],
@@ -262,7 +254,7 @@ def test_changing_one_control_image_re_encodes_that_control_only(family, runs, t
     from engine.report.events import EventLog
 
     _model, job, reference, _ = runs[family]
-    wd = reference.result(timeout=900)
+    wd = reference
     cfg = load_job(job)
     shutil.copytree(Path(cfg.data.control_paths()[0]), tmp_path / "control")
     img = Image.open(tmp_path / "control" / "tall.png")
@@ -341,7 +333,7 @@ def test_a_kontext_sample_prompt_renders_from_its_control_image(runs, tmp_path):
                      "prompts": [{"prompt": "make the block red", "seed": 5, "control": control},
                                  {"prompt": "make the block red", "seed": 5}]}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(raw))
-    shutil.copytree(reference.result(timeout=900) / "cache", tmp_path / "work" / "cache")
+    shutil.copytree(reference / "cache", tmp_path / "work" / "cache")
     assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
     events = [json.loads(line) for line in (tmp_path / "work" / "events.jsonl").read_text().splitlines()]
     samples = [e for e in events if e["event"] == "samples"][-1]

@@ -12,7 +12,6 @@ import json
 import math
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
-from tests.helpers.forked import ForkedTrainer
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
+from tests.helpers.kill_chain import Quiet, chains_beside_references
 
 FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2")
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
@@ -63,82 +62,26 @@ def job_dict(family: str, model_dir: Path, data_dir: Path, **over) -> dict:
     return deep_update(d, over)
 
 
-def _tmp_dirs(wd: Path) -> list[Path]:
-    root = wd / "checkpoints"
-    return sorted(p for p in root.iterdir() if ".tmp-" in p.name) if root.is_dir() else []
-
-
-def _committed(wd: Path) -> list[str]:
-    root = wd / "checkpoints"
-    return sorted(p.name for p in root.glob("step-*") if ".tmp-" not in p.name) if root.is_dir() else []
-
-
-def run_killed_twice(job: Path, wd: Path) -> tuple[Path, list[str]]:
-    """SIGKILL while encoding the cache, then while a checkpoint is half-written; resume to the end."""
-    story: list[str] = []
-    wd.mkdir(parents=True, exist_ok=True)
-    t = ForkedTrainer(job, wd)
-    t.wait_for(lambda: any(e.get("event") == "cache_progress" and e["done"] >= 2 for e in t.events), timeout=300)
-    t.kill()
-    story.append(f"run1 SIGKILL while caching ({t.named('cache_progress')[-1]['done']} encoded)")
-
-    # Killed inside the second save (step 4), once step 2 is committed: run 3 must resume from a committed
-    # checkpoint (optimizer, RNG, data order), not start over, and never load the torn one.
-    t = ForkedTrainer(job, wd, LORAD_DEBUG_CKPT_WRITE_DELAY_S="0.25")
-    t.wait_for(lambda: _committed(wd) and any(len(list(d.iterdir())) >= 2 for d in _tmp_dirs(wd)), timeout=300)
-    t.kill()
-    torn = _tmp_dirs(wd)
-    start = t.named("cache_start")[0]
-    story.append(f"run2 reused {start['reused']} cache entries, SIGKILL with {_committed(wd)} committed and "
-                 f"{[d.name for d in torn]} half-written")
-    assert torn and start["reused"] >= 2, story
-
-    t = ForkedTrainer(job, wd)
-    assert t.finish(timeout=300) == 0, t.events[-5:]
-    story.append(f"run3 resumed from {[e['from_step'] for e in t.named('resumed')]}")
-    assert t.named("cache_start")[0]["to_encode"] == 0, story
-    assert [e["from_step"] for e in t.named("resumed")] == [2], story
-    return wd, story
-
-
-class _Done:
-    """A finished result with the interface of a future."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self, timeout=None):
-        return self.value
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per family: (model dir, job file, uninterrupted workdir, killed-twice future); the chains run meanwhile."""
-    from engine.recipe import train
-
     root = tmp_path_factory.mktemp("image-families")
     data = make_images(root / "data", IMAGES)
-    pool = ThreadPoolExecutor(max_workers=len(FAMILIES))
-    jobs = {}
+    models, jobs = {}, {}
     for family in FAMILIES:
-        model = _build(family, root / f"tiny-{family}")
+        models[family] = _build(family, root / f"tiny-{family}")
         job = root / f"{family}.yaml"
-        job.write_text(yaml.safe_dump(job_dict(family, model, data)))
-        jobs[family] = (model, job, pool.submit(run_killed_twice, job, root / f"{family}-killed"))
-    out = {}
-    for family, (model, job, killed) in jobs.items():
-        wd = root / f"{family}-uninterrupted"
-        assert train(load_job(job), wd, progress="none") == 0
-        out[family] = (model, job, _Done(wd), killed)
-    yield out
-    pool.shutdown(wait=True)
+        job.write_text(yaml.safe_dump(job_dict(family, models[family], data)))
+        jobs[family] = (job, job)
+    with chains_beside_references(root, jobs) as done:
+        yield {family: (models[family], jobs[family][0], *done[family]) for family in FAMILIES}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(family, runs):
     _model, _job, reference, killed = runs[family]
     wd, story = killed.result(timeout=900)
-    ref = reference.result(timeout=900)
+    ref = reference
     for name in (DIFFUSERS_FILE, COMFY[family]):
         want, got = tensor_bytes(ref / "output" / name), tensor_bytes(wd / "output" / name)
         assert sorted(want) == sorted(got)
@@ -146,19 +89,12 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(fam
 
 
 # ------------------------------------------------------------------ outputs
-class _Quiet:
-    def info(self, *a, **k):
-        pass
-
-    warning = info
-
-
 def _trained_in_memory(family: str, job: Path, workdir: Path):
     """The LoRA-wrapped transformer with the last checkpoint's adapter: what training ended with."""
     from engine.families import get_family
 
     cfg = load_job(job)
-    model = get_family(family).load_model(cfg, workdir, torch.device("cpu"), _Quiet())
+    model = get_family(family).load_model(cfg, workdir, torch.device("cpu"), Quiet())
     return with_last_checkpoint(model, workdir), cfg
 
 
@@ -243,7 +179,7 @@ FOLDED = {"flux2", "qwen_image", "z_image", "flux3", "krea2"}
 @pytest.mark.parametrize("family", FAMILIES)
 def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(family, runs):
     model_dir, job, reference, _ = runs[family]
-    wd = reference.result(timeout=900)
+    wd = reference
     mem, cfg = _trained_in_memory(family, job, wd)
     x = _inputs(family, mem)
     with torch.no_grad():
@@ -282,7 +218,7 @@ def test_load_lora_weights_of_both_files_reproduces_the_trained_transformer(fami
 def _comfyui_file_and_deltas(family: str, runs) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The uninterrupted run's ComfyUI file, and per diffusers module path its trained update (alpha/r)·B·A."""
     _model, job, reference, _ = runs[family]
-    wd = reference.result(timeout=900)
+    wd = reference
     mem, _ = _trained_in_memory(family, job, wd)
     deltas = {n: m.get_delta_weight("default").detach() for n, m in mem.named_modules() if hasattr(m, "lora_A")}
     return load_file(str(wd / "output" / COMFY[family])), deltas
@@ -293,7 +229,7 @@ def test_the_diffusers_file_gives_the_trained_update_to_a_loader_that_reads_no_a
     """A loader reading plain A/B at scale 1 (ComfyUI has no alpha for these keys and reads no metadata) applies
     exactly the trained (alpha / r)·B·A: the scale is folded into lora_B."""
     _, d = _comfyui_file_and_deltas(family, runs)
-    sd = load_file(str(runs[family][2].result(timeout=900) / "output" / DIFFUSERS_FILE))
+    sd = load_file(str(runs[family][2] / "output" / DIFFUSERS_FILE))
     assert not any(k.endswith(".alpha") for k in sd)
     assert {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in sd} == set(d)
     for m, delta in d.items():
@@ -389,7 +325,7 @@ def test_z_image_both_files_patch_comfyuis_fused_model_at_the_trained_strength(r
         want[f"{b}.attention.out.weight"] = d[f"{b}.attention.to_out.0"]
         for w in ("w1", "w2", "w3"):
             want[f"{b}.feed_forward.{w}.weight"] = d[f"{b}.feed_forward.{w}"]
-    diffusers_file = load_file(str(runs["z_image"][2].result(timeout=900) / "output" / DIFFUSERS_FILE))
+    diffusers_file = load_file(str(runs["z_image"][2] / "output" / DIFFUSERS_FILE))
     assert not any(k.endswith(".alpha") for k in diffusers_file)
     for name, patches in (("ComfyUI file", _as_comfyui_lumina2(sd, width)),
                           ("diffusers file", _as_comfyui_lumina2(diffusers_file, width))):
@@ -417,7 +353,7 @@ def test_chroma_files_have_the_keys_and_alphas_comfyuis_flux_rules_map(runs):
         assert down.shape[0] == 4 * parts and alpha == 8.0 * parts  # alpha'/r' = alpha/r
         torch.testing.assert_close((alpha / down.shape[0]) * (up @ down), delta, rtol=1e-5, atol=1e-7)
 
-    diff = load_file(str(runs["chroma"][2].result(timeout=900) / "output" / DIFFUSERS_FILE))
+    diff = load_file(str(runs["chroma"][2] / "output" / DIFFUSERS_FILE))
     assert set(diff) == {f"transformer.{m}.{t}" for m in d for t in ("lora_A.weight", "lora_B.weight", "alpha")}
     for m, delta in d.items():
         a, b, alpha = diff[f"transformer.{m}.lora_A.weight"], diff[f"transformer.{m}.lora_B.weight"], \
@@ -474,7 +410,7 @@ def test_editing_one_caption_re_encodes_that_caption_only(family, runs, tmp_path
     from engine.report.events import EventLog
 
     model_dir, job, reference, _ = runs[family]
-    wd = reference.result(timeout=900)
+    wd = reference
     data = tmp_path / "data"
     shutil.copytree(load_job(job).data.path, data)
     (data / "square-0.txt").write_text("a purple moon\n")
@@ -498,7 +434,7 @@ def test_fp8_base_with_block_swapping_trains_on_the_tiny_model(family, runs, tmp
     d = deep_update(yaml.safe_load(job.read_text()), {"model": {"base_precision": "fp8"},
                                                        "train": {"steps": 2, "blocks_to_swap": 2}})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
-    shutil.copytree(reference.result(timeout=900) / "cache", tmp_path / "work" / "cache")  # same inputs: no encoding
+    shutil.copytree(reference / "cache", tmp_path / "work" / "cache")  # same inputs: no encoding
     cfg = load_job(tmp_path / "job.yaml")
     assert train(cfg, tmp_path / "work", progress="none") == 0
     events = read_events(tmp_path / "work")
@@ -525,7 +461,7 @@ def test_samples_render_with_the_current_lora_and_leave_training_bit_identical(f
     from engine.recipe import train
 
     _model, job, reference, _ = runs[family]
-    ref = reference.result(timeout=900)
+    ref = reference
     d = deep_update(yaml.safe_load(job.read_text()),
                     {"sample": {"every_steps": 2, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32}})
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))

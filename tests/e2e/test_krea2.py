@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.kill_chain import Quiet
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
@@ -68,13 +70,6 @@ def test_shift_is_the_pipelines_resolution_shift_or_turbos_fixed_one():
     assert m.shift_mu({"is_distilled": True}, 256) == m.shift_mu({"is_distilled": True}, 4096) == 1.15
 
 
-class _Quiet:
-    def info(self, *a, **k):
-        pass
-
-    warning = info
-
-
 def test_the_family_reads_is_distilled_from_model_index_and_shifts_turbo_by_its_fixed_mu(tiny, tmp_path):
     """Krea2Pipeline's `is_distilled` (model_index.json) is what picks Turbo's fixed μ at inference; the family
     loads it with the transformer, so `shift` sampling follows the same schedule; the cached text's layout
@@ -93,7 +88,7 @@ def test_the_family_reads_is_distilled_from_model_index_and_shifts_turbo_by_its_
     for name, path in (("base", tiny), ("turbo", turbo)):
         family = get_family("krea2")
         cfg = parse_job(job_dict("krea2", path, data), tmp_path)
-        family.load_model(cfg, tmp_path, torch.device("cpu"), _Quiet())
+        family.load_model(cfg, tmp_path, torch.device("cpu"), Quiet())
         assert family.model.text_layers == 2
         mus[name] = family.model.shift_mu(family.sched, 4096)
     assert mus == {"base": pytest.approx(0.5 + 0.65 * (4096 - 256) / (6400 - 256)), "turbo": 1.15}

@@ -2,7 +2,7 @@
 through two SIGKILLs, the exports as diffusers and ComfyUI load them, the timestep routing between the experts,
 bad clips, and the sample clips.
 
-The killed-twice chains (tests/e2e/test_image_families.py's run_killed_twice: SIGKILL while caching, SIGKILL with a
+The killed-twice chains (tests/helpers/kill_chain.py's run_killed_twice: SIGKILL while caching, SIGKILL with a
 checkpoint half-written, resumed) run as forked trainers (tests/helpers/forked.py) in the background of a module
 fixture while the same jobs train uninterrupted in the test process, with samples on: their clips are rendered on
 generators of their own, so the two runs' adapters must still be bit-identical.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,9 +21,9 @@ import yaml
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
-from tests.e2e.test_image_families import run_killed_twice
 from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
+from tests.helpers.kill_chain import Quiet, chains_beside_references
 from tests.helpers.videos import make_clips, truncated_mid_stream
 
 # A run name -> (family, builtin model, model.expert)
@@ -54,14 +53,12 @@ def job_dict(model: str, data: Path, expert: str | None = None, family: str = "w
 def runs(tmp_path_factory):
     """Per run: (model dir, job file, uninterrupted workdir (samples on), killed-twice future)."""
     from engine.builtin.models import materialise
-    from engine.recipe import train
 
     root = tmp_path_factory.mktemp("video-families")
     data = make_clips(root / "data")
-    pool = ThreadPoolExecutor(max_workers=len(RUNS))
-    out = {}
+    models, jobs = {}, {}
     for run, (family, builtin, expert) in RUNS.items():
-        model = materialise(builtin, root / "models")
+        model = models[run] = materialise(builtin, root / "models")
         job, sampled = root / f"{run}.yaml", root / f"{run}-sampled.yaml"
         job.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family)))
         # Samples in one run per family (HunyuanVideo's quoted text goes through its glyph encoder).
@@ -69,10 +66,9 @@ def runs(tmp_path_factory):
         sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family, sample={
             "every_steps": 4, "prompts": [prompt], "steps": 2, "width": 32, "height": 32}) if run != "wan-a14b"
             else job_dict(str(model), data, expert, family)))
-        out[run] = (model, job, root / f"{run}-uninterrupted", pool.submit(run_killed_twice, job, root / f"{run}-killed"))
-        assert train(load_job(sampled), out[run][2], progress="none") == 0
-    yield out
-    pool.shutdown(wait=True)
+        jobs[run] = (job, sampled)
+    with chains_beside_references(root, jobs) as done:
+        yield {run: (models[run], jobs[run][0], *done[run]) for run in RUNS}
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -102,13 +98,6 @@ def test_the_sample_clip_plays_with_its_frames(run, runs):
 
 
 # ------------------------------------------------------------------ exports
-class _Quiet:
-    def info(self, *a, **k):
-        pass
-
-    warning = info
-
-
 def _inputs(transformer) -> dict:
     g = torch.Generator().manual_seed(0)
     c = transformer.config.in_channels
@@ -123,7 +112,7 @@ def test_load_lora_weights_puts_each_experts_file_into_its_transformer_and_repro
     from engine.families import get_family
 
     model_dir, job, ref, _ = runs[run]
-    mem = with_last_checkpoint(get_family("wan").load_model(load_job(job), ref, torch.device("cpu"), _Quiet()), ref)
+    mem = with_last_checkpoint(get_family("wan").load_model(load_job(job), ref, torch.device("cpu"), Quiet()), ref)
     sides = [("transformer", FILES[run][0], FILES[run][1])]
     if run == "wan-a14b":
         sides = [("transformer", FILES[run][0], FILES[run][1]), ("transformer_2", FILES[run][2], FILES[run][3])]
@@ -184,7 +173,7 @@ def test_each_sampled_timestep_trains_only_the_expert_that_owns_it(runs):
     model_dir, job, ref, _ = runs["wan-a14b"]
     family = get_family("wan")
     cfg = load_job(job)
-    model = family.load_model(cfg, ref, torch.device("cpu"), _Quiet())
+    model = family.load_model(cfg, ref, torch.device("cpu"), Quiet())
     seen = {"transformer": [], "transformer_2": []}
     for name in seen:
         getattr(model, name).register_forward_pre_hook(
@@ -316,7 +305,7 @@ def test_hunyuan_video_files_load_into_its_transformer_and_reproduce_it(runs):
 
     model_dir, job, ref, _ = runs["hunyuan"]
     mem = with_last_checkpoint(get_family("hunyuan_video").load_model(load_job(job), ref, torch.device("cpu"),
-                                                                     _Quiet()), ref)
+                                                                     Quiet()), ref)
     g = torch.Generator().manual_seed(0)
     c = mem.config
     x = dict(hidden_states=torch.randn(1, c.in_channels, 2, 2, 2, generator=g), timestep=torch.tensor([700.0]),
@@ -397,7 +386,7 @@ def test_i2v_keeps_the_first_latent_frame_clean_at_t0_and_out_of_the_loss(runs, 
     d["model"]["task"] = "i2v"
     cfg = parse_job(d, tmp_path, check_paths=False)
     family = get_family("wan")
-    model = family.load_model(cfg, ref, torch.device("cpu"), _Quiet())
+    model = family.load_model(cfg, ref, torch.device("cpu"), Quiet())
     seen = {}
     model.register_forward_pre_hook(lambda _m, _a, kw: seen.update(kw), with_kwargs=True)
     lat = torch.randn(2, 8, 3, 2, 2, generator=torch.Generator().manual_seed(1))
