@@ -92,6 +92,18 @@ class Item:
     controls: tuple = ()  # an edit pair's control images (engine/config/controls.py ControlSource), one per slot
 
 
+def read_caption(p: Path, folder: Path, caption_ext: str, trigger: str | None, log=None) -> tuple[str, bool]:
+    """(final caption, whether its file was missing) of an image or clip P: P.<caption_ext>, through make_caption;
+    a missing one is said once in the log."""
+    cap_path = p.with_suffix("." + caption_ext)
+    missing = not cap_path.is_file()
+    raw = None if missing else cap_path.read_text(encoding="utf-8", errors="replace")
+    if missing and log is not None:
+        log.warning("caption_missing", image=str(p.relative_to(folder)),
+                    message=f"no {cap_path.name}; the caption is the trigger alone ({trigger or 'empty'})")
+    return make_caption(raw, trigger), missing
+
+
 def make_caption(raw: str | None, trigger: str | None) -> str:
     text = " ".join((raw or "").split())
     if trigger:
@@ -115,14 +127,9 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
                 size = ImageOps.exif_transpose(im).size
         except (UnidentifiedImageError, OSError) as e:
             raise JobInvalid(f"data.path: {p.relative_to(folder)} is not a readable image ({e})") from None
-        cap_path = p.with_suffix("." + caption_ext)
-        missing = not cap_path.is_file()
-        raw = None if missing else cap_path.read_text(encoding="utf-8", errors="replace")
-        if missing and log is not None:
-            log.warning("caption_missing", image=str(p.relative_to(folder)),
-                        message=f"no {cap_path.name}; the caption is the trigger alone ({trigger or 'empty'})")
+        caption, missing = read_caption(p, folder, caption_ext, trigger, log)
         records.append(ImageRecord(p, str(p.relative_to(folder)), hashlib.sha256(data).hexdigest(), size[0], size[1],
-                                   make_caption(raw, trigger), missing))
+                                   caption, missing))
     if not records:
         raise JobInvalid(f"data.path: {folder} contains no images")
     return records

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from engine.config.clips import ClipUnreadable, probe
 from engine.config.sources import list_media
-from engine.data.images import ImageRecord
+from engine.data.images import ImageRecord, read_caption
 from engine.errors import JobInvalid
 
 __all__ = ["ClipUnreadable", "VideoItem", "VideoRecord", "make_video_items", "read_window", "scan_videos"]
@@ -60,8 +60,6 @@ class VideoItem:
 def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None, log=None) -> list[VideoRecord]:
     """Every clip and still with its content hash, size, frames at fps and final caption (engine/data/images.py's
     caption rules)."""
-    from engine.data.images import make_caption
-
     folder = Path(folder)
     out = []
     for p in list_media(folder):
@@ -69,15 +67,10 @@ def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None,
             n, w, h, still = probe(p, fps)
         except ClipUnreadable as e:
             raise JobInvalid(f"data.path: {p.relative_to(folder)} {e}") from None
-        cap_path = p.with_suffix("." + caption_ext)
-        missing = not cap_path.is_file()
-        raw = None if missing else cap_path.read_text(encoding="utf-8", errors="replace")
-        if missing and log is not None:
-            log.warning("caption_missing", image=str(p.relative_to(folder)),
-                        message=f"no {cap_path.name}; the caption is the trigger alone ({trigger or 'empty'})")
+        caption, missing = read_caption(p, folder, caption_ext, trigger, log)
         with open(p, "rb") as f:  # streamed: a clip may be larger than what we want to hold to hash it
             digest = hashlib.file_digest(f, "sha256").hexdigest()
-        out.append(VideoRecord(p, str(p.relative_to(folder)), digest, w, h, make_caption(raw, trigger), missing, n,
+        out.append(VideoRecord(p, str(p.relative_to(folder)), digest, w, h, caption, missing, n,
                                still))
     if not out:
         raise JobInvalid(f"data.path: {folder} contains no clips or images")
