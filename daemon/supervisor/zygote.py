@@ -197,6 +197,9 @@ def main(argv: list[str]) -> int:
 
     sock = socket.socket(fileno=int(argv[0]))
     fp = fingerprint()  # before the imports: a file changed while they run makes the next look differ
+    from engine.training.adapters import import_bitsandbytes
+
+    import_bitsandbytes()  # before PRELOAD's peft: without compiling kernels no trainer calls (~1 s)
     for name in PRELOAD:
         importlib.import_module(name)
     import torch

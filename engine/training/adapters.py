@@ -33,7 +33,8 @@ from engine.training.dtypes import torch_dtype
 
 
 def import_bitsandbytes() -> None:
-    """Import bitsandbytes (peft imports it with itself) without torch.compile-ing its fallback kernels.
+    """Import bitsandbytes (peft imports it with itself) without torch.compile-ing its fallback kernels; called
+    before a trainer's first peft import, after quiet_libraries() has quieted bitsandbytes' logger.
 
     At import, bitsandbytes wraps four pure-PyTorch fallback kernels (backends/default/ops.py) in torch.compile,
     which imports TorchInductor and functorch's partitioner: ~1 s of every trainer's and warm trainer's start on
@@ -56,11 +57,9 @@ def import_bitsandbytes() -> None:
             os.environ["TORCHDYNAMO_DISABLE"] = saved
 
 
-import_bitsandbytes()  # before anything imports peft: engine.recipe, the trainers' entry, imports this module
-
-
 def peft_config(lora, targets, task_type: str | None = None):
     """The peft config for `lora` (the job's lora section) on `targets`."""
+    import_bitsandbytes()
     import peft
 
     common = dict(r=lora.rank, target_modules=targets, task_type=task_type)

@@ -249,7 +249,8 @@ def test_a_job_sigkilled_twice_and_resumed_equals_the_uninterrupted_run(name, ki
 BNB_IMPORT = """
 import os, sys
 import torch
-import engine.training.adapters  # what engine.recipe imports before anything imports peft
+from engine.training.adapters import import_bitsandbytes
+import_bitsandbytes()  # what a trainer calls before its first peft import (and the warm trainer before its imports)
 import bitsandbytes
 loaded = sorted(m for m in ("torch._inductor.compile_fx", "functorch.compile") if m in sys.modules)
 compiled = torch.compile(lambda x: x * 2, backend="eager")
