@@ -43,8 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lorad: invalid job: {e}", file=sys.stderr, flush=True)
         return EXIT_INVALID
     # The training stack (torch and the rest: seconds) is imported once the job is known to be valid: an invalid
-    # one is refused in a fraction of a second.
-    from engine.recipe import train
+    # one is refused in a fraction of a second. Its objects are no garbage: imported with the collector off and
+    # frozen out of its reach, so that its collections while the model libraries load walk less.
+    gc.disable()
+    try:
+        from engine.recipe import train
+    finally:
+        gc.freeze()
+        gc.enable()
 
     alive = Liveness.from_env()  # the daemon's: this rank's sign of life, even while it waits for the others
     if alive is not None:
