@@ -99,8 +99,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    gc.disable()  # as engine.run: torch's import makes no garbage; frozen, it is walked by no later collection
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+    finally:
+        gc.freeze()
+        gc.enable()
 
     launcher_args, trainer_args = split_argv(sys.argv[1:] if argv is None else argv)
     # max_restarts 0 unless asked: a crash of any rank stops all and is one crash of the job, which the daemon
