@@ -15,6 +15,9 @@ runs is caught by the lock-step instead: rank 0 blocks in the next collective an
 
 A rank that exits cleanly removes its file (another rank may go on exporting for a while); the file of a rank
 that died names a pid that no longer exists, which the daemon ignores.
+
+And the other way round: `die_with_parent` has the kernel kill a rank whose launcher died (no torch here, so that
+engine.run can call it before it imports the training stack).
 """
 
 from __future__ import annotations
