@@ -15,7 +15,7 @@ contract with a trainer needs and torchrun does not give:
   no signal handlers: its own would SIGKILL the ranks 30 s after a SIGTERM,
   cutting a final checkpoint short.
 - No orphans: every rank asks the kernel to SIGKILL it when the launcher dies
-  (engine.distributed.ddp.die_with_parent), so a SIGKILLed launcher takes its
+  (engine.distributed.liveness.die_with_parent), so a SIGKILLed launcher takes its
   ranks with it.
 """
 
@@ -29,7 +29,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.distributed.ddp import LAUNCHER_PID
+from engine.distributed.liveness import LAUNCHER_PID
 from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -99,8 +99,13 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    gc.disable()  # as engine.run: torch's import makes no garbage; frozen, it is walked by no later collection
+    try:
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+    finally:
+        gc.freeze()
+        gc.enable()
 
     launcher_args, trainer_args = split_argv(sys.argv[1:] if argv is None else argv)
     # max_restarts 0 unless asked: a crash of any rank stops all and is one crash of the job, which the daemon

@@ -19,10 +19,8 @@ from pathlib import Path
 
 from engine.config import policy as job_policy
 from engine.config.job import load_job
-from engine.distributed.ddp import die_with_parent
-from engine.distributed.liveness import Liveness
+from engine.distributed.liveness import Liveness, die_with_parent
 from engine.errors import JobInvalid
-from engine.recipe import say, train
 from engine.storage import cache_evict
 from engine.training.stop import EXIT_INVALID, StopFlag
 
@@ -35,11 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     job_policy.add_arguments(ap)
     args = ap.parse_args(argv)
     die_with_parent()  # a rank started by engine.launch: no orphan if the launcher is killed
-    alive = Liveness.from_env()  # the daemon's: this rank's sign of life, even while it waits for the others
-    if alive is not None:
-        alive.start()
-    stop = StopFlag()
-    stop.install()
     policy = job_policy.from_args(args)
     if policy is not None:
         cache_evict.set_limit(policy.cache_max_bytes)
@@ -47,8 +40,23 @@ def main(argv: list[str] | None = None) -> int:
         # The daemon's policy, from our argv (which no one but the daemon set), over the job.yaml on disk now.
         cfg = load_job(args.job, policy=policy)
     except JobInvalid as e:
-        say(f"lorad: invalid job: {e}")
+        print(f"lorad: invalid job: {e}", file=sys.stderr, flush=True)
         return EXIT_INVALID
+    # The training stack (torch and the rest: seconds) is imported once the job is known to be valid: an invalid
+    # one is refused in a fraction of a second. Its objects are no garbage: imported with the collector off and
+    # frozen out of its reach, so that its collections while the model libraries load walk less.
+    gc.disable()
+    try:
+        from engine.recipe import train
+    finally:
+        gc.freeze()
+        gc.enable()
+
+    alive = Liveness.from_env()  # the daemon's: this rank's sign of life, even while it waits for the others
+    if alive is not None:
+        alive.start()
+    stop = StopFlag()
+    stop.install()
     try:
         return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
     finally:

@@ -16,10 +16,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.helpers.daemon import adapter_file, daemon_job, lorad_run, write_yaml
-from tests.helpers.images import tiny_image_model  # noqa: F401 - a session fixture for every test module
-from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict
-from tests.helpers.storage import s3_server, sftp_server  # noqa: F401 - loopback servers, started on first use
+# Collection imports torch, transformers and diffusers (half a million objects, next to no garbage): the collector
+# stays off until they are frozen out of its reach (pytest_collection_finish).
+gc.disable()
+
+from tests.helpers.daemon import adapter_file, daemon_job, lorad_run, write_yaml  # noqa: E402
+from tests.helpers.images import tiny_image_model  # noqa: E402, F401 - a session fixture for every test module
+from tests.helpers.jobs import QUICKSTART_DATA, build_micro_llama, deep_update, tiny_job_dict  # noqa: E402
+from tests.helpers.storage import s3_server, sftp_server  # noqa: E402, F401 - loopback servers, started on first use
 
 # Tables are as wide as the terminal; tests read their cells. Without this, the width depended on how pytest
 # was started (a terminal, a pipe, an xdist worker), and a note cut to fit a narrow one failed a test.
@@ -33,13 +37,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_collection_finish(session) -> None:
     """What the test modules imported (torch, transformers, diffusers, pytest: ~half a million objects) lives until
-    the end: frozen out of the collector's reach, a full collection (the image cache runs one after each encoder)
-    walks only what tests made since, not all of it again (~0.4-0.9 s each)."""
+    the end: frozen out of the collector's reach (it was off while they were imported), a full collection (the image
+    cache runs one after each encoder) walks only what tests made since, not all of it again (~0.4-0.9 s each)."""
     # Hypothesis runs its plugins when first imported; trio's finds its PRNG's owner by gc.get_referrers, which
     # does not see frozen objects (it warned). Imported before the freeze, as a test module that uses it would be.
     with contextlib.suppress(ImportError):
         import hypothesis  # noqa: F401
     gc.freeze()
+    gc.enable()
     if "tests.helpers.forked" in sys.modules:  # a collected module forks trainers
         sys.modules["tests.helpers.forked"].start_server()
 

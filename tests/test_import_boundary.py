@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 
-from tests.helpers.processes import PY, REPO, child_env
+from tests.helpers.processes import REPO
+from tests.test_import_graph import imported_alone
 
 ENGINE = REPO / "engine"
 
@@ -42,17 +41,10 @@ def test_no_engine_source_file_imports_daemon():
 
 
 def test_importing_every_engine_module_loads_no_daemon_module():
-    code = (
-        "import json, pkgutil, importlib, sys, engine\n"
-        "names = [m.name for m in pkgutil.walk_packages(engine.__path__, 'engine.') if not m.name.endswith('__main__')]\n"
-        "for n in names: importlib.import_module(n)\n"
-        "print(json.dumps({'imported': names, 'daemon': sorted(m for m in sys.modules if m.split('.')[0] == 'daemon')}))\n"
-    )
-    p = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert "engine.run" in out["imported"]
-    assert out["daemon"] == []
+    """Each engine module imported alone, in a fresh child (the one tests/test_import_graph.py's test reads)."""
+    engine = {n: r["daemon"] for n, r in imported_alone().items() if n.split(".")[0] == "engine"}
+    assert "engine.run" in engine
+    assert {n: loaded for n, loaded in engine.items() if loaded} == {}
 
 
 # --------------------------------------------------------------------- the recipe's command line is a script

@@ -4,6 +4,7 @@ daemon, and every module imports on its own, without another project module havi
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -142,21 +143,30 @@ def test_engine_never_imports_daemon_anywhere_in_its_graph():
     assert {m: d for m, d in bad.items() if d} == {}
 
 
-def test_every_module_imports_on_its_own():
-    """Each module is imported with no other engine/daemon module loaded before it (third-party ones may stay)."""
+@functools.cache
+def imported_alone() -> dict[str, dict]:
+    """Each module imported in one child with no other engine/daemon module loaded before it (third-party ones may
+    stay): {module: {"error": its traceback or None, "daemon": the daemon modules it loaded}}. One child for this
+    file's test and tests/test_import_boundary.py's: each imports the whole training stack (seconds)."""
     code = (
         "import importlib, json, sys, traceback\n"
         f"names = {sorted(n for n in project_modules() if not n.endswith('__main__'))!r}\n"
-        "failed = {}\n"
+        "out = {}\n"
         "for n in names:\n"
         "    for m in [m for m in sys.modules if m.split('.')[0] in ('engine', 'daemon')]:\n"
         "        del sys.modules[m]\n"
+        "    error = None\n"
         "    try:\n"
         "        importlib.import_module(n)\n"
         "    except Exception:\n"
-        "        failed[n] = traceback.format_exc(limit=3)[-600:]\n"
-        "print(json.dumps(failed))\n"
+        "        error = traceback.format_exc(limit=3)[-600:]\n"
+        "    out[n] = {'error': error, 'daemon': sorted(m for m in sys.modules if m.split('.')[0] == 'daemon')}\n"
+        "print(json.dumps(out))\n"
     )
     p = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=REPO, env=child_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_every_module_imports_on_its_own():
+    assert {n: r["error"] for n, r in imported_alone().items() if r["error"]} == {}

@@ -34,13 +34,14 @@ def _local_job(args: argparse.Namespace):
 def cmd_run(args: argparse.Namespace) -> int:
     """Train a job in the foreground (no daemon). Running it again resumes."""
     from engine.config.job import dump_job
-    from engine.recipe import train
     from engine.report.events import read_events
     from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
     from engine.training.stop import EXIT_INVALID, StopFlag
 
     if (job := _local_job(args)) is None:
-        return EXIT_INVALID
+        return EXIT_INVALID  # before the training stack's import (seconds): an invalid job is refused at once
+    from engine.recipe import train
+
     cfg, workdir = job
     fs = RealFs()
     ensure_dir_durable(fs, workdir)

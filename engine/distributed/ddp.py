@@ -58,26 +58,6 @@ def world_from_env(env: dict[str, str] | None = None) -> World:
     return World(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
-LAUNCHER_PID = "LORAD_LAUNCHER_PID"  # set by engine.launch, inherited by the ranks through torchrun
-
-
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this rank when the launcher that started it dies (prctl PR_SET_PDEATHSIG).
-
-    torchrun starts each rank in a session of its own, so a SIGKILL of the launcher's process group (the daemon
-    killing a hung job, an OOM kill) would leave the ranks running, holding GPUs, without this.
-    """
-    import ctypes
-    import signal
-
-    expected = os.environ.get(LAUNCHER_PID)
-    if expected is None:
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != int(expected):  # the launcher died before the request was in place
-        os._exit(1)
-
-
 def plan_grad_accum(global_batch: int, batch_size: int, world_size: int) -> int:
     """The grad_accum that keeps `global_batch` on `world_size` processes; JobInvalid (exit 65) when none does."""
     per_round = batch_size * world_size

@@ -15,6 +15,9 @@ runs is caught by the lock-step instead: rank 0 blocks in the next collective an
 
 A rank that exits cleanly removes its file (another rank may go on exporting for a while); the file of a rank
 that died names a pid that no longer exists, which the daemon ignores.
+
+And the other way round: `die_with_parent` has the kernel kill a rank whose launcher died (no torch here, so that
+engine.run can call it before it imports the training stack).
 """
 
 from __future__ import annotations
@@ -25,6 +28,25 @@ from pathlib import Path
 
 LIVENESS_DIR = "LORAD_LIVENESS_DIR"
 LIVENESS_INTERVAL_S = 1.0
+# Set by engine.launch; the ranks it starts die with it (die_with_parent).
+LAUNCHER_PID = "LORAD_LAUNCHER_PID"  # inherited by the ranks through torchrun
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this rank when the launcher that started it dies (prctl PR_SET_PDEATHSIG).
+
+    torchrun starts each rank in a session of its own, so a SIGKILL of the launcher's process group (the daemon
+    killing a hung job, an OOM kill) would leave the ranks running, holding GPUs, without this.
+    """
+    import ctypes
+    import signal
+
+    expected = os.environ.get(LAUNCHER_PID)
+    if expected is None:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(expected):  # the launcher died before the request was in place
+        os._exit(1)
 
 
 class Liveness:

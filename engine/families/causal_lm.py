@@ -14,7 +14,7 @@ from engine.errors import JobInvalid
 from engine.frozen_base.blockswap import place_model
 from engine.frozen_base.precision import apply_base_precision, quantization_config
 from engine.frozen_base.precision import resolve as resolve_precision
-from engine.training.adapters import check_base_precision, peft_config, set_adapter_dtype
+from engine.training.adapters import check_base_precision, import_bitsandbytes, peft_config, set_adapter_dtype
 from engine.training.chunked_loss import AUTO_MIN_VOCAB, chunked_cross_entropy
 from engine.training.dtypes import DTYPES, torch_dtype
 from engine.training.heldout import ValidationSet, holdout, to_device
@@ -43,6 +43,7 @@ class CausalLM:
         return self._tokenizer
 
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
+        import_bitsandbytes()  # before peft and transformers' quantisers import it
         from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 

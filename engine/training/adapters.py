@@ -24,14 +24,42 @@ fp32 and keep that copy for the backward pass — activation memory a large mode
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import torch
 
 from engine.training.dtypes import torch_dtype
 
 
+def import_bitsandbytes() -> None:
+    """Import bitsandbytes (peft imports it with itself) without torch.compile-ing its fallback kernels; called
+    before a trainer's first peft import, after quiet_libraries() has quieted bitsandbytes' logger.
+
+    At import, bitsandbytes wraps four pure-PyTorch fallback kernels (backends/default/ops.py) in torch.compile,
+    which imports TorchInductor and functorch's partitioner: ~1 s of every trainer's and warm trainer's start on
+    two cores, and lorad never calls them: on CUDA and the CPU bitsandbytes registers native kernels for those
+    ops. TORCHDYNAMO_DISABLE, read when torch.compile is called, makes it hand them back uncompiled (the same
+    math, the same fallback bitsandbytes takes when compiling fails); it is restored at once, so lorad's own
+    train.compile is untouched (torch._dynamo.config reads TORCH_COMPILE_DISABLE, not this variable).
+    """
+    if "bitsandbytes" in sys.modules:
+        return
+    saved = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        with contextlib.suppress(ImportError):
+            import bitsandbytes  # noqa: F401
+    finally:
+        if saved is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = saved
+
+
 def peft_config(lora, targets, task_type: str | None = None):
     """The peft config for `lora` (the job's lora section) on `targets`."""
+    import_bitsandbytes()
     import peft
 
     common = dict(r=lora.rank, target_modules=targets, task_type=task_type)

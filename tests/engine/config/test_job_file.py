@@ -166,17 +166,19 @@ def test_data_that_cannot_make_one_sample_is_exit_65_at_start(tmp_path, micro_mo
         assert w in line
 
 
-def test_real_processes_exit_65(tmp_path, micro_model):
-    """The exit status as the daemon and a shell see it, for both commands."""
+def test_real_processes_exit_65_before_importing_the_training_stack(tmp_path, micro_model):
+    """The exit status as the daemon and a shell see it, for both commands: at once, not after seconds of torch."""
     job = _bad_job(tmp_path, micro_model, "lora.rank", 0)
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
-                              cwd=REPO)  # side by side: each spends its life starting Python
-             for argv in ([PY, "-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
-                          [PY, "-m", "daemon.client.cli", "run", str(job), "--home", str(tmp_path / "home")])]
+    procs = [subprocess.Popen([PY, "-X", "importtime", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=child_env(), cwd=REPO)  # side by side: each spends its life starting
+             for argv in (["-m", "engine.run", "--job", str(job), "--workdir", str(tmp_path / "w")],
+                          ["-m", "daemon.client.cli", "run", str(job), "--home", str(tmp_path / "home")])]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 65, err
         assert "lora.rank" in _one_line(err)
+        imported = {line.split("|")[-1].strip() for line in err.splitlines() if line.startswith("import time:")}
+        assert "yaml" in imported and not imported & {"torch", "transformers", "peft"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -244,3 +244,30 @@ def test_a_job_sigkilled_twice_and_resumed_equals_the_uninterrupted_run(name, ki
     assert [e["from_step"] for e in read_events(wd) if e["event"] == "resumed"][-1] >= 2
     a, b = adapter_bytes(ref), adapter_bytes(wd)
     assert a and sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+
+
+BNB_IMPORT = """
+import os, sys
+import torch
+from engine.training.adapters import import_bitsandbytes
+import_bitsandbytes()  # what a trainer calls before its first peft import (and the warm trainer before its imports)
+import bitsandbytes
+loaded = sorted(m for m in ("torch._inductor.compile_fx", "functorch.compile") if m in sys.modules)
+compiled = torch.compile(lambda x: x * 2, backend="eager")
+print(loaded, "TORCHDYNAMO_DISABLE" in os.environ, hasattr(compiled, "_torchdynamo_orig_callable"),
+      compiled(torch.ones(1)).item())
+"""
+
+
+def test_a_trainer_imports_bitsandbytes_without_compiling_its_fallback_kernels_and_can_still_compile():
+    """bitsandbytes torch.compiles four fallback kernels at import (TorchInductor's import: ~1 s of every trainer's
+    start); lorad's devices never call them. A fresh process, as a trainer is."""
+    import subprocess
+    import sys
+
+    from tests.helpers.processes import REPO, child_env
+
+    out = subprocess.run([sys.executable, "-c", BNB_IMPORT], capture_output=True, text=True, env=child_env(),
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "[] False True 2.0"
