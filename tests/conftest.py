@@ -98,17 +98,13 @@ def finished_tiny_job(tmp_path_factory, micro_model):
     job.write_text(yaml.safe_dump(d))
     cfg = load_job(job)
     workdir = root / "home" / "jobs" / cfg.name
-    # Periodic saves run niced; on a crowded machine they may land less often than every 3 steps.
-    # This fixture needs several checkpoints, not a test of that policy, so the writer runs at nice 0.
-    saved = os.environ.get("LORAD_CKPT_WRITER_NICE")
-    os.environ["LORAD_CKPT_WRITER_NICE"] = "0"
-    try:
+    # Periodic saves run niced, one in flight at a time; on a crowded machine a save could outlast the next steps
+    # and land less often than every 3 steps. This fixture needs several checkpoints, not a test of that policy:
+    # the writer runs at nice 0 and each step rests 0.15 s, so a save has its three steps' time to land.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LORAD_CKPT_WRITER_NICE", "0")
+        mp.setenv("LORAD_DEBUG_STEP_DELAY_S", "0.15")
         assert train(cfg, workdir, progress="none") == 0
-    finally:
-        if saved is None:
-            os.environ.pop("LORAD_CKPT_WRITER_NICE")
-        else:
-            os.environ["LORAD_CKPT_WRITER_NICE"] = saved
     names = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     assert len(names) >= 3 and names[-1] == "step-00000012", names
     return job, cfg, workdir, names
