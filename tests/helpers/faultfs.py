@@ -1,0 +1,432 @@
+"""A FUSE file system that keeps only what was fsynced: power cuts, a full disk and torn writes, as a test tool.
+
+A passthrough (mfusepy over Debian's fuse3) onto BACKING/live. Beside it the file system keeps what a power cut
+would leave: per file, the bytes its last fsync made durable (BACKING/durable/UID, copied lazily: a file untouched
+since the mount is durable as it is), and per directory, the entries (creates, renames, unlinks) its last
+directory fsync made durable. A file's own fsync never makes its name durable (POSIX; ext4 often does, lorad
+must not count on it).
+
+    fs = FaultFs(tmp / "fs").start()     # mounted at fs.mount
+    fs.cut()                             # a power cut: everything unsynced is gone; unmounted and mounted again
+    fs.cut(torn=True, seed=3)            # ... and of the unsynced writes, some 4 KiB pages landed (a torn write)
+    fs.full(True); fs.full(False)        # writes and creates fail with ENOSPC; statfs says 0 bytes free
+    fs.stop()
+
+Whatever uses the mount must be dead (SIGKILL) before cut(): a power cut has no survivors. The server runs in its
+own process (`python -m tests.helpers.faultfs BACKING MOUNT CONTROL`), single-threaded, with one control socket.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PAGE = 4096
+
+
+class PowerCutOps:
+    """The FUSE operations and the durable model beside them. Files are known by a uid of our own (a backing inode
+    number is reused after an unlink; a uid never is)."""
+
+    use_ns = True
+
+    def __init__(self, backing: Path):
+        self.live, self.store = backing / "live", backing / "durable"
+        self.live.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.store, ignore_errors=True)
+        self.store.mkdir()
+        self.lock = threading.RLock()
+        self.next_uid = 0
+        self.uid_of: dict[int, int] = {}  # backing inode -> uid
+        self.durable: dict[int, str | None] = {}  # uid -> "live" (untouched), "copy" (BACKING/durable/UID), None
+        self.dirty: dict[int, list[tuple[int, int]]] = {}  # uid -> unsynced writes (offset, length)
+        self.entries: dict[int, dict[str, tuple[str, int | str]]] = {}  # dir uid -> name -> (kind, uid | target)
+        self.fh_uid: dict[int, int] = {}
+        self.full_on = False
+        self.dead = False
+        self.root_uid = self._scan()
+
+    # ------------------------------------------------------------------ the durable model
+    def _new_uid(self, ino: int, durable: str | None) -> int:
+        self.next_uid += 1
+        self.uid_of[ino] = self.next_uid
+        self.durable[self.next_uid] = durable
+        return self.next_uid
+
+    def _uid(self, path: Path) -> int:
+        ino = os.lstat(path).st_ino
+        return self.uid_of[ino] if ino in self.uid_of else self._new_uid(ino, None)
+
+    def _scan(self) -> int:
+        """At mount, everything in the backing tree is durable (as after a reboot)."""
+        root = self._new_uid(os.lstat(self.live).st_ino, "live")
+        for d, dirs, files in os.walk(self.live):
+            for name in dirs + files:
+                p = Path(d) / name
+                ino = os.lstat(p).st_ino
+                if ino not in self.uid_of:
+                    self._new_uid(ino, "live")
+            self._snapshot_dir(Path(d))
+        return root
+
+    def _entry(self, p: Path) -> tuple[str, int | str] | None:
+        st = os.lstat(p)
+        if stat.S_ISDIR(st.st_mode):
+            return "dir", self._uid(p)
+        if stat.S_ISREG(st.st_mode):
+            return "file", self._uid(p)
+        if stat.S_ISLNK(st.st_mode):
+            return "link", os.readlink(p)
+        return None  # sockets and FIFOs do not outlive a reboot as anything useful
+
+    def _snapshot_dir(self, d: Path) -> None:
+        with os.scandir(d) as it:
+            self.entries[self._uid(d)] = {e.name: en for e in it if (en := self._entry(Path(e.path))) is not None}
+
+    def _preserve(self, uid: int, live: Path | int) -> None:
+        """Before a file's live bytes change or go: its durable bytes, if they are still the live ones, copied
+        (from its path or an open descriptor)."""
+        if self.durable.get(uid) != "live":
+            return
+        if isinstance(live, int):
+            with open(self.store / str(uid), "wb") as out:
+                while chunk := os.pread(live, 1 << 20, out.tell()):
+                    out.write(chunk)
+        else:
+            shutil.copyfile(live, self.store / str(uid))
+        self.durable[uid] = "copy"
+
+    def _sync_file(self, uid: int, fd: int) -> None:
+        dst = self.store / str(uid)
+        if self.durable.get(uid) != "copy":
+            dst.write_bytes(b"")
+            self.durable[uid] = "copy"
+        with open(dst, "r+b") as out:
+            for off, n in self.dirty.pop(uid, []):
+                out.seek(off)
+                out.write(os.pread(fd, n, off))
+            out.truncate(os.fstat(fd).st_size)
+
+    def cut(self, torn: bool, seed: int) -> None:
+        """Rebuild BACKING/live as a power cut leaves it; this server then serves nothing but EIO."""
+        self.dead = True
+        rng = random.Random(seed)
+        live_path = {uid: Path(d) / n for d, dirs, files in os.walk(self.live) for n in dirs + files
+                     if (uid := self.uid_of.get(os.lstat(Path(d) / n).st_ino))}
+        nxt = self.live.with_name("next")
+        shutil.rmtree(nxt, ignore_errors=True)
+        nxt.mkdir()
+        built: dict[int, Path] = {}
+        todo = [(self.root_uid, nxt)]
+        while todo:
+            duid, dpath = todo.pop()
+            for name, (kind, ref) in self.entries.get(duid, {}).items():
+                p = dpath / name
+                if kind == "dir":
+                    p.mkdir()
+                    todo.append((ref, p))
+                elif kind == "link":
+                    os.symlink(ref, p)
+                elif ref in built:
+                    os.link(built[ref], p)
+                else:
+                    built[ref] = p
+                    self._rebuild_file(ref, p, live_path.get(ref), torn, rng)
+        old = self.live.with_name("old")
+        os.rename(self.live, old)
+        os.rename(nxt, self.live)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _rebuild_file(self, uid: int, p: Path, live: Path | None, torn: bool, rng: random.Random) -> None:
+        state = self.durable.get(uid)
+        if state == "live" and live is not None:
+            shutil.copyfile(live, p)
+        elif state == "copy":
+            shutil.copyfile(self.store / str(uid), p)
+        else:
+            p.write_bytes(b"")
+        if torn and live is not None and self.dirty.get(uid):
+            with open(live, "rb") as src, open(p, "r+b") as out:
+                for off, n in self.dirty[uid]:
+                    for page in range(off - off % PAGE, off + n, PAGE):
+                        if rng.random() < 0.5:
+                            src.seek(page)
+                            out.seek(page)
+                            out.write(src.read(PAGE))
+
+    # ------------------------------------------------------------------ FUSE operations
+    def _p(self, path: str) -> Path:
+        if self.dead:
+            raise _err(errno.EIO)
+        return self.live / path.lstrip("/")
+
+    def _no_space(self) -> None:
+        if self.full_on:
+            raise _err(errno.ENOSPC)
+
+    def getattr(self, path, fh=None):
+        st = os.fstat(fh) if fh is not None and not self.dead else os.lstat(self._p(path))
+        return {k: getattr(st, k) for k in ("st_mode", "st_ino", "st_nlink", "st_uid", "st_gid", "st_size",
+                                             "st_blocks")} | {
+            "st_atime": st.st_atime_ns, "st_mtime": st.st_mtime_ns, "st_ctime": st.st_ctime_ns}
+
+    def access(self, path, amode):
+        if not os.access(self._p(path), amode):
+            raise _err(errno.EACCES)
+        return 0
+
+    def readdir(self, path, fh):
+        return [".", "..", *os.listdir(self._p(path))]
+
+    def readlink(self, path):
+        return os.readlink(self._p(path))
+
+    def statfs(self, path):
+        s = os.statvfs(self._p(path))
+        out = {k: getattr(s, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                                          "f_ffree", "f_favail", "f_flag", "f_namemax")}
+        return out | ({"f_bfree": 0, "f_bavail": 0} if self.full_on else {})
+
+    def open(self, path, flags):
+        with self.lock:
+            p = self._p(path)
+            uid = self._uid(p)
+            if flags & os.O_TRUNC:
+                self._preserve(uid, p)
+                self._truncated(uid, 0)
+            fd = os.open(p, _backing_flags(flags))
+            self.fh_uid[fd] = uid
+            return fd
+
+    def create(self, path, mode, flags):
+        with self.lock:
+            self._no_space()
+            p = self._p(path)
+            if p.is_file():  # O_CREAT of an existing file (without O_EXCL): that file, maybe truncated
+                return self.open(path, flags & ~os.O_CREAT & ~os.O_EXCL)
+            fd = os.open(p, _backing_flags(flags) | os.O_CREAT, mode)
+            self.fh_uid[fd] = self._new_uid(os.fstat(fd).st_ino, None)
+            return fd
+
+    def read(self, path, size, offset, fh):
+        return os.pread(fh, size, offset)
+
+    def write(self, path, data, offset, fh):
+        with self.lock:
+            self._no_space()
+            uid = self.fh_uid[fh]
+            self._preserve(uid, fh)
+            n = os.pwrite(fh, data, offset)
+            self.dirty.setdefault(uid, []).append((offset, n))
+            return n
+
+    def _truncated(self, uid: int, length: int) -> None:
+        self.dirty.setdefault(uid, []).append((length, 0))  # the sync truncates the durable copy to the live size
+
+    def truncate(self, path, length, fh=None):
+        with self.lock:
+            if self.dead:
+                raise _err(errno.EIO)
+            target = fh if fh is not None else self._p(path)
+            if length > os.stat(target).st_size:
+                self._no_space()
+            uid = self.fh_uid[fh] if fh is not None else self._uid(target)
+            self._preserve(uid, target)
+            os.truncate(target, length)
+            self._truncated(uid, length)
+            return 0
+
+    def fsync(self, path, datasync, fh):
+        with self.lock:
+            self._p(path)
+            self._sync_file(self.fh_uid[fh], fh)
+            return 0
+
+    def fsyncdir(self, path, datasync, fh):
+        with self.lock:
+            self._snapshot_dir(self._p(path))
+            return 0
+
+    def flush(self, path, fh):
+        return 0
+
+    def release(self, path, fh):
+        with self.lock:
+            self.fh_uid.pop(fh, None)
+            os.close(fh)
+            return 0
+
+    def mkdir(self, path, mode):
+        with self.lock:
+            self._no_space()
+            os.mkdir(self._p(path), mode)
+            self._new_uid(os.lstat(self._p(path)).st_ino, None)
+            return 0
+
+    def mknod(self, path, mode, dev):
+        self._no_space()
+        os.mknod(self._p(path), mode, dev)
+        return 0
+
+    def symlink(self, target, source):
+        self._no_space()
+        os.symlink(source, self._p(target))
+        return 0
+
+    def link(self, target, source):
+        self._no_space()
+        os.link(self._p(source), self._p(target))
+        return 0
+
+    def unlink(self, path):
+        with self.lock:
+            p = self._p(path)
+            if p.is_file() and not p.is_symlink():
+                self._preserve(self._uid(p), p)
+            os.unlink(p)
+            return 0
+
+    def rmdir(self, path):
+        os.rmdir(self._p(path))
+        return 0
+
+    def rename(self, old, new):
+        with self.lock:
+            dst = self._p(new)
+            if dst.is_file() and not dst.is_symlink():
+                self._preserve(self._uid(dst), dst)
+            os.rename(self._p(old), dst)
+            return 0
+
+    def chmod(self, path, mode):
+        os.chmod(self._p(path), mode)
+        return 0
+
+    def chown(self, path, uid, gid):
+        os.chown(self._p(path), uid, gid, follow_symlinks=False)
+        return 0
+
+    def utimens(self, path, times=None):
+        os.utime(self._p(path), ns=times, follow_symlinks=False)
+        return 0
+
+
+def _backing_flags(flags: int) -> int:
+    """The kernel passes each write's offset (appends included), and a sync reads back what was written."""
+    if flags & os.O_ACCMODE == os.O_WRONLY:
+        flags = flags & ~os.O_ACCMODE | os.O_RDWR
+    return flags & ~os.O_APPEND
+
+
+def _err(code: int) -> OSError:
+    import mfusepy
+
+    return mfusepy.FuseOSError(code)
+
+
+def _control(ops: PowerCutOps, path: Path) -> None:
+    """One command a connection: `cut TORN SEED`, `full 0|1`; answers `ok` once done."""
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(4)
+    while True:
+        conn, _ = srv.accept()
+        with conn:
+            cmd = conn.recv(256).decode().split()
+            with ops.lock:
+                if cmd[0] == "cut":
+                    ops.cut(cmd[1] == "1", int(cmd[2]))
+                elif cmd[0] == "full":
+                    ops.full_on = cmd[1] == "1"
+            conn.sendall(b"ok\n")
+
+
+def serve(backing: Path, mount: Path, control: Path) -> None:
+    import mfusepy
+
+    ops = PowerCutOps(backing)
+    threading.Thread(target=_control, args=(ops, control), daemon=True).start()
+    # Single-threaded: the model's bookkeeping stays simple. No kernel attribute or entry cache, so what a process
+    # sees is what the model has (a cut swaps the tree under an unmounting server, never under a live one).
+    mfusepy.FUSE(ops, str(mount), foreground=True, nothreads=True, attr_timeout=0, entry_timeout=0,
+                 negative_timeout=0, fsname="faultfs")
+
+
+class FaultFs:
+    """The test's handle on one such file system: start, cut, full, stop."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.backing, self.mount, self.control = self.root / "backing", self.root / "mnt", self.root / "control.sock"
+        self.proc: subprocess.Popen | None = None
+        self.cuts = 0
+
+    def start(self) -> FaultFs:
+        self.mount.mkdir(parents=True, exist_ok=True)
+        self.control.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        log = open(self.root / "faultfs.log", "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.faultfs", str(self.backing),
+                                      str(self.mount), str(self.control)], stdout=log, stderr=log, env=env)
+        log.close()
+        deadline = time.monotonic() + 30
+        while not (os.path.ismount(self.mount) and self.control.exists()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"faultfs did not mount: {(self.root / 'faultfs.log').read_text()[-2000:]}")
+            time.sleep(0.02)
+        return self
+
+    def _command(self, line: str) -> None:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(600)
+            s.connect(str(self.control))
+            s.sendall(line.encode())
+            if s.recv(16) != b"ok\n":
+                raise RuntimeError(f"faultfs: {line} failed")
+
+    def full(self, on: bool) -> None:
+        self._command(f"full {int(on)}")
+
+    def cut(self, torn: bool = False, seed: int = 0) -> None:
+        self._command(f"cut {int(torn)} {seed}")
+        self.cuts += 1
+        self.stop()
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if subprocess.run(["fusermount3", "-u", str(self.mount)], capture_output=True).returncode != 0:
+            subprocess.run(["fusermount3", "-uz", str(self.mount)], capture_output=True)  # still open somewhere
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+def fuse_usable() -> str | None:
+    """None when a FaultFs can mount here, else why not (the tests that need one skip with it)."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "no fusermount3 (Debian's fuse3; `make fuse`)"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as e:
+        return f"mfusepy unusable: {e}"
+    return None
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]))
