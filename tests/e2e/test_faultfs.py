@@ -93,3 +93,14 @@ def test_a_full_disk_fails_writes_and_creates_until_it_is_emptied(fs):
         fs.full(False)
     write(p, b"more", sync=True)
     assert p.read_bytes() == b"more" and os.statvfs(fs.mount).f_bavail > 0
+
+
+def test_touching_a_file_sets_its_time_to_now(fs):
+    """A trainer's liveness file is touched (utime, UTIME_NOW): the daemon reads its age from the mtime."""
+    import time
+
+    p = fs.mount / "alive"
+    write(p, b"")
+    os.utime(p, ns=(0, 0))
+    os.utime(p)
+    assert abs(os.stat(p).st_mtime - time.time()) < 5

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 PAGE = 4096
+UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2  # <sys/stat.h>
 
 
 class PowerCutOps:
@@ -44,7 +45,7 @@ class PowerCutOps:
         self.live.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.store, ignore_errors=True)
         self.store.mkdir()
-        self.lock = threading.RLock()
+        self.mutex = threading.RLock()  # not `lock`: that name is the FUSE lock operation
         self.next_uid = 0
         self.uid_of: dict[int, int] = {}  # backing inode -> uid
         self.durable: dict[int, str | None] = {}  # uid -> "live" (untouched), "copy" (BACKING/durable/UID), None
@@ -197,7 +198,7 @@ class PowerCutOps:
         return out | ({"f_bfree": 0, "f_bavail": 0} if self.full_on else {})
 
     def open(self, path, flags):
-        with self.lock:
+        with self.mutex:
             p = self._p(path)
             uid = self._uid(p)
             if flags & os.O_TRUNC:
@@ -208,7 +209,7 @@ class PowerCutOps:
             return fd
 
     def create(self, path, mode, flags):
-        with self.lock:
+        with self.mutex:
             self._no_space()
             p = self._p(path)
             if p.is_file():  # O_CREAT of an existing file (without O_EXCL): that file, maybe truncated
@@ -221,7 +222,7 @@ class PowerCutOps:
         return os.pread(fh, size, offset)
 
     def write(self, path, data, offset, fh):
-        with self.lock:
+        with self.mutex:
             self._no_space()
             uid = self.fh_uid[fh]
             self._preserve(uid, fh)
@@ -233,7 +234,7 @@ class PowerCutOps:
         self.dirty.setdefault(uid, []).append((length, 0))  # the sync truncates the durable copy to the live size
 
     def truncate(self, path, length, fh=None):
-        with self.lock:
+        with self.mutex:
             if self.dead:
                 raise _err(errno.EIO)
             target = fh if fh is not None else self._p(path)
@@ -246,13 +247,13 @@ class PowerCutOps:
             return 0
 
     def fsync(self, path, datasync, fh):
-        with self.lock:
+        with self.mutex:
             self._p(path)
             self._sync_file(self.fh_uid[fh], fh)
             return 0
 
     def fsyncdir(self, path, datasync, fh):
-        with self.lock:
+        with self.mutex:
             self._snapshot_dir(self._p(path))
             return 0
 
@@ -260,13 +261,13 @@ class PowerCutOps:
         return 0
 
     def release(self, path, fh):
-        with self.lock:
+        with self.mutex:
             self.fh_uid.pop(fh, None)
             os.close(fh)
             return 0
 
     def mkdir(self, path, mode):
-        with self.lock:
+        with self.mutex:
             self._no_space()
             os.mkdir(self._p(path), mode)
             self._new_uid(os.lstat(self._p(path)).st_ino, None)
@@ -288,7 +289,7 @@ class PowerCutOps:
         return 0
 
     def unlink(self, path):
-        with self.lock:
+        with self.mutex:
             p = self._p(path)
             if p.is_file() and not p.is_symlink():
                 self._preserve(self._uid(p), p)
@@ -300,7 +301,7 @@ class PowerCutOps:
         return 0
 
     def rename(self, old, new):
-        with self.lock:
+        with self.mutex:
             dst = self._p(new)
             if dst.is_file() and not dst.is_symlink():
                 self._preserve(self._uid(dst), dst)
@@ -316,7 +317,13 @@ class PowerCutOps:
         return 0
 
     def utimens(self, path, times=None):
-        os.utime(self._p(path), ns=times, follow_symlinks=False)
+        p = self._p(path)
+        if times is not None:  # libfuse passes UTIME_NOW / UTIME_OMIT as they are, with a zero tv_sec
+            st = os.lstat(p)
+            now = time.time_ns()
+            times = tuple(now if t == UTIME_NOW else old if t == UTIME_OMIT else t
+                          for t, old in zip(times, (st.st_atime_ns, st.st_mtime_ns), strict=True))
+        os.utime(p, ns=times, follow_symlinks=False)
         return 0
 
 
@@ -342,7 +349,7 @@ def _control(ops: PowerCutOps, path: Path) -> None:
         conn, _ = srv.accept()
         with conn:
             cmd = conn.recv(256).decode().split()
-            with ops.lock:
+            with ops.mutex:
                 if cmd[0] == "cut":
                     ops.cut(cmd[1] == "1", int(cmd[2]))
                 elif cmd[0] == "full":
@@ -373,10 +380,12 @@ class FaultFs:
     def start(self) -> FaultFs:
         self.mount.mkdir(parents=True, exist_ok=True)
         self.control.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        repo = Path(__file__).resolve().parents[2]
+        env = {**os.environ, "PYTHONPATH": str(repo)}
         log = open(self.root / "faultfs.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.faultfs", str(self.backing),
-                                      str(self.mount), str(self.control)], stdout=log, stderr=log, env=env)
+                                      str(self.mount), str(self.control)], stdout=log, stderr=log, env=env,
+                                     cwd=str(repo))
         log.close()
         deadline = time.monotonic() + 30
         while not (os.path.ismount(self.mount) and self.control.exists()):
