@@ -68,7 +68,7 @@ def default_specs(models: Path, families: list[str]) -> dict[str, dict[str, Any]
         job.pop("sample", None)
         return job
 
-    table = {"lm": ("quickstart.yaml", "tiny-llama", 60, 5), "flux": ("flux-lora-tiny.yaml", "tiny-flux", 16, 4),
+    table = {"lm": ("quickstart.yaml", "tiny-llama", 40, 5), "flux": ("flux-lora-tiny.yaml", "tiny-flux", 16, 4),
              "flux2": ("flux2-lora-tiny.yaml", "tiny-flux2", 12, 4)}
     return {f: load(*table[f]) for f in families}
 
@@ -115,6 +115,7 @@ class Soak:
         self.jobs: dict[str, str] = {}  # job id -> spec name, this round
         self.verified = self.lost = self.mismatched = self.human = 0
         self.paused: set[str] = set()
+        self.corrupted: dict[str, set[int]] = {}  # job id -> steps whose checkpoint we corrupted
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------ rounds
@@ -205,12 +206,17 @@ class Soak:
             if running is None:
                 kind = pick(self.rng, {k: v for k, v in self.kinds.items() if k not in NEEDS_TRAINER})
         before = self.world.tail(running).last_step() if running else None
+        # The newest checkpoint committed and never corrupted by us: no resume may start before it.
+        committed = max((e["step"] for e in self.world.tail(running).events if e.get("event") == "checkpoint_committed"
+                         and e["step"] not in self.corrupted.get(running, set())), default=0) if running else None
         t0 = time.monotonic()
         rec = FAULTS[kind](self.world, self.rng, running)
         t1 = time.monotonic()
         rec = {"n": len(self.faults) + 1, "kind": kind, "at_s": round(t0 - self.t_start, 2), "job": running,
-               "step": before, **rec}
+               "step": before, "committed": committed, **rec}
         self.faults.append(rec)
+        if kind == "corrupt_checkpoint" and rec.get("file"):
+            self.corrupted.setdefault(running, set()).add(int(rec["file"].split("/step-")[1].split("/")[0]))
         if rec.get("paused"):
             self.paused.add(rec["paused"])
         if rec["disrupts"] or kind == "kill_daemon":
@@ -219,24 +225,34 @@ class Soak:
               flush=True)
 
     def recover(self, rec: dict[str, Any], t0: float, t_from: float) -> None:
-        """Wait for the next training step (any job's) after the fault; the steps the killed job redid."""
+        """Wait for the next training step (any job's) after the fault: when the fault killed the running job's
+        trainer, its next trainer's first step. The steps that job redid; a committed checkpoint it lost."""
+        job = rec["job"] if rec.get("kills") and (rec.get("pids") or rec["kind"] == "power_cut") else None
         deadline = time.monotonic() + 300
         while True:
             self.world.check_alive()
             self.tend()
-            steps = [f for jid in self.jobs if (f := self.world.tail(jid).first("step", t_from))]
+            if job:
+                start = self.world.tail(job).first("start", t0)
+                step = start and self.world.tail(job).first("step", start[0] - 0.001)
+                steps = [step] if step else []
+            else:
+                steps = [f for jid in self.jobs if (f := self.world.tail(jid).first("step", t_from + 0.05))]
             if steps:
                 rec["recovery_s"] = round(min(t for t, _ in steps) - t_from, 3)
                 break
-            if all(self.world.jobs() and j["state"] in FINAL for j in self.world.jobs() if j["id"] in self.jobs):
+            if all(j["state"] in FINAL for j in self.world.jobs() if j["id"] in self.jobs):
                 break  # the fault landed on the round's last step
             if time.monotonic() > deadline:
                 raise SoakFailure(f"no training step within 300 s of fault {rec['n']} ({rec['kind']})")
             self.sleep(0.05)
-        if rec.get("kills") and rec["job"]:
-            t = self.world.tail(rec["job"])
+        if job:
+            t = self.world.tail(job)
             if res := t.first("resumed", t0):
                 rec["lost"] = rec["step"] - res[1]["from_step"]
+                if res[1]["from_step"] < rec["committed"] and rec["kind"] != "corrupt_checkpoint":
+                    raise SoakFailure(f"fault {rec['n']} ({rec['kind']}): {job} resumed from step "
+                                      f"{res[1]['from_step']}, though step {rec['committed']} was committed before")
             elif t.first("start", t0):  # no checkpoint yet: trained again from the start
                 rec["lost"] = rec["step"]
         for pid in rec.get("stopped", []):

@@ -71,7 +71,8 @@ def full_disk(w: World, rng: random.Random, running: str | None) -> dict[str, An
 def corrupt_checkpoint(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
     """Bytes of the running job's newest committed checkpoint flipped (durably), then its trainer killed: the
     resume must walk back past it."""
-    ckpts = sorted((w.home / "jobs" / running / "checkpoints").glob("step-*")) if running else []
+    ckpts = sorted(d for d in (w.home / "jobs" / running / "checkpoints").glob("step-*")
+                   if d.name[5:].isdigit()) if running else []  # committed ones: no .tmp-, no .invalid-
     files = [f for f in (ckpts[-1].rglob("*") if ckpts else []) if f.is_file() and f.stat().st_size > 0]
     target = max(files, key=lambda f: f.stat().st_size) if files else None
     if target is not None:
@@ -156,7 +157,7 @@ def cli(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
     verb = "resume" if j["state"] == "paused" else rng.choice(["pause", "priority", "priority"])
     args = [verb, j["id"]] + ([str(rng.randint(-5, 5))] if verb == "priority" else [])
     r = cli_in_process([*args, "--home", str(w.home), "--socket", str(w.sock)], w.env)
-    return {"verb": verb, "job": j["id"], "args": args[2:], "rc": r.returncode,
+    return {"verb": verb, "target": j["id"], "args": args[2:], "rc": r.returncode,
             "out": (r.stdout + r.stderr).strip()[-200:], "kills": False, "disrupts": verb == "pause"
             and j["state"] == "running", "paused": j["id"] if verb == "pause" else None}
 

@@ -26,9 +26,11 @@ from daemon.client.connection import Client, DaemonDown  # noqa: E402
 from daemon.system.proc import find_trainers  # noqa: E402
 from tests.helpers.faultfs import FaultFs  # noqa: E402
 
-# A wall-clock jump, as far as lorad's Python sees it: time.time()/time_ns() of every lorad process (the daemon,
-# the zygote, its trainers) gain the offset in the file. The kernel's clocks are not ours to move (no
-# CAP_SYS_TIME here, and other work shares this machine); CLOCK_MONOTONIC cannot jump by definition.
+# A wall-clock jump, as far as lorad sees it: time.time()/time_ns() of every lorad process (the daemon, the zygote,
+# its trainers) gain the offset in the file, and the home's file system stamps what changes from then on with the
+# moved clock (files changed before keep their times, as after a real jump). The kernel's clock is not ours to move
+# (no CAP_SYS_TIME here, and other work shares this machine); CLOCK_MONOTONIC cannot jump by definition, and
+# datetime.now() (C, not time.time) does not move: lorad's events keep true timestamps.
 CLOCK_SHIM = '''\
 import os, time
 _f = os.environ.get("LORAD_SOAK_CLOCK_FILE")
@@ -86,7 +88,8 @@ class Tail:
                 self.fresh.append((now, e))
 
     def last_step(self) -> int:
-        return max((e["step"] for e in self.events if e.get("event") == "step"), default=0)
+        """The step the trainer is at: the newest step event (a resumed job counts again from its checkpoint)."""
+        return next((e["step"] for e in reversed(self.events) if e.get("event") == "step"), 0)
 
     def first(self, event: str, after: float) -> tuple[float, dict[str, Any]] | None:
         return next(((t, e) for t, e in self.fresh if t > after and e.get("event") == event), None)
@@ -221,6 +224,7 @@ class World:
 
     def clock_jump(self, by: float) -> float:
         now = float(self.clock_file.read_text() or 0) + by
+        self.fs.clock(now)  # files changed from now on carry the moved time, as they would after a real jump
         self.clock_file.write_text(repr(now))
         return now
 

@@ -104,3 +104,19 @@ def test_touching_a_file_sets_its_time_to_now(fs):
     os.utime(p, ns=(0, 0))
     os.utime(p)
     assert abs(os.stat(p).st_mtime - time.time()) < 5
+
+
+def test_a_moved_clock_stamps_what_changes_from_then_on_and_nothing_before(fs):
+    import time
+
+    before, after = fs.mount / "before", fs.mount / "after"
+    write(before, b"")
+    fs.clock(3600)
+    try:
+        write(after, b"x")
+        assert abs(os.stat(after).st_mtime - (time.time() + 3600)) < 5
+        assert abs(os.stat(before).st_mtime - time.time()) < 5
+        os.utime(before)  # touched: the moved clock's now
+        assert abs(os.stat(before).st_mtime - (time.time() + 3600)) < 5
+    finally:
+        fs.clock(0)

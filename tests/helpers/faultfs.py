@@ -10,6 +10,7 @@ must not count on it).
     fs.cut()                             # a power cut: everything unsynced is gone; unmounted and mounted again
     fs.cut(torn=True, seed=3)            # ... and of the unsynced writes, some 4 KiB pages landed (a torn write)
     fs.full(True); fs.full(False)        # writes and creates fail with ENOSPC; statfs says 0 bytes free
+    fs.clock(3600)                       # what is changed or touched from now on gets mtimes an hour ahead
     fs.stop()
 
 Whatever uses the mount must be dead (SIGKILL) before cut(): a power cut has no survivors. The server runs in its
@@ -53,6 +54,7 @@ class PowerCutOps:
         self.entries: dict[int, dict[str, tuple[str, int | str]]] = {}  # dir uid -> name -> (kind, uid | target)
         self.fh_uid: dict[int, int] = {}
         self.full_on = False
+        self.clock_ns = 0  # the simulated wall clock's offset: files changed now get its time as their mtime
         self.dead = False
         self.root_uid = self._scan()
 
@@ -170,6 +172,12 @@ class PowerCutOps:
             raise _err(errno.EIO)
         return self.live / path.lstrip("/")
 
+    def _stamp(self, target: Path | int) -> None:
+        """With the wall clock moved, a change stamps the file with the moved clock's now, as a kernel would."""
+        if self.clock_ns:
+            now = time.time_ns() + self.clock_ns
+            os.utime(target, ns=(now, now), **({} if isinstance(target, int) else {"follow_symlinks": False}))
+
     def _no_space(self) -> None:
         if self.full_on:
             raise _err(errno.ENOSPC)
@@ -215,6 +223,7 @@ class PowerCutOps:
             if p.is_file():  # O_CREAT of an existing file (without O_EXCL): that file, maybe truncated
                 return self.open(path, flags & ~os.O_CREAT & ~os.O_EXCL)
             fd = os.open(p, _backing_flags(flags) | os.O_CREAT, mode)
+            self._stamp(fd)
             self.fh_uid[fd] = self._new_uid(os.fstat(fd).st_ino, None)
             return fd
 
@@ -227,6 +236,7 @@ class PowerCutOps:
             uid = self.fh_uid[fh]
             self._preserve(uid, fh)
             n = os.pwrite(fh, data, offset)
+            self._stamp(fh)
             self.dirty.setdefault(uid, []).append((offset, n))
             return n
 
@@ -243,6 +253,7 @@ class PowerCutOps:
             uid = self.fh_uid[fh] if fh is not None else self._uid(target)
             self._preserve(uid, target)
             os.truncate(target, length)
+            self._stamp(target)
             self._truncated(uid, length)
             return 0
 
@@ -270,6 +281,7 @@ class PowerCutOps:
         with self.mutex:
             self._no_space()
             os.mkdir(self._p(path), mode)
+            self._stamp(self._p(path))
             self._new_uid(os.lstat(self._p(path)).st_ino, None)
             return 0
 
@@ -320,9 +332,11 @@ class PowerCutOps:
         p = self._p(path)
         if times is not None:  # libfuse passes UTIME_NOW / UTIME_OMIT as they are, with a zero tv_sec
             st = os.lstat(p)
-            now = time.time_ns()
+            now = time.time_ns() + self.clock_ns
             times = tuple(now if t == UTIME_NOW else old if t == UTIME_OMIT else t
                           for t, old in zip(times, (st.st_atime_ns, st.st_mtime_ns), strict=True))
+        if times is None and self.clock_ns:
+            times = (time.time_ns() + self.clock_ns,) * 2
         os.utime(p, ns=times, follow_symlinks=False)
         return 0
 
@@ -354,6 +368,8 @@ def _control(ops: PowerCutOps, path: Path) -> None:
                     ops.cut(cmd[1] == "1", int(cmd[2]))
                 elif cmd[0] == "full":
                     ops.full_on = cmd[1] == "1"
+                elif cmd[0] == "clock":
+                    ops.clock_ns = int(cmd[1])
             conn.sendall(b"ok\n")
 
 
@@ -376,6 +392,7 @@ class FaultFs:
         self.backing, self.mount, self.control = self.root / "backing", self.root / "mnt", self.root / "control.sock"
         self.proc: subprocess.Popen | None = None
         self.cuts = 0
+        self.clock_s = 0.0
 
     def start(self) -> FaultFs:
         self.mount.mkdir(parents=True, exist_ok=True)
@@ -405,11 +422,19 @@ class FaultFs:
     def full(self, on: bool) -> None:
         self._command(f"full {int(on)}")
 
+    def clock(self, offset_s: float) -> None:
+        """The wall clock as files see it moved by offset_s from the kernel's: what is changed or touched from now
+        on gets the moved time (files changed before keep theirs, as after a real clock jump)."""
+        self._command(f"clock {int(offset_s * 1e9)}")
+        self.clock_s = offset_s
+
     def cut(self, torn: bool = False, seed: int = 0) -> None:
         self._command(f"cut {int(torn)} {seed}")
         self.cuts += 1
         self.stop()
         self.start()
+        if self.clock_s:
+            self.clock(self.clock_s)
 
     def stop(self) -> None:
         if self.proc is None:
