@@ -73,10 +73,11 @@ def default_specs(models: Path, families: list[str]) -> dict[str, dict[str, Any]
     return {f: load(*table[f]) for f in families}
 
 
-def reference(spec: dict[str, Any], cache: Path, env: dict[str, str]) -> bytes:
-    """The uninterrupted run's adapter (`lorad run`, not on the fault file system), cached by the job's content."""
+def reference(spec: dict[str, Any], cache: Path, env: dict[str, str]) -> dict[str, bytes]:
+    """The uninterrupted run's output LoRA files (`lorad run`, not on the fault file system), by name, cached by the
+    job's content."""
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-    out = cache / f"{key}.safetensors"
+    out = cache / key
     if not out.exists():
         home = Path(tempfile.mkdtemp(prefix="ref-", dir=cache))
         job = home / "job.yaml"
@@ -85,9 +86,12 @@ def reference(spec: dict[str, Any], cache: Path, env: dict[str, str]) -> bytes:
                            env=env, cwd=str(REPO), capture_output=True, text=True)
         if r.returncode != 0:
             raise SoakFailure(f"the reference run of {spec['name']} failed:\n{r.stderr[-3000:]}")
-        shutil.copy(home / "jobs" / spec["name"] / "output" / "adapter_model.safetensors", out)
+        tmp = Path(tempfile.mkdtemp(dir=cache))
+        for f in (home / "jobs" / spec["name"] / "output").glob("*.safetensors"):
+            shutil.copy(f, tmp / f.name)
+        tmp.rename(out)
         shutil.rmtree(home, ignore_errors=True)
-    return out.read_bytes()
+    return {f.name: f.read_bytes() for f in out.glob("*.safetensors")}
 
 
 def same_tensors(a: bytes, b: bytes) -> bool:
@@ -101,7 +105,7 @@ def same_tensors(a: bytes, b: bytes) -> bool:
 
 
 class Soak:
-    def __init__(self, root: Path, specs: dict[str, dict[str, Any]], refs: dict[str, bytes], seed: int,
+    def __init__(self, root: Path, specs: dict[str, dict[str, Any]], refs: dict[str, dict[str, bytes]], seed: int,
                  faults: int, stop_at: float, gap: tuple[float, float] = (0.5, 4.0), kinds: dict[str, int] = KINDS,
                  config: dict[str, Any] | None = None, env: dict[str, str] | None = None):
         self.specs, self.refs, self.seed, self.n_faults, self.stop_at, self.gap = specs, refs, seed, faults, stop_at, gap
@@ -168,10 +172,11 @@ class Soak:
 
     def check_round(self) -> None:
         for jid, spec in self.jobs.items():
-            got = (self.world.home / "jobs" / jid / "output" / "adapter_model.safetensors").read_bytes()
-            if not same_tensors(got, self.refs[spec]):
-                self.mismatched += 1
-                raise SoakFailure(f"job {jid} ({spec}): its adapter differs from the uninterrupted reference")
+            for name, ref in self.refs[spec].items():
+                got = (self.world.home / "jobs" / jid / "output" / name).read_bytes()
+                if not same_tensors(got, ref):
+                    self.mismatched += 1
+                    raise SoakFailure(f"job {jid} ({spec}): its {name} differs from the uninterrupted reference")
             self.verified += 1
         print(f"  round {self.round}: {len(self.jobs)} jobs finished, bit-identical to their references "
               f"({len(self.faults)} faults so far)", flush=True)

@@ -25,7 +25,7 @@ def test_a_short_soak_loses_nothing_and_needs_no_one(tmp_path, svc_job, svc_refe
     spec = yaml.safe_load(svc_job.read_text())
     # Fast faults: a 2 s hang check; the pauses between faults short.
     cfg = soak_config(hang_timeout_s=2.0, hang_step_multiple=5.0)
-    soak = Soak(tmp_path / "soak", {"lm": spec}, {"lm": svc_reference}, seed=SEED, faults=FAULTS,
+    soak = Soak(tmp_path / "soak", {"lm": spec}, {"lm": {"adapter_model.safetensors": svc_reference}}, seed=SEED, faults=FAULTS,
                 stop_at=time.monotonic() + 600, gap=(0.1, 0.8), config=cfg, env=child_env(OMP_NUM_THREADS="1"))
     try:
         r = soak.run()
