@@ -58,7 +58,7 @@ def power_cut(w: World, rng: random.Random, running: str | None) -> dict[str, An
 
 def full_disk(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
     """The disk full for a while: saves, logs and the store's writes fail with ENOSPC; then space comes back."""
-    hold = round(rng.uniform(1.0, 5.0), 2)
+    hold = round(rng.uniform(*w.full_hold_s), 2)
     w.fs.full(True)
     try:
         time.sleep(hold)

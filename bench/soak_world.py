@@ -98,6 +98,7 @@ class Tail:
 class World:
     def __init__(self, root: Path, config: dict[str, Any], env: dict[str, str]):
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
         self.fs = FaultFs(self.root / "fs")
         self.home = self.fs.mount / "home"
         self.sock = self.root / "lorad.sock"
@@ -113,6 +114,7 @@ class World:
         self.daemon: subprocess.Popen | None = None
         self.instances: list[dict[str, Any]] = []  # each daemon: pid, its RSS and fds when ready and at its end
         self.self_exits = 0
+        self.full_hold_s = (1.0, 5.0)  # how long a full disk lasts, drawn from this range
         self.tails: dict[str, Tail] = {}
 
     # ------------------------------------------------------------------ the daemon
@@ -153,7 +155,18 @@ class World:
             return False
 
     def call(self, req: p.BaseModel, timeout: float = 30) -> dict[str, Any]:
-        return Client(self.sock, timeout_s=timeout).call(req)
+        """One request; `busy` (connections the daemon has not yet seen closed) is tried again, for 15 s at most:
+        a daemon still busy then has leaked them."""
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                return Client(self.sock, timeout_s=timeout).call(req)
+            except p.ProtocolError as e:
+                if e.code != "busy":
+                    raise
+                if time.monotonic() > deadline:
+                    raise SoakFailure(f"the daemon is still busy after 15 s (leaked connections?): {e}") from None
+                time.sleep(0.1)
 
     def check_alive(self) -> None:
         """A daemon that exited on its own is started again, as systemd's Restart=always would, and counted."""
