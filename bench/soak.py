@@ -111,6 +111,7 @@ class Soak:
         self.specs, self.refs, self.seed, self.n_faults, self.stop_at, self.gap = specs, refs, seed, faults, stop_at, gap
         self.kinds = kinds
         self.rng = random.Random(seed)
+        self.cover = self.rng.sample(sorted(kinds), len(kinds))
         roots = sorted({str(Path(s[k]["path"]).parent) for s in specs.values() for k in ("model", "data")})
         self.world = World(root, {"allowed_roots": ["{home}", *roots], **(config or soak_config())},
                            env or dict(os.environ))
@@ -200,7 +201,8 @@ class Soak:
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
     def one_fault(self) -> None:
-        kind = pick(self.rng, self.kinds)
+        # Every kind once first (in a seeded order), then as the weights draw them.
+        kind = self.cover.pop() if self.cover else pick(self.rng, self.kinds)
         self.sleep(self.rng.uniform(*self.gap))
         running = self.training_job()
         if kind in NEEDS_TRAINER and running is None:
@@ -209,6 +211,7 @@ class Soak:
                 self.sleep(0.1)
                 running = self.training_job()
             if running is None:
+                self.cover.insert(0, kind)  # its turn comes again
                 kind = pick(self.rng, {k: v for k, v in self.kinds.items() if k not in NEEDS_TRAINER})
         before = self.world.tail(running).last_step() if running else None
         # The newest checkpoint committed and never corrupted by us: no resume may start before it.
