@@ -95,13 +95,17 @@ def reference(spec: dict[str, Any], cache: Path, env: dict[str, str]) -> dict[st
 
 
 def same_tensors(a: bytes, b: bytes) -> bool:
+    """The same tensors, bit for bit (names, dtypes, shapes, bytes); the files' metadata may differ (job names)."""
+    import torch
     from safetensors.torch import load
 
     ta, tb = load(a), load(b)
-    return ta.keys() == tb.keys() and all(
-        ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape and
-        ta[k].contiguous().view(-1).view(__import__("torch").uint8).equal(tb[k].contiguous().view(-1).view(
-            __import__("torch").uint8)) for k in ta)
+
+    def raw(t):
+        return t.contiguous().view(-1).view(torch.uint8)
+
+    return ta.keys() == tb.keys() and all(ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape
+                                          and raw(ta[k]).equal(raw(tb[k])) for k in ta)
 
 
 class Soak:
