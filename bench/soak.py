@@ -334,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soak: seed {args.seed}, {args.faults} faults, families {args.families}, root {root}", flush=True)
     try:
         soak.run()
-    except SoakFailure as e:
-        print(f"\nSOAK FAILED: {e}\nreproduce: python bench/soak.py --seed {args.seed} --faults {args.faults} "
+    except (SoakFailure, Exception) as e:  # any failure: the seed, the schedule and what it got through
+        soak.report()
+        print(f"\nSOAK FAILED: {type(e).__name__}: {e}\nreproduce: python bench/soak.py --seed {args.seed} --faults {args.faults} "
               f"--families {args.families} --gap {args.gap[0]} {args.gap[1]}\nschedule so far:", flush=True)
         for f in soak.faults:
             print("  " + json.dumps(f), flush=True)
