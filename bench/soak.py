@@ -125,6 +125,7 @@ class Soak:
         self.verified = self.lost = self.mismatched = self.human = 0
         self.paused: set[str] = set()
         self.corrupted: dict[str, set[int]] = {}  # job id -> steps whose checkpoint we corrupted
+        self.corrupted_at: dict[str, float] = {}  # job id -> when we last did
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------ rounds
@@ -218,9 +219,12 @@ class Soak:
                 self.cover.insert(0, kind)  # its turn comes again
                 kind = pick(self.rng, {k: v for k, v in self.kinds.items() if k not in NEEDS_TRAINER})
         before = self.world.tail(running).last_step() if running else None
-        # The newest checkpoint committed and never corrupted by us: no resume may start before it.
-        committed = max((e["step"] for e in self.world.tail(running).events if e.get("event") == "checkpoint_committed"
-                         and e["step"] not in self.corrupted.get(running, set())), default=0) if running else None
+        # The newest checkpoint committed since we last corrupted one of the job's (older ones may be pruned by then):
+        # no resume may start before it.
+        since = self.corrupted_at.get(running, float("-inf"))
+        committed = max((e["step"] for t, e in self.world.tail(running).fresh if t > since and e.get("event") ==
+                         "checkpoint_committed" and e["step"] not in self.corrupted.get(running, set())),
+                        default=0) if running else None
         t0 = time.monotonic()
         rec = FAULTS[kind](self.world, self.rng, running)
         t1 = time.monotonic()
@@ -229,6 +233,7 @@ class Soak:
         self.faults.append(rec)
         if kind == "corrupt_checkpoint" and rec.get("file"):
             self.corrupted.setdefault(running, set()).add(int(rec["file"].split("/step-")[1].split("/")[0]))
+            self.corrupted_at[running] = t1
         if rec.get("paused"):
             self.paused.add(rec["paused"])
         if rec["disrupts"] or kind == "kill_daemon":
