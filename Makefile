@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench clean browser sshd
+.PHONY: venv demo test lint bench clean browser sshd fuse
 
 venv: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	bash configs/demo.sh
 
-test: $(STAMP) browser sshd
+test: $(STAMP) browser sshd fuse
 	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 tests
 
 # The dashboard's browser test drives Debian's chromium through chromedriver (tests/e2e/test_dashboard_browser.py).
@@ -44,6 +44,17 @@ sshd:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server \
 	      || echo "could not install openssh-server: the SFTP tests will be skipped"; \
 	  else echo "no /usr/sbin/sshd and not root with apt-get: the SFTP tests will be skipped"; fi; \
+	fi
+
+# The soak's power-cut file system (tests/helpers/faultfs.py) mounts through Debian's fuse3 (fusermount3, /dev/fuse).
+# Installed here when missing and we may; otherwise the tests that need it are skipped and say why.
+fuse:
+	@if ! command -v fusermount3 >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing fuse3 (apt-get) for the soak's power-cut file system"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 \
+	      || echo "could not install fuse3: the power-cut tests will be skipped"; \
+	  else echo "no fusermount3 and not root with apt-get: the power-cut tests will be skipped"; fi; \
 	fi
 
 lint: $(STAMP)

@@ -38,7 +38,7 @@ from daemon.system.file_tail import tail_lines
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.system.safe_files import open_or_create
 from engine.config.policy import JobPolicy
-from engine.distributed.liveness import LIVENESS_DIR, silent_ranks
+from engine.distributed.liveness import LIVENESS_DIR, RankWatch
 from engine.training.stop import EXIT_OK, EXIT_STOPPED
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class Child:
     flushed_at: float = 0.0
     reader: threading.Thread | None = None
     devices: list[int | None] = field(default_factory=list)  # every device the job's processes use (a gang)
+    ranks: RankWatch = field(default_factory=RankWatch)  # its ranks' liveness files, timed on the monotonic clock
     refusals: trainer_output.Refusals = field(default_factory=trainer_output.Refusals)  # stdout lines dropped
     doc: dict[str, Any] = field(default_factory=dict)  # the job as accepted (daemon/supervisor/accepted_job.py)
 
@@ -275,7 +276,7 @@ class Child:
         quiet = now - self.last_beat
         if quiet > limit:
             self.last_error = f"hung: no heartbeat for {quiet:.0f} s (limit {limit:.0f} s) at step {self.step}"
-        elif silent := silent_ranks(self.workdir / RANKS_DIR, time.time(), cfg.rank_silence_s):
+        elif silent := self.ranks.silent(self.workdir / RANKS_DIR, cfg.rank_silence_s, now):
             # Rank 0 may still be busy alone (samples, a save, the export): a rank of this machine has stopped.
             rank, seconds = silent[0]
             self.last_error = (f"hung: rank {rank} has shown no sign of life for {seconds:.0f} s (limit "

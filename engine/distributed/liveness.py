@@ -101,6 +101,41 @@ def silent_ranks(directory: Path, now: float, limit_s: float, alive=None) -> lis
     return sorted(out)
 
 
+class RankWatch:
+    """Silence on the watcher's monotonic clock: a rank's file is silent for as long as its mtime has not changed
+    since this watch first saw that mtime. An mtime read as an age (time.time() - mtime) is wrong by the size of
+    any wall-clock jump: NTP stepping a clock by a minute made every running rank look 60 s silent (a healthy job
+    killed as hung; bench/soak.py found it), and a jump back hid a stopped rank for as long as the jump.
+    A watch that starts (a daemon restart) counts from its first look."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, tuple[int, float]] = {}  # file name -> (mtime_ns, monotonic when first seen)
+
+    def silent(self, directory: Path, limit_s: float, now: float, alive=None) -> list[tuple[str, float]]:
+        """(rank, seconds unchanged) for every file unchanged for more than limit_s whose process still exists."""
+        alive = alive or _alive
+        out, seen = [], {}
+        try:
+            entries = list(Path(directory).iterdir())
+        except OSError:
+            entries = []
+        for f in entries:
+            rank, _, pid = f.name.partition(".")
+            if not rank.startswith("rank-") or not pid.isdigit():
+                continue
+            try:
+                mtime = f.stat().st_mtime_ns
+            except OSError:
+                continue
+            prev = self.seen.get(f.name)
+            since = prev[1] if prev is not None and prev[0] == mtime else now
+            seen[f.name] = (mtime, since)
+            if now - since > limit_s and alive(int(pid)):
+                out.append((rank.removeprefix("rank-"), now - since))
+        self.seen = seen
+        return sorted(out)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

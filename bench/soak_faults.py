@@ -1,0 +1,189 @@
+"""The soak's faults, one function each: what it breaks, at the moment the schedule picked.
+
+Each takes (world, rng, running) — running: the id of the job whose trainer steps now, or None — and returns what
+it did (a dict, kept in the schedule the report prints) with `kills`: the running job's trainer died by it, so
+the steps since its newest checkpoint are redone (steps lost), and `disrupts`: training stopped, so the time to
+the next step is a recovery time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.soak_world import SoakFailure, World
+from tests.helpers.daemon import cli_in_process
+
+# Relative weights: kills and cuts are what a flaky machine does most; each kind is drawn at least a few times
+# in the short soak's 25.
+KINDS = {"kill_trainer": 3, "kill_daemon": 2, "kill_both": 2, "hang": 1, "power_cut": 2, "full_disk": 1,
+         "corrupt_checkpoint": 1, "inbox_garbage": 1, "socket_abuse": 1, "cli": 3, "clock_jump": 1}
+NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint"}
+
+
+def kill_trainer(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    return {"pids": w.kill_trainer(), "kills": True, "disrupts": True}
+
+
+def kill_daemon(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """The daemon alone: its trainer trains on, and the next daemon finds it (reconciliation)."""
+    w.kill_daemon()
+    return {"ready_s": round(w.start_daemon(), 2), "kills": False, "disrupts": False}
+
+
+def kill_both(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    w.kill_daemon()
+    pids = w.kill_trainer()
+    return {"pids": pids, "ready_s": round(w.start_daemon(), 2), "kills": True, "disrupts": True}
+
+
+def hang(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """SIGSTOP: the trainer is there and silent; the daemon's hang check must kill and restart it."""
+    pids = w.kill_trainer(signal.SIGSTOP)
+    return {"pids": pids, "kills": True, "disrupts": True, "stopped": pids}
+
+
+def power_cut(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    torn = rng.random() < 0.5
+    seed = rng.randrange(1 << 30)
+    w.kill_everything()
+    w.fs.cut(torn=torn, seed=seed)
+    return {"torn": torn, "seed": seed, "ready_s": round(w.start_daemon(), 2), "kills": True, "disrupts": True}
+
+
+def full_disk(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """The disk full for a while: saves, logs and the store's writes fail with ENOSPC; then space comes back."""
+    hold = round(rng.uniform(*w.full_hold_s), 2)
+    w.fs.full(True)
+    try:
+        time.sleep(hold)
+    finally:
+        w.fs.full(False)
+    w.check_alive()
+    return {"hold_s": hold, "kills": False, "disrupts": True}
+
+
+def corrupt_checkpoint(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """Bytes of the running job's newest committed checkpoint flipped (durably), then its trainer killed: the
+    resume must walk back past it."""
+    ckpts = sorted(d for d in (w.home / "jobs" / running / "checkpoints").glob("step-*")
+                   if d.name[5:].isdigit()) if running else []  # committed ones: no .tmp-, no .invalid-
+    files = [f for f in (ckpts[-1].rglob("*") if ckpts else []) if f.is_file() and f.stat().st_size > 0]
+    target = max(files, key=lambda f: f.stat().st_size) if files else None
+    if target is not None:
+        at = rng.randrange(target.stat().st_size)
+        fd = os.open(target, os.O_RDWR)
+        try:
+            byte = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([byte[0] ^ 0xFF]), at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    pids = w.kill_trainer()
+    return {"file": str(target.relative_to(w.home)) if target else None, "pids": pids, "kills": True,
+            "disrupts": True}
+
+
+def inbox_garbage(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """Random bytes, a YAML list, a job cut off half-way (a writer that died), a file of a job that is not one."""
+    inbox = w.home / "inbox"
+    n = rng.randrange(1 << 20)
+    job = (f"name: garbage-{n}\nmodel:\n  family: causal_lm\n  path: /nonexistent\nlora:\n  rank: 4\n"
+           "data:\n  path: /nonexistent\ntrain:\n  steps: 3\n")
+    files = {f"garbage-{n}.yaml": rng.randbytes(rng.randrange(1, 4096)),
+             f"list-{n}.yaml": b"- a\n- b\n", f"half-{n}.yaml": job.encode()[: len(job) // 2],
+             f"notajob-{n}.yml": b"hello: world\n"}
+    try:
+        for name, data in files.items():
+            (inbox / name).write_bytes(data)
+    except OSError as e:  # a full disk at this moment is no failure of the daemon
+        return {"error": str(e), "kills": False, "disrupts": False}
+    return {"files": sorted(files), "kills": False, "disrupts": False}
+
+
+def socket_abuse(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """Garbage, a half line and a hang-up, an oversize line, more connections than allowed; then ping answers."""
+    sent = []
+    conns = []
+    try:
+        for payload in (rng.randbytes(200) + b"\n", b'{"verb": "sta', b'{"verb": "nope"}\n', b"[]\n",
+                        b'{"verb": "pause", "job": "' + b"x" * 5000 + b'"}\n'):
+            s = _connect(w)
+            s.sendall(payload)
+            s.close()
+            sent.append(len(payload))
+        big = _connect(w)
+        try:
+            big.sendall(b'{"verb": "ping", "pad": "' + b"y" * (1 << 21))
+        except OSError:
+            pass  # the daemon closed it: too large
+        big.close()
+        for _ in range(40):
+            try:
+                conns.append(_connect(w))
+            except OSError:
+                break
+        time.sleep(0.3)
+    finally:
+        for s in conns:
+            s.close()
+    deadline = time.monotonic() + 10
+    while not w.ping():
+        if time.monotonic() > deadline:
+            raise SoakFailure("the daemon no longer answers ping after socket abuse")
+        time.sleep(0.05)
+    return {"lines": sent, "held": len(conns), "kills": False, "disrupts": False}
+
+
+def _connect(w: World) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(str(w.sock))
+    return s
+
+
+def cli(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """`lorad pause`, `resume` or `priority` on a random job of the round, as a user would type it."""
+    jobs = [j for j in w.jobs() if j["state"] not in ("succeeded", "failed", "cancelled")
+            and not j["name"].startswith("garbage")]
+    if not jobs:
+        return {"verb": None, "kills": False, "disrupts": False}
+    j = rng.choice(jobs)
+    verb = "resume" if j["state"] == "paused" else rng.choice(["pause", "priority", "priority"])
+    args = [verb, j["id"]] + ([str(rng.randint(-5, 5))] if verb == "priority" else [])
+    r = cli_in_process([*args, "--home", str(w.home), "--socket", str(w.sock)], w.env)
+    return {"verb": verb, "target": j["id"], "args": args[2:], "rc": r.returncode,
+            "out": (r.stdout + r.stderr).strip()[-200:], "kills": False, "disrupts": verb == "pause"
+            and j["state"] == "running", "paused": j["id"] if verb == "pause" else None}
+
+
+def clock_jump(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """time.time() of every lorad process jumps (see bench/soak_world.py's CLOCK_SHIM): forward or back, by a
+    minute to a day, kept within two days of the truth."""
+    by = rng.choice([-1, 1]) * rng.choice([60.0, 3600.0, 86400.0])
+    now = float(w.clock_file.read_text() or 0)
+    if abs(now + by) > 2 * 86400:
+        by = -by
+    return {"by_s": by, "offset_s": w.clock_jump(by), "kills": False, "disrupts": False}
+
+
+FAULTS = {f.__name__: f for f in (kill_trainer, kill_daemon, kill_both, hang, power_cut, full_disk,
+                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump)}
+assert set(FAULTS) == set(KINDS)
+
+
+def pick(rng: random.Random, kinds: dict[str, int] = KINDS) -> str:
+    names = sorted(kinds)
+    return rng.choices(names, weights=[kinds[k] for k in names])[0]
+
+
+def stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
