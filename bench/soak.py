@@ -207,12 +207,17 @@ class Soak:
 
     def one_fault(self) -> None:
         # Every kind once first (in a seeded order), then as the weights draw them.
-        kind = self.cover.pop() if self.cover else pick(self.rng, self.kinds)
+        from_cover = bool(self.cover)
+        kind = self.cover.pop() if from_cover else pick(self.rng, self.kinds)
         self.sleep(self.rng.uniform(*self.gap))
         running = self.training_job()
         if kind in NEEDS_TRAINER and running is None:
             end = time.monotonic() + 30
             while running is None and time.monotonic() < end:
+                if self.tend():  # the round is over: no trainer will come until run() submits the next one
+                    if from_cover:
+                        self.cover.append(kind)
+                    return
                 self.sleep(0.1)
                 running = self.training_job()
             if running is None:
