@@ -22,6 +22,7 @@ from daemon.mirror.uploader import JobMirror
 from daemon.store.db import Store
 from daemon.supervisor.accepted_job import accepted_doc
 from daemon.system.log import job_event
+from engine.config.checkpoint import CheckpointConfig
 from engine.errors import JobInvalid
 
 SOURCE_PREFIX = "mirror:"  # a restored job's store source: mirror:NAME/KEY
@@ -67,7 +68,7 @@ class Mirrors:
                 job_event(Path(job["workdir"]), job_id, "mirror_failed", level="warning", error=str(e))
                 return None
             doc = accepted_doc(self.store, job)
-            keep = int((doc.get("checkpoint") or {}).get("keep") or 3)
+            keep = int((doc.get("checkpoint") or {}).get("keep") or CheckpointConfig.model_fields["keep"].default)
             text = self.store.accepted_text(job_id) or ""
             m = JobMirror(job_id, Path(job["workdir"]), where[1], remote, keep, text, self.log).start()
             self.jobs[job_id] = m
