@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	bash configs/demo.sh
 
+# Two workers, one test file each at a time (a file's module fixtures are built once): most tests wait on the
+# trainers and daemons they start, so one pytest process left a 2-core machine half idle. WORKERS=0 runs in one.
+WORKERS ?= 2
 test: $(STAMP) browser sshd fuse
-	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 tests
+	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 -n $(WORKERS) --dist loadfile tests
 
 # The dashboard's browser test drives Debian's chromium through chromedriver (tests/e2e/test_dashboard_browser.py).
 # Installed here when missing and we may (root, apt-get); otherwise that one test is skipped and says why.
