@@ -30,6 +30,7 @@ import threading
 from pathlib import Path
 
 from engine.distributed.liveness import LAUNCHER_PID
+from engine.imports import unwalked_imports
 from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -99,13 +100,9 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    gc.disable()  # as engine.run: torch's import makes no garbage; frozen, it is walked by no later collection
-    try:
+    with unwalked_imports():
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
-    finally:
-        gc.freeze()
-        gc.enable()
 
     launcher_args, trainer_args = split_argv(sys.argv[1:] if argv is None else argv)
     # max_restarts 0 unless asked: a crash of any rank stops all and is one crash of the job, which the daemon

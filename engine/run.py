@@ -21,8 +21,9 @@ from engine.config import policy as job_policy
 from engine.config.job import load_job
 from engine.distributed.liveness import Liveness, die_with_parent
 from engine.errors import JobInvalid
+from engine.imports import unwalked_imports
 from engine.storage import cache_evict
-from engine.training.stop import EXIT_INVALID, StopFlag
+from engine.training.stop import EXIT_INVALID, EXIT_STOPPED, StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,21 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     except JobInvalid as e:
         print(f"lorad: invalid job: {e}", file=sys.stderr, flush=True)
         return EXIT_INVALID
+    # A SIGTERM or Ctrl-C from here on is a clean stop, not a death by signal: during the imports below there is
+    # nothing to save yet, so the trainer exits 75 (resumable) right after them, before it loads anything.
+    stop = StopFlag()
+    stop.install()
     # The training stack (torch and the rest: seconds) is imported once the job is known to be valid: an invalid
-    # one is refused in a fraction of a second. Its objects are no garbage: imported with the collector off and
-    # frozen out of its reach, so that its collections while the model libraries load walk less.
-    gc.disable()
-    try:
+    # one is refused in a fraction of a second.
+    with unwalked_imports():
         from engine.recipe import train
-    finally:
-        gc.freeze()
-        gc.enable()
+    if stop.requested:
+        print(f"lorad: stopped ({stop.reason}) before training began; nothing to save", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
 
     alive = Liveness.from_env()  # the daemon's: this rank's sign of life, even while it waits for the others
     if alive is not None:
         alive.start()
-    stop = StopFlag()
-    stop.install()
     try:
         return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
     finally:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import array
 import atexit
-import gc
 import importlib
 import json
 import os
@@ -31,6 +30,8 @@ import signal
 import socket
 import sys
 import time
+
+from engine.imports import unwalked_imports
 
 # What a trainer imports before its first step, whatever its family (tests/helpers/forked.py keeps a like list).
 PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engine.families.image.base",
@@ -197,22 +198,19 @@ def main(argv: list[str]) -> int:
 
     sock = socket.socket(fileno=int(argv[0]))
     fp = fingerprint()  # before the imports: a file changed while they run makes the next look differ
-    # The imports make half a million objects and next to no garbage: the collector, walking them again and again
-    # as they grew, took ~0.85 s of their ~4.5 s of CPU. It is back on once they are frozen out of its reach.
-    gc.disable()
-    from engine.training.adapters import import_bitsandbytes
+    # Frozen, the imported heap also stays shared with every child, unwalked by their collections.
+    with unwalked_imports():
+        from engine.training.adapters import import_bitsandbytes
 
-    import_bitsandbytes()  # before PRELOAD's peft: without compiling kernels no trainer calls (~1 s)
-    for name in PRELOAD:
-        importlib.import_module(name)
-    import torch
+        import_bitsandbytes()  # before PRELOAD's peft: without compiling kernels no trainer calls (~1 s)
+        for name in PRELOAD:
+            importlib.import_module(name)
+        import torch
 
     cuda = torch.cuda.is_initialized()
     if cuda:  # a forked child cannot use CUDA initialised in its parent
         sock.send(json.dumps({"error": "CUDA was initialised by the imports"}).encode())
         return 1
-    gc.freeze()  # the imported heap stays shared with every child, unwalked by their collections
-    gc.enable()
     z = Zygote(sock)
     z.send({"ready": fp, "cuda": cuda, "pid": os.getpid()})
     z.serve()
