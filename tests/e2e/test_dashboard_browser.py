@@ -2,7 +2,7 @@
 `lorad serve` training the quickstart job: jobs page → job page → pause → resume, with screenshots.
 
 `make test` installs chromium and chromium-driver when they are missing and it runs as root with apt-get
-(the Makefile's `browser` target); elsewhere this test is skipped, saying why.
+(the Makefile's `system-deps` target); elsewhere this test is skipped, saying why.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def fuse_usable() -> str | None:
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse"
     if shutil.which("fusermount3") is None:
-        return "no fusermount3 (Debian's fuse3; `make fuse`)"
+        return "no fusermount3 (Debian's fuse3; `make system-deps`)"
     try:
         import mfusepy  # noqa: F401
     except (ImportError, OSError) as e:

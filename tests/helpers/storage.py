@@ -137,7 +137,7 @@ class Sftp:
 def sshd_available() -> str | None:
     """Why sshd cannot be run here (None: it can)."""
     if not Path(SSHD).exists():
-        return f"no {SSHD} (make test installs openssh-server: the `sshd` target)"
+        return f"no {SSHD} (make test installs openssh-server: the `system-deps` target)"
     return None
 
 
