@@ -73,6 +73,11 @@ def engine_main(job: str, wd: str, env: dict[str, str]) -> None:
     # The half million objects the server imported are alive for good: a full collection (the image cache's, after
     # each encoder) would walk them all, writing to every page this fork shares with the server, ~0.4 s each time.
     gc.freeze()
+    # The fork server was started before pytest captured anything: its children's stderr ("lorad: resumed job ...")
+    # went to the terminal, between the progress dots. Kept beside the workdir instead, for a failing test to read.
+    fd = os.open(f"{wd}.stderr", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
     os.environ.pop("LORAD_DEBUG_CKPT_WRITE_DELAY_S", None)
     os.environ.update(env)
     if "OMP_NUM_THREADS" in env:  # torch read it when the server imported it: apply it as a new interpreter would
