@@ -2,7 +2,8 @@
 
 Once per backend (moto's S3 server, sshd's SFTP, both on loopback): a job trains with a mirror; once a checkpoint
 is on the mirror the daemon and its trainer are SIGKILLed and the whole home is deleted. A second daemon on a new
-home resumes the job from the mirror, and its final adapter is bit-identical to an uninterrupted run. Nothing of
+home resumes the job from the mirror (its download cut short by a SIGKILL once, and started again), and its final
+adapter is bit-identical to an uninterrupted run. Nothing of
 the credentials is in the homes, the logs, `lorad status` or the pages. (A mirror that cannot work:
 tests/daemon/mirror/test_submit.py.)
 """
@@ -51,11 +52,20 @@ def test_a_machine_lost_mid_run_resumes_elsewhere_from_the_mirror_bit_identical(
     said_by_a = a.log()
     shutil.rmtree(a.home)  # the machine is gone, its disk with it
 
-    b = Daemon(tmp_path / "home-b", cfg)
+    # On a slow link (tests only: a pause after each downloaded file) submit answers at once, the job `fetching`
+    # with its download's progress in the status; the daemon SIGKILLed mid-download starts it again at its next
+    # start, and the job trains on from the mirror's checkpoint all the same.
+    b = Daemon(tmp_path / "home-b", cfg, LORAD_DEBUG_MIRROR_FETCH_DELAY_S="0.4")
     try:
         b.start()
         out = b.cli("submit", "--from", f"{mirror['url']}/{jid}").stdout
         new = out.split()[0]
+        assert "fetching" in out and b.job(new)["state"] == "fetching", out
+        wait_until(lambda: "files" in b.cli("status").stdout, 30, "the download's progress in the status")
+        b.sigkill()
+        assert b.trainers() == [] and not (b.home / "jobs" / new / "checkpoints").exists()
+        b.env.pop("LORAD_DEBUG_MIRROR_FETCH_DELAY_S")
+        b.start()
         j = b.wait_state(new, {"succeeded", "failed"}, 180)
         assert j["state"] == "succeeded", j
         workdir = Path(j["workdir"])
