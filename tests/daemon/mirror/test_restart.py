@@ -100,19 +100,24 @@ def test_submit_from_answers_at_once_and_a_download_cut_short_starts_again_at_th
     assert time.monotonic() - t0 < 10 and "step-00000012" in reply.restored, reply.restored
     jid = reply.job
     assert home.store.get(jid)["state"] == "fetching"
-    shown = wait_until(lambda: (m := handlers.status(ctx, p.Status(job=jid)).job.mirror) and "1/" in (m.fetching or "")
-                       and m.fetching, 30, "the download's progress")
+
+    def progress() -> str | None:
+        shown = handlers.status(ctx, p.Status(job=jid)).job.mirror.fetching
+        return shown if shown and "1/" in shown else None
+
+    shown = wait_until(progress, 30, "the download's progress")
     assert shown.startswith("step-00000012: 1/") and " MB" in shown
     first.close()  # the daemon stops mid-download: nothing is queued, the staging folder is left half full
     first.fetches[jid].thread.join(10)
-    assert home.store.get(jid)["state"] == "fetching" and not (Path(home.store.get(jid)["workdir"]) / "checkpoints").exists()
+    workdir = Path(home.store.get(jid)["workdir"])
+    assert home.store.get(jid)["state"] == "fetching" and not (workdir / "checkpoints").exists()
 
     monkeypatch.setenv("LORAD_DEBUG_MIRROR_FETCH_DELAY_S", "0")
     again = Mirrors(home.path, home.cfg, home.store, home.log)
     again.resume(lambda: None)
     try:
         wait_until(lambda: home.store.get(jid)["state"] == "queued", 60, "the job queued after the download")
-        got = committed_checkpoints(Path(home.store.get(jid)["workdir"]))
+        got = committed_checkpoints(workdir)
         assert [c.path.name for c in got] == ["step-00000012"]
         for f in (home.workdir / "checkpoints" / "step-00000012").rglob("*"):
             if f.is_file():
@@ -135,5 +140,26 @@ def test_a_job_that_cannot_use_the_mirrors_checkpoints_is_refused_at_submit(home
         with pytest.raises(p.ProtocolError, match=r"train\.lr 0\.002 → 0\.005"):
             handlers.submit(ctx, p.Submit(name="mine.yaml", from_mirror="nas/tiny-1", text=yaml.safe_dump(other)))
         assert home.store.jobs() == []  # nothing accepted, nothing downloading
+    finally:
+        mirrors.close()
+
+
+def test_a_download_whose_checkpoints_turn_out_unusable_ends_the_job_failed_with_the_reason(home):
+    # Submit saw only the newest manifest; here the job's own settings differ from every remote checkpoint
+    # (accepted as fetching by an earlier daemon): the download refuses them, and the job ends failed, saying why.
+    up = JobMirror("tiny-1", home.workdir, "tiny-1", home.remote, 2, home.text, RecLog()).start()
+    up.committed(12)
+    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
+    up.close(timeout=5)
+    other = yaml.safe_load(home.text)
+    other["train"]["lr"] = 0.005
+    intake = Intake(home.path, home.cfg, home.store, home.log)
+    jid = intake.submit_text("mine.yaml", yaml.safe_dump(other), "mirror:nas/tiny-1", state=states.FETCHING).job_id
+    mirrors = Mirrors(home.path, home.cfg, home.store, home.log)
+    mirrors.resume()
+    try:
+        job = wait_until(lambda: (j := home.store.get(jid))["state"] == "failed" and j, 60, "the job to fail")
+        assert "train.lr 0.002 → 0.005" in job["last_error"]
+        assert not (Path(job["workdir"]) / "checkpoints").exists()
     finally:
         mirrors.close()
