@@ -92,8 +92,11 @@ class Mirrors:
 
     def _caught_up(self, job_id: str) -> None:
         """Told by an uploader after a pass that left it caught up: a job that will commit nothing more is settled."""
-        if job_id in self.pending and self.store.get(job_id)["state"] in states.FINAL:
-            self._settled(job_id)
+        if job_id not in self.pending or (state := self.store.get(job_id)["state"]) not in states.FINAL:
+            return
+        if state == states.SUCCEEDED and not self.jobs[job_id].output_done:
+            return  # its uploader may not have been told of the success yet: the output is still to go
+        self._settled(job_id)
 
     # ------------------------------------------------------------------ which mirror
     def target(self, job: dict[str, Any]) -> tuple[str, str] | None:
@@ -138,16 +141,16 @@ class Mirrors:
     def committed(self, job_id: str, step: int) -> None:
         try:
             if (m := self._uploader(job_id)) is not None:
-                self._behind(job_id)
                 m.committed(step)
+                self._behind(job_id)  # after: a store that cannot be written never holds up the upload
         except Exception as e:  # noqa: BLE001 — called from the supervisor's heartbeat step: never in its way
             self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
     def finished(self, job_id: str) -> None:
         try:
             if (m := self._uploader(job_id)) is not None:
-                self._behind(job_id)
                 m.finished()
+                self._behind(job_id)
             job = self.store.get(job_id)
             repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
             if repo and job_id not in self.hub:
