@@ -69,8 +69,9 @@ class Fetch:
         delay = self.remote.settings.retry_base_s
         while not self._stop.is_set():
             try:
+                self.staging.parent.mkdir(mode=0o700, exist_ok=True)
                 shutil.rmtree(self.staging, ignore_errors=True)  # what a daemon killed mid-download left
-                self.staging.mkdir(mode=0o700, parents=True)
+                self.staging.mkdir(mode=0o700)
                 got = fetch(self.remote, self.key, self.staging, self.validate, self.text, self._told)
                 self._land(got)
                 return

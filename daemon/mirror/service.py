@@ -57,8 +57,9 @@ class Mirrors:
         for job in self.store.jobs((states.FETCHING,)):
             try:
                 self._fetch(job)
-            except MirrorError as e:
-                self.log.error("mirror_fetch_failed", job=job["id"], error=str(e))
+            except MirrorError as e:  # its mirror left the config: nothing could ever fetch it
+                self.store.transition(job["id"], states.FETCHING, states.FAILED, str(e), last_error=str(e))
+                self.log.error("mirror_fetch_refused", job=job["id"], error=str(e))
         for job_id in sorted(self.pending):
             try:
                 job = self.store.get(job_id)
@@ -222,10 +223,8 @@ class Mirrors:
 
         where = self.target(job)
         assert where is not None  # a fetching job's source is always mirror:NAME/KEY
-        staging = self.home / "mirror-staging"
-        staging.mkdir(mode=0o700, exist_ok=True)
         text = self.store.accepted_text(job["id"]) or ""
         f = Fetch(job, where[1], self.remote(where[0]), text,
                   lambda t: validate_text(t, f"{job['name']}.yaml", self.home, self.cfg, self.home), self.store,
-                  self.log, staging, lambda: self.wake())
+                  self.log, self.home / "mirror-staging", lambda: self.wake())
         self.fetches[job["id"]] = f.start()

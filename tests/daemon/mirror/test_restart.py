@@ -163,3 +163,12 @@ def test_a_download_whose_checkpoints_turn_out_unusable_ends_the_job_failed_with
         assert not (Path(job["workdir"]) / "checkpoints").exists()
     finally:
         mirrors.close()
+
+
+def test_a_fetching_job_whose_mirror_left_the_config_ends_failed_at_the_next_start(home):
+    intake = Intake(home.path, home.cfg, home.store, home.log)
+    jid = intake.submit_text("tiny.yaml", home.text, "mirror:old-nas/tiny-1", state=states.FETCHING).job_id
+    mirrors = Mirrors(home.path, home.cfg, home.store, home.log)
+    mirrors.resume()
+    job = home.store.get(jid)
+    assert job["state"] == "failed" and "'old-nas' is not in this daemon's config" in job["last_error"]
