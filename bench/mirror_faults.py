@@ -1,18 +1,23 @@
 """The mirror's storage server killed mid-upload and started again later, while a job trains under `lorad serve`:
 the job's step time against the same job without a mirror, and the mirror catching up.
 
-    .venv/bin/python bench/mirror_faults.py                       # SFTP (sshd on loopback), down 60 s
-    .venv/bin/python bench/mirror_faults.py --backend s3 --down-s 20 --steps 600
+    .venv/bin/python bench/mirror_faults.py                       # SFTP (sshd on loopback), down 60 s, 3 pairs
+    .venv/bin/python bench/mirror_faults.py --backend s3 --down-s 20 --steps 600 --pairs 5
 
-Runs the quickstart job made lighter (tiny-llama on CPU, batch 2, LoRA on q/v, a checkpoint every --every steps) twice in fresh homes, one after the
-other: first without a mirror, then with one (the server started on loopback by tests/helpers/storage.py). In the
-second run the server is SIGKILLed while the first checkpoint's upload is in flight (each file's upload is made to
-last LORAD_DEBUG_MIRROR_FILE_DELAY_S, so that "mid-upload" is a window we can hit), and started again --down-s
-seconds later. It prints the median step time (from the step events' timestamps) of both runs and their ratio
-(bar: 1.10; the trainer never waits for the mirror, so only the uploader's CPU can cost it anything), the
-longest step of each, and whether the mirror caught up: its newest complete checkpoint is the job's last and its
-output is there, with no error left. (moto keeps nothing across a restart: with --backend s3 the bucket and its
-credentials are made again, and what it catches up on is what came after.)
+Runs the quickstart job made lighter (tiny-llama on CPU, batch 2, LoRA on q/v, a checkpoint every --every steps)
+in --pairs interleaved pairs, each run in a fresh home: A B, B A, A B, ... (A: no mirror; B: a mirror whose server,
+started on loopback by tests/helpers/storage.py, is SIGKILLed while the run's first checkpoint upload is in flight,
+and started again --down-s seconds later; each file's upload is made to last LORAD_DEBUG_MIRROR_FILE_DELAY_S, so
+that "mid-upload" is a window we can hit). The machine's other load drifts over minutes; a pair's two runs are
+neighbours and the order alternates, so a drift weighs on both sides alike. It prints, per pair, the median step
+time (from the step events' timestamps) of both runs and their ratio, then the median of the pairs' ratios (bar:
+1.10; the trainer never waits for the mirror, so only the uploader's CPU can cost it anything), the load average
+before and after each run, and whether each mirror caught up: its newest complete checkpoint is the job's last and
+its output is there, with no error left. (moto keeps nothing across a restart: with --backend s3 the bucket is made
+again, and what it catches up on is what came after.)
+
+Each B run lasts at least its first commit + --down-s + the catch-up; the default (3 pairs, 400 steps, down 60 s)
+is six runs of roughly a minute each where the job trains at about 0.1 s/step.
 """
 
 from __future__ import annotations
@@ -111,7 +116,7 @@ def committed(workdir: Path) -> bool:
     return path.exists() and '"checkpoint_committed"' in path.read_text()
 
 
-def run(args: argparse.Namespace, root: Path) -> dict:
+def run(args: argparse.Namespace, root: Path) -> list[dict]:
     server = storage.start_s3(root) if args.backend == "s3" else storage.start_sftp(root)
     try:
         return measure(args, root, server)
@@ -119,12 +124,30 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         server.server.kill()
 
 
-def measure(args: argparse.Namespace, root: Path, server) -> dict:
-    mirror = server.mirror("bench", retry_base_s=1.0, retry_max_s=10.0)
+def measure(args: argparse.Namespace, root: Path, server) -> list[dict]:
+    """--pairs pairs, A B then B A alternately, each run in a fresh home: per pair, each run's step times, load."""
     base = {"tick_s": 0.25, "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False},
             "run_as_root": True, "allowed_roots": ["{home}", str(REPO)]}
-    plain = train(root, "plain", base, args, {})
-    plain["proc"].terminate()
+    pairs = []
+    for i in range(args.pairs):
+        pair: dict = {"order": "AB" if i % 2 == 0 else "BA"}
+        for kind in pair["order"]:
+            name = f"{'plain' if kind == 'A' else 'mirrored'}-{i + 1}"
+            load = os.getloadavg()[0]
+            if kind == "A":
+                r = train(root, name, base, args, {})
+                r["proc"].terminate()
+                r["proc"].wait(180)
+            else:
+                r = mirrored_run(args, root, server, base, name)
+            pair[kind] = {"times": r["times"], "faults": r.get("faults"), "load": (load, os.getloadavg()[0])}
+        pairs.append(pair)
+    return pairs
+
+
+def mirrored_run(args: argparse.Namespace, root: Path, server, base: dict, name: str) -> dict:
+    """One B run: the server killed mid-upload of the first checkpoint, back --down-s later; then the catch-up."""
+    mirror = server.mirror(f"bench-{name}", retry_base_s=1.0, retry_max_s=10.0)
     faults: dict = {}
 
     def fault(workdir: Path, jid: str) -> None:
@@ -133,15 +156,15 @@ def measure(args: argparse.Namespace, root: Path, server) -> dict:
         time.sleep(args.kill_after_s)  # the first upload is under way (each file takes the debug delay)
         faults["killed_at"] = time.time()
         server.server.kill()
-        print(f"server killed mid-upload; back in {args.down_s:.0f} s", flush=True)
+        print(f"{name}: server killed mid-upload; back in {args.down_s:.0f} s", flush=True)
         time.sleep(args.down_s)
         server.restart()
         faults["back_at"] = time.time()
-        print("server back", flush=True)
+        print(f"{name}: server back", flush=True)
 
     env = {"LORAD_DEBUG_MIRROR_FILE_DELAY_S": str(args.file_delay_s)}
     cfg = {**base, "mirrors": {"off": mirror}, "default_mirror": "off"}
-    mirrored = train(root, "mirrored", cfg, args, env, during=fault)
+    mirrored = train(root, name, cfg, args, env, during=fault)
     try:
         remote = Remote("off", MirrorSettings.model_validate(mirror))
         deadline, lag = time.monotonic() + args.catch_up_s, {}
@@ -161,32 +184,40 @@ def measure(args: argparse.Namespace, root: Path, server) -> dict:
         faults["recovered_at"] = datetime.fromisoformat(back[0].replace("Z", "+00:00")).timestamp() if back else None
     finally:
         mirrored["proc"].terminate()
-    return {"plain": plain["times"], "mirrored": mirrored["times"], "faults": faults}
+        mirrored["proc"].wait(180)
+    return {"times": mirrored["times"], "faults": faults}
 
 
-def report(args: argparse.Namespace, r: dict) -> bool:
-    p, m, f = statistics.median(r["plain"]), statistics.median(r["mirrored"]), r["faults"]
-    ratio = m / p
-    caught = f["remote_step"] == args.steps and f["output"] and f["lag"].get("caught_up")
-    print(f"backend {args.backend}; {args.steps} steps, a checkpoint every {args.every}; server down "
-          f"{f['back_at'] - f['killed_at']:.1f} s from mid-upload of the first checkpoint")
-    print(f"median step time: no mirror {p:.4f} s ({len(r['plain'])} steps, longest {max(r['plain']):.3f} s), "
-          f"mirror with the fault {m:.4f} s ({len(r['mirrored'])} steps, longest {max(r['mirrored']):.3f} s): "
-          f"ratio {ratio:.3f}")
-    recovered = f"{f['recovered_at'] - f['back_at']:.1f} s" if f["recovered_at"] else "never"
-    print(f"mirror: failures said {f['failed_said']} time(s); uploads again {recovered} after the server came back; "
-          f"caught up (newest complete remote checkpoint step {f['remote_step']}, output there: {f['output']}) "
-          f"{f['caught_up_at'] - f['back_at']:.1f} s after it (the job still training meanwhile); last error: "
-          f"{f['lag'].get('last_error')}")
-    ok = ratio <= 1.10 and bool(caught)
-    print(f"within the bars (step ratio <= 1.10, caught up): {ok}")
+def report(args: argparse.Namespace, pairs: list[dict], load: tuple[float, float]) -> bool:
+    print(f"backend {args.backend}; {args.steps} steps, a checkpoint every {args.every}; {len(pairs)} pairs "
+          f"(A: no mirror, B: the server killed mid-upload of the first checkpoint, down {args.down_s:.0f} s)")
+    ratios, caught_all = [], True
+    for i, pr in enumerate(pairs, 1):
+        a, b, f = pr["A"], pr["B"], pr["B"]["faults"]
+        ma, mb = statistics.median(a["times"]), statistics.median(b["times"])
+        ratios.append(mb / ma)
+        caught = f["remote_step"] == args.steps and f["output"] and bool(f["lag"].get("caught_up"))
+        caught_all = caught_all and caught
+        recovered = f"{f['recovered_at'] - f['back_at']:.1f} s" if f["recovered_at"] else "never"
+        print(f"pair {i} ({' '.join(pr['order'])}): median step A {ma:.4f} s (longest {max(a['times']):.3f}, load "
+              f"{a['load'][0]:.2f}->{a['load'][1]:.2f}), B {mb:.4f} s (longest {max(b['times']):.3f}, load "
+              f"{b['load'][0]:.2f}->{b['load'][1]:.2f}): ratio {mb / ma:.3f}")
+        print(f"  B's mirror: down {f['back_at'] - f['killed_at']:.1f} s; failures said {f['failed_said']} time(s); "
+              f"uploads again {recovered} after the server came back; caught up {caught} (remote step "
+              f"{f['remote_step']}, output there: {f['output']}; last error: {f['lag'].get('last_error')})")
+    ratio = statistics.median(ratios)
+    print(f"median of the pairs' ratios: {ratio:.3f} ({', '.join(f'{r:.3f}' for r in ratios)}); load average "
+          f"(1 min) {load[0]:.2f} before, {load[1]:.2f} after")
+    ok = ratio <= 1.10 and caught_all
+    print(f"within the bars (median ratio <= 1.10, every mirror caught up): {ok}")
     return ok
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", choices=["sftp", "s3"], default="sftp")
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--every", type=int, default=50)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--down-s", type=float, default=60.0)
@@ -196,7 +227,9 @@ def main() -> int:
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="lorad-mirror-bench-"))
     try:
-        return 0 if report(args, run(args, root)) else 1
+        before = os.getloadavg()[0]
+        pairs = run(args, root)
+        return 0 if report(args, pairs, (before, os.getloadavg()[0])) else 1
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

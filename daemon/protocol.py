@@ -125,6 +125,7 @@ class MirrorLag(BaseModel):
     last_error: str | None = None
     output_mirrored: bool = False
     caught_up: bool = False
+    fetching: str | None = None  # lorad submit --from: the download's progress (daemon/mirror/fetcher.py)
     hub_repo: str | None = None  # output.push_to_hub (daemon/mirror/hub.py)
     hub_pushed: bool = False
     hub_error: str | None = None
@@ -230,7 +231,7 @@ class SameName(BaseModel):
 class SubmitReply(_Data):
     job: str
     same_name: list[SameName] = []  # other jobs of the same name, to be told apart by id
-    restored: str | None = None  # --from: the checkpoint it resumes from, and the ones walked back past
+    restored: str | None = None  # --from: what the mirror holds; the download goes on in the background
 
 
 class QueueReply(_Data):

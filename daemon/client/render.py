@@ -182,7 +182,9 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
 def mirror_note(state: str, m: p.MirrorLag, detail: bool = False) -> str:
     """'done, mirror behind by 4 steps (31 s): ...error' and the like; '' when it is caught up and well."""
     parts = []
-    if m.mirror is None:  # only a hub push
+    if m.fetching is not None:  # lorad submit --from: the download, before the job is queued
+        parts.append(f"fetching from {m.mirror}/{m.key}: {m.fetching}")
+    elif m.mirror is None:  # only a hub push
         pass
     elif m.behind_steps:
         lead = "done, mirror" if state == "succeeded" else "mirror"
@@ -193,7 +195,7 @@ def mirror_note(state: str, m: p.MirrorLag, detail: bool = False) -> str:
         parts.append(f"mirror error: {m.last_error}")
     if m.hub_error:
         parts.append(f"hub push to {m.hub_repo} failed, retried: {m.hub_error}")
-    if detail and m.mirror is not None:
+    if detail and m.mirror is not None and m.fetching is None:
         where = f"{m.mirror}/{m.key}" if m.key else (m.mirror or "-")
         last = f"last upload {when(m.last_upload_at)}" if m.last_upload_at else "nothing uploaded yet"
         parts.insert(0, f"{where}, remote step {num(m.remote_step)}, {last}")

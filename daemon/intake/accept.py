@@ -28,6 +28,7 @@ from typing import Any
 
 from daemon.config.daemon import DaemonConfig
 from daemon.intake.job_file import read_job_file
+from daemon.store import states
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
@@ -300,20 +301,21 @@ class Intake:
         return Outcome(name=display, error=reason, rejected_path=dest)
 
     # ---------------------------------------------------------------- socket submissions
-    def submit_text(self, name: str, text: str, source: str | None = None, prepare=None) -> Outcome:
+    def submit_text(self, name: str, text: str, source: str | None = None, state: str = states.QUEUED) -> Outcome:
         """`lorad submit`: the client sends the normalised job (absolute paths); validated again here.
 
-        source: the store's record of where it came from (default submit:NAME); prepare(workdir): what must be in
-        the job's directory before it is queued (a checkpoint restored from a mirror, daemon/mirror/service.py)."""
+        source: the store's record of where it came from (default submit:NAME); state: queued, or fetching for a
+        job whose checkpoint is still to be downloaded from a mirror (daemon/mirror/fetcher.py)."""
         if not SAFE_NAME.match(name):
             raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
         job = validate_text(text, name, self.home, self.cfg, self.home)
         source = source or f"submit:{name}"
-        job_id, same = self._accept(job, source, text, prepare)
+        job_id, same = self._accept(job, source, text, state)
         self.log.info("job_accepted", job=job_id, file=source)
         return Outcome(name=name, job_id=job_id, same_name=same)
 
-    def _accept(self, job: JobConfig, source: str, original: str, prepare=None) -> tuple[str, list[dict[str, Any]]]:
+    def _accept(self, job: JobConfig, source: str, original: str,
+                state: str = states.QUEUED) -> tuple[str, list[dict[str, Any]]]:
         """(the new job's id, the unfinished jobs that already had its name: its name alone no longer tells)."""
         same = self.store.unfinished_named(job.name)
         job_id = self.store.new_id(job.name)
@@ -327,11 +329,9 @@ class Intake:
             text = dump_job(job)
             for name, data in (("submitted.yaml", original), ("job.yaml", text)):
                 write_durable(workdir / name, data.encode(), JOB_FILE_MODE)
-            if prepare is not None:
-                prepare(workdir)
             os.chmod(workdir, JOB_DIR_MODE)
             # The job the daemon acts on from now on is state.db's copy: the trainer user may replace job.yaml.
-            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source, text=text)
+            self.store.add_job(job_id, job.name, workdir, job.priority, job.train.steps, source, text=text, state=state)
         except BaseException:
             self._discard_partial(job_id, workdir)
             raise

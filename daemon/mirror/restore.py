@@ -8,12 +8,18 @@ local resume does). Each candidate is downloaded into a staging folder and read 
 lorad's checkpoint is refused) and the same identity check (a checkpoint of other model/lora/data/train settings
 is refused, naming the keys that changed). The one that passes is moved into the new job's directory before the
 job is queued, so the trainer resumes from it like from any local checkpoint.
+
+`probe` is what `lorad submit --from` checks at once (the job, the newest remote manifest's format and identity: a
+listing and a few small files); `fetch`, the download itself, runs afterwards in the background
+(daemon/mirror/fetcher.py), so a large checkpoint on a slow link never meets the client's socket timeout.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -21,6 +27,16 @@ from pathlib import Path, PurePosixPath
 from daemon.mirror.remote import Remote
 from daemon.mirror.uploader import STEP_DIR
 from engine.errors import ConfigMismatch, JobInvalid, NewerCheckpoint
+
+Progress = Callable[[str, int, int, int, int], None]  # (step-N, files done, files, bytes done, bytes)
+
+
+def _debug_file_delay() -> float:
+    # Fault-injection hook for tests: a slow link, one pause after each downloaded file.
+    try:
+        return float(os.environ.get("LORAD_DEBUG_MIRROR_FETCH_DELAY_S", "0"))
+    except ValueError:
+        return 0.0
 
 
 @dataclass
@@ -36,21 +52,55 @@ def _inside(name: str) -> bool:
     return bool(name) and not p.is_absolute() and ".." not in p.parts
 
 
+def job_text(remote: Remote, key: str, text: str | None) -> str:
+    """The job to restore: the one the user gave, else the mirror's own job.yaml."""
+    if text is not None:
+        return text
+    try:
+        return remote.get(f"{key}/job.yaml").decode("utf-8")
+    except FileNotFoundError as e:
+        raise JobInvalid(f"mirror {remote.name!r} has no job {key!r} (no {key}/job.yaml there: {e})") from None
+    except UnicodeDecodeError:
+        raise JobInvalid(f"mirror {remote.name!r}: {key}/job.yaml is not UTF-8 text") from None
+
+
+def probe(remote: Remote, key: str, validate: Callable[[str], object], text: str | None = None,
+          ) -> tuple[str, str | None]:
+    """What submit can tell at once: (the job's text, the newest remote checkpoint with a manifest, or None).
+
+    Refuses (JobInvalid) a job the daemon would refuse, and the newest manifest's format or identity when they
+    do not match the job's (the same rules as the engine's walk-back; the download checks them again)."""
+    from engine.checkpoint.store import FORMAT_VERSION, changed_keys  # torch: only when a job is restored
+
+    text = job_text(remote, key, text)
+    cfg = validate(text)
+    for name in sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True):
+        try:
+            manifest = json.loads(remote.get(f"{key}/checkpoints/{name}/manifest.json"))
+            fmt, config_hash = manifest.get("format"), manifest.get("config_hash")
+        except (FileNotFoundError, ValueError, AttributeError):
+            continue  # torn or unreadable: the download walks back past it with its reason
+        where = f"mirror {remote.name!r}, {key}/checkpoints/{name}"
+        if isinstance(fmt, int) and fmt > FORMAT_VERSION:
+            raise JobInvalid(f"{where} was written by a newer lorad (checkpoint format {fmt}; this lorad reads "
+                             f"{FORMAT_VERSION}): upgrade lorad to resume it")
+        if config_hash != cfg.identity_hash():
+            changed = changed_keys(manifest.get("identity"), cfg.identity())
+            raise JobInvalid(f"{where} was written by a job with different model/lora/data/train settings "
+                             f"({f'changed since: {changed}' if changed else 'another config hash'})")
+        return text, name
+    return text, None
+
+
 def fetch(remote: Remote, key: str, staging: Path, validate: Callable[[str], object], text: str | None = None,
-          ) -> Restored:
+          progress: Progress | None = None) -> Restored:
     """Download the newest usable checkpoint of KEY into staging/checkpoints/.
 
     validate: the job text → its JobConfig (the daemon's intake checks). text: a job file the user gave (its
-    identity must match the checkpoint's); None: the mirror's own job.yaml."""
+    identity must match the checkpoint's); None: the mirror's own job.yaml. progress: told after each file."""
     from engine.checkpoint.store import CheckpointStore  # torch: only when a job is restored
 
-    if text is None:
-        try:
-            text = remote.get(f"{key}/job.yaml").decode("utf-8")
-        except FileNotFoundError as e:
-            raise JobInvalid(f"mirror {remote.name!r} has no job {key!r} (no {key}/job.yaml there: {e})") from None
-        except UnicodeDecodeError:
-            raise JobInvalid(f"mirror {remote.name!r}: {key}/job.yaml is not UTF-8 text") from None
+    text = job_text(remote, key, text)
     cfg = validate(text)
     root = staging / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -58,7 +108,7 @@ def fetch(remote: Remote, key: str, staging: Path, validate: Callable[[str], obj
     names = sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True)
     skipped: list[tuple[str, str]] = []
     for name in names:
-        why = _download(remote, f"{key}/checkpoints/{name}", root / name)
+        why = _download(remote, f"{key}/checkpoints/{name}", root / name, progress)
         if why is None:
             try:
                 loaded, bad = store.load_latest(set_aside_invalid=False)
@@ -72,7 +122,7 @@ def fetch(remote: Remote, key: str, staging: Path, validate: Callable[[str], obj
     return Restored(text, root, None, skipped)
 
 
-def _download(remote: Remote, rel: str, dest: Path) -> str | None:
+def _download(remote: Remote, rel: str, dest: Path, progress: Progress | None = None) -> str | None:
     """One remote checkpoint into dest; the reason it cannot be one, or None (then the engine verifies it)."""
     try:
         manifest = remote.get(f"{rel}/manifest.json")
@@ -82,10 +132,11 @@ def _download(remote: Remote, rel: str, dest: Path) -> str | None:
     (dest / "manifest.json").write_bytes(manifest)
     try:
         files = json.loads(manifest)["files"]
-        names = list(files)
-    except (ValueError, KeyError, TypeError):
+        sizes = {name: int(meta.get("size") or 0) for name, meta in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # the engine's verify names what is wrong with it
-    for name in names:
+    delay, done_bytes, total = _debug_file_delay(), 0, sum(sizes.values())
+    for i, name in enumerate(sizes, 1):
         if not _inside(name):
             return f"its manifest names {name!r}, outside the checkpoint"
         try:
@@ -94,6 +145,11 @@ def _download(remote: Remote, rel: str, dest: Path) -> str | None:
             continue  # verify says "NAME is missing"
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         (dest / name).write_bytes(data)
+        done_bytes += len(data)
+        if progress is not None:
+            progress(dest.name, i, len(sizes), done_bytes, total)
+        if delay:
+            time.sleep(delay)
     return None
 
 

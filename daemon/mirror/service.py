@@ -5,27 +5,37 @@ job's success; it never waits for it. A job's mirror: the mirror it was restored
 `mirror:NAME/KEY`, which the trainer user cannot rewrite), else its `output.mirror`, else the daemon's
 `default_mirror`. A job is `succeeded` as soon as its trainer is done; until its output is mirrored, `lorad
 status` says "done, mirror behind" (docs/mirror.md).
+
+Across restarts: the jobs whose mirror may be behind are kept in state.db (meta `mirror_pending`, from the first
+commit or success heard of until a job in a final state has its mirror caught up); at start (`resume`) each gets
+its uploader again, which uploads what the remote lacks, a succeeded job's output last. Jobs still `fetching`
+from a mirror (`lorad submit --from`) start their download again.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.mirror.fetcher import Fetch
 from daemon.mirror.hub import HubPush
 from daemon.mirror.remote import MirrorError, Remote
 from daemon.mirror.uploader import JobMirror
+from daemon.store import states
 from daemon.store.db import Store
+from daemon.store.errors import UnknownJob
 from daemon.supervisor.accepted_job import accepted_doc
+from daemon.supervisor.disk_progress import committed_checkpoints
 from daemon.system.log import job_event
 from engine.config.checkpoint import CheckpointConfig
 from engine.errors import JobInvalid
 
 SOURCE_PREFIX = "mirror:"  # a restored job's store source: mirror:NAME/KEY
+PENDING = "mirror_pending"  # state.db meta: the ids of the jobs whose mirror may be behind (a JSON list)
 
 
 class Mirrors:
@@ -34,7 +44,60 @@ class Mirrors:
         self.jobs: dict[str, JobMirror] = {}
         self.problems: dict[str, dict[str, Any]] = {}  # job id → a status that says why it has no uploader
         self.hub: dict[str, HubPush] = {}  # output.push_to_hub: one push per succeeded job that asks for it
+        self.fetches: dict[str, Fetch] = {}  # lorad submit --from: the downloads of the jobs in state fetching
         self.lock = threading.Lock()
+        self.pending: set[str] = set(json.loads(store.get_meta(PENDING) or "[]"))
+        self.wake: Callable[[], None] = lambda: None  # the supervisor's: a fetched job is queued
+
+    # ------------------------------------------------------------------ across restarts
+    def resume(self, wake: Callable[[], None] | None = None) -> None:
+        """At start: uploaders for the jobs whose mirror may be behind, downloads for the jobs still fetching."""
+        if wake is not None:
+            self.wake = wake
+        for job in self.store.jobs((states.FETCHING,)):
+            try:
+                self._fetch(job)
+            except MirrorError as e:  # its mirror left the config: nothing could ever fetch it
+                self.store.transition(job["id"], states.FETCHING, states.FAILED, str(e), last_error=str(e))
+                self.log.error("mirror_fetch_refused", job=job["id"], error=str(e))
+        for job_id in sorted(self.pending):
+            try:
+                job = self.store.get(job_id)
+            except UnknownJob:
+                self._settled(job_id)
+                continue
+            try:
+                if (m := self._uploader(job_id)) is None:
+                    self._settled(job_id)
+                    continue
+                if local := committed_checkpoints(Path(job["workdir"])):
+                    m.committed(local[0].step)
+                if job["state"] == states.SUCCEEDED:
+                    m.finished()
+            except Exception as e:  # noqa: BLE001 — one job's mirror never keeps the daemon from starting
+                self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
+
+    def _behind(self, job_id: str) -> None:
+        with self.lock:
+            if job_id in self.pending:
+                return
+            self.pending.add(job_id)
+            self.store.set_meta(PENDING, json.dumps(sorted(self.pending)))
+
+    def _settled(self, job_id: str) -> None:
+        with self.lock:
+            if job_id not in self.pending:
+                return
+            self.pending.discard(job_id)
+            self.store.set_meta(PENDING, json.dumps(sorted(self.pending)))
+
+    def _caught_up(self, job_id: str) -> None:
+        """Told by an uploader after a pass that left it caught up: a job that will commit nothing more is settled."""
+        if job_id not in self.pending or (state := self.store.get(job_id)["state"]) not in states.FINAL:
+            return
+        if state == states.SUCCEEDED and not self.jobs[job_id].output_done:
+            return  # its uploader may not have been told of the success yet: the output is still to go
+        self._settled(job_id)
 
     # ------------------------------------------------------------------ which mirror
     def target(self, job: dict[str, Any]) -> tuple[str, str] | None:
@@ -70,7 +133,8 @@ class Mirrors:
             doc = accepted_doc(self.store, job)
             keep = int((doc.get("checkpoint") or {}).get("keep") or CheckpointConfig.model_fields["keep"].default)
             text = self.store.accepted_text(job_id) or ""
-            m = JobMirror(job_id, Path(job["workdir"]), where[1], remote, keep, text, self.log).start()
+            m = JobMirror(job_id, Path(job["workdir"]), where[1], remote, keep, text, self.log,
+                          on_caught_up=self._caught_up).start()
             self.jobs[job_id] = m
             return m
 
@@ -79,6 +143,7 @@ class Mirrors:
         try:
             if (m := self._uploader(job_id)) is not None:
                 m.committed(step)
+                self._behind(job_id)  # after: a store that cannot be written never holds up the upload
         except Exception as e:  # noqa: BLE001 — called from the supervisor's heartbeat step: never in its way
             self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
@@ -86,6 +151,7 @@ class Mirrors:
         try:
             if (m := self._uploader(job_id)) is not None:
                 m.finished()
+                self._behind(job_id)
             job = self.store.get(job_id)
             repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
             if repo and job_id not in self.hub:
@@ -94,19 +160,21 @@ class Mirrors:
             self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
-        for m in [*self.jobs.values(), *self.hub.values()]:
+        for m in [*self.jobs.values(), *self.hub.values(), *self.fetches.values()]:
             m.close()
 
     # ------------------------------------------------------------------ read by status, the dashboard, /metrics
     def status(self, job_id: str) -> dict[str, Any] | None:
         m = self.jobs.get(job_id)
         out = m.status() if m is not None else dict(self.problems.get(job_id) or {})
+        if (f := self.fetches.get(job_id)) is not None and not out:
+            out = {} if f.done else f.status()
         if (h := self.hub.get(job_id)) is not None:
             out.update(h.status())
         return out or None
 
     def statuses(self) -> dict[str, dict[str, Any]]:
-        return {job_id: s for job_id in [*self.problems, *self.jobs] if (s := self.status(job_id))}
+        return {job_id: s for job_id in [*self.problems, *self.jobs, *self.fetches] if (s := self.status(job_id))}
 
     # ------------------------------------------------------------------ submit
     def check_job(self, doc: dict[str, Any]) -> None:
@@ -134,33 +202,29 @@ class Mirrors:
                          f"job key on the default mirror; mirrors: {sorted(self.cfg.mirrors)})")
 
     def restore(self, ref: str, submit, validate, text: str | None = None) -> tuple[Any, str]:
-        """Download the newest usable remote checkpoint of REF, then submit its job with it in place.
+        """Check REF at once (the job, the newest remote manifest's identity), accept its job as `fetching`, and
+        download its newest usable checkpoint in the background (daemon/mirror/fetcher.py).
 
-        submit(text, source, prepare) → the intake's outcome; prepare(workdir) runs before the job is queued."""
-        from daemon.mirror.restore import describe, fetch
+        submit(text, source, state) → the intake's outcome; validate(text) → the job's JobConfig."""
+        from daemon.mirror.restore import probe
 
         name, key = self.resolve(ref)
         try:
-            remote = self.remote(name)
-            staging_root = self.home / "mirror-staging"
-            staging_root.mkdir(mode=0o700, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix="restore-", dir=staging_root))
-        except (MirrorError, OSError) as e:
-            raise JobInvalid(str(e)) from None
-        try:
-            try:
-                got = fetch(remote, key, staging, validate, text)
-            except MirrorError as e:
-                raise JobInvalid(f"cannot restore from the mirror: {e}") from None
-            said = describe(got)
+            text, newest = probe(self.remote(name), key, validate, text)
+        except MirrorError as e:
+            raise JobInvalid(f"cannot restore from the mirror: {e}") from None
+        out = submit(text, f"{SOURCE_PREFIX}{name}/{key}", states.FETCHING)
+        self._fetch(self.store.get(out.job_id))
+        what = f"its newest complete checkpoint is {newest}" if newest else "it has no complete checkpoint: step 0"
+        return out, f"fetching; {what}; `lorad status {out.job_id}` shows the download"
 
-            def prepare(workdir: Path) -> None:
-                (got.checkpoints).rename(workdir / "checkpoints")
+    def _fetch(self, job: dict[str, Any]) -> None:
+        from daemon.intake.accept import validate_text
 
-            out = submit(got.text, f"{SOURCE_PREFIX}{name}/{key}", prepare)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.log.info("mirror_restored", job=out.job_id, mirror=name, key=key, step=got.step, skipped=got.skipped)
-        job_event(self.home / "jobs" / out.job_id, out.job_id, "mirror_restored", mirror=name, key=key,
-                  step=got.step, skipped=[f"{n}: {why}" for n, why in got.skipped])
-        return out, said
+        where = self.target(job)
+        assert where is not None  # a fetching job's source is always mirror:NAME/KEY
+        text = self.store.accepted_text(job["id"]) or ""
+        f = Fetch(job, where[1], self.remote(where[0]), text,
+                  lambda t: validate_text(t, f"{job['name']}.yaml", self.home, self.cfg, self.home), self.store,
+                  self.log, self.home / "mirror-staging", lambda: self.wake())
+        self.fetches[job["id"]] = f.start()

@@ -50,8 +50,10 @@ def _debug_file_delay() -> float:
 class JobMirror:
     """The uploader of one job; the supervisor tells it of commits and of the end, the status reads its lag."""
 
-    def __init__(self, job_id: str, workdir: Path, key: str, remote: Remote, keep: int, job_text: str, log):
+    def __init__(self, job_id: str, workdir: Path, key: str, remote: Remote, keep: int, job_text: str, log,
+                 on_caught_up=None):
         self.job_id, self.workdir, self.key = job_id, Path(workdir), key
+        self.on_caught_up = on_caught_up  # (job id) → None, after a pass that left the mirror caught up
         self.remote, self.keep, self.job_text, self.log = remote, keep, job_text, log
         self.cond = threading.Condition()
         self.local_step: int | None = None  # the newest commit heard of
@@ -128,6 +130,8 @@ class JobMirror:
                 delay = min(delay * 2, self.remote.settings.retry_max_s)
                 continue
             delay = self.remote.settings.retry_base_s
+            if self.on_caught_up is not None and self.status()["caught_up"]:
+                self.on_caught_up(self.job_id)
             if self.last_error is not None:
                 self.log.info("mirror_recovered", job=self.job_id, mirror=self.remote.name)
                 job_event(self.workdir, self.job_id, "mirror_recovered", mirror=self.remote.name)

@@ -82,7 +82,7 @@ def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
             if mirrors is None:
                 raise JobInvalid("--from: this daemon has no mirrors")
             out, restored = mirrors.restore(
-                req.from_mirror, lambda text, source, prepare: ctx.intake.submit_text(req.name, text, source, prepare),
+                req.from_mirror, lambda text, source, state: ctx.intake.submit_text(req.name, text, source, state=state),
                 lambda text: validate_text(text, req.name, ctx.home, ctx.intake.cfg, ctx.home), req.text or None)
         else:
             if mirrors is not None:
@@ -249,7 +249,7 @@ def resume(ctx: Context, req: p.Resume) -> p.JobActionReply:
 def cancel(ctx: Context, req: p.Cancel) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING):
+    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING, states.FETCHING):
         ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
         return p.JobActionReply(job=job["id"], state=states.CANCELLED, message="cancelled")
     if st == states.RUNNING:

@@ -200,9 +200,11 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     devs = devices_mod.detect(cfg.devices)
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
+    mirrors = Mirrors(home, cfg, store, log)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications, mirrors=Mirrors(home, cfg, store, log),
+                     notifications=notifications, mirrors=mirrors,
                      prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
+    mirrors.resume(sup.wake.set)  # what the last run left behind: uploads not caught up, downloads cut short
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
         sup.stuck.add(st)

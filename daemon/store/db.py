@@ -64,15 +64,16 @@ class Store:
 
     # ------------------------------------------------------------ jobs
     def add_job(self, job_id: str, name: str, workdir: Path, priority: int, total: int, source: str | None,
-                text: str | None = None) -> None:
-        """A new queued job; `text`: the job as accepted (normalised YAML), kept for accepted_text()."""
+                text: str | None = None, state: str = states.QUEUED) -> None:
+        """A new job (queued, or fetching from a mirror); `text`: the job as accepted (normalised YAML), kept for
+        accepted_text()."""
         now = time.time()
         with self._tx() as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
                 "INSERT INTO jobs (id, name, state, priority, seq, submitted_at, updated_at, source, workdir, total)"
                 " VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (job_id, name, states.QUEUED, priority, seq, now, now, source, str(workdir), total),
+                (job_id, name, state, priority, seq, now, now, source, str(workdir), total),
             )
             if text is not None:
                 db.execute("INSERT INTO accepted_jobs (job_id, text) VALUES (?,?)", (job_id, text))

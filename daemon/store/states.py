@@ -14,8 +14,9 @@ WAITING = "waiting"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
 CANCELLED = "cancelled"
+FETCHING = "fetching"  # lorad submit --from: its checkpoint is being downloaded from the mirror
 
-STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, WAITING, SUCCEEDED, FAILED, CANCELLED)
+STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, WAITING, SUCCEEDED, FAILED, CANCELLED, FETCHING)
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 # (from, to) -> when it happens. The only place a job's state may change.
@@ -39,6 +40,9 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (INTERRUPTED, CANCELLED): "lorad cancel while interrupted",
     (PAUSED, QUEUED): "lorad resume",
     (PAUSED, CANCELLED): "lorad cancel",
+    (FETCHING, QUEUED): "its checkpoint is downloaded from the mirror and verified (lorad submit --from)",
+    (FETCHING, FAILED): "the mirror's checkpoints are refused (another job's settings, a newer lorad's format)",
+    (FETCHING, CANCELLED): "lorad cancel while it downloads",
 }
 
 # The one way out of a final state: a person asks for it (`lorad retry`); the daemon never leaves one by itself.

@@ -155,6 +155,8 @@ def mirror_lag(m: dict[str, Any] | None) -> str:
     behind = "caught up" if not m.get("behind_steps") else f"{m['behind_steps']} steps, {num(m.get('behind_s'), '{:.0f}')} s"
     cells = [("Mirror", e(f"{m.get('mirror')}/{m.get('key') or ''}")), ("Behind", e(behind)),
              ("Remote step", num(m.get("remote_step"))), ("Last upload", when(m.get("last_upload_at")))]
+    if m.get("fetching"):
+        cells.insert(1, ("Fetching", e(m["fetching"])))
     if m.get("last_error"):
         cells.append(("Mirror error", f"<span class=err>{e(m['last_error'])}</span>"))
     return "<table class='summary' id='mirror'>" + "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in cells) \

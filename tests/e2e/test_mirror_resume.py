@@ -2,7 +2,9 @@
 
 Once per backend (moto's S3 server, sshd's SFTP, both on loopback): a job trains with a mirror; once a checkpoint
 is on the mirror the daemon and its trainer are SIGKILLed and the whole home is deleted. A second daemon on a new
-home resumes the job from the mirror, and its final adapter is bit-identical to an uninterrupted run. Nothing of
+home resumes the job from the mirror (its download cut short by a SIGKILL once, and started again), and its final
+adapter is bit-identical to an uninterrupted run; that daemon, SIGKILLed again right after the job succeeded, mirrors
+its output once restarted. Nothing of
 the credentials is in the homes, the logs, `lorad status` or the pages. (A mirror that cannot work:
 tests/daemon/mirror/test_submit.py.)
 """
@@ -51,22 +53,39 @@ def test_a_machine_lost_mid_run_resumes_elsewhere_from_the_mirror_bit_identical(
     said_by_a = a.log()
     shutil.rmtree(a.home)  # the machine is gone, its disk with it
 
-    b = Daemon(tmp_path / "home-b", cfg)
+    # On a slow link (tests only: a pause after each downloaded file) submit answers at once, the job `fetching`
+    # with its download's progress in the status; the daemon SIGKILLed mid-download starts it again at its next
+    # start, and the job trains on from the mirror's checkpoint all the same.
+    b = Daemon(tmp_path / "home-b", cfg, LORAD_DEBUG_MIRROR_FETCH_DELAY_S="0.4")
     try:
         b.start()
         out = b.cli("submit", "--from", f"{mirror['url']}/{jid}").stdout
         new = out.split()[0]
+        assert "fetching" in out and b.job(new)["state"] == "fetching", out
+        wait_until(lambda: "files" in b.cli("status").stdout, 30, "the download's progress in the status")
+        b.sigkill()
+        assert b.trainers() == [] and not (b.home / "jobs" / new / "checkpoints").exists()
+        # Its uploads are slow this time (a second per file of a checkpoint): the daemon is SIGKILLed as soon as
+        # the job succeeded, its output not yet mirrored; the next start uploads it.
+        b.env.pop("LORAD_DEBUG_MIRROR_FETCH_DELAY_S")
+        b.env["LORAD_DEBUG_MIRROR_FILE_DELAY_S"] = "1"
+        b.start()
         j = b.wait_state(new, {"succeeded", "failed"}, 180)
+        b.sigkill()
         assert j["state"] == "succeeded", j
+        assert not remote.exists(f"{jid}/output/lorad-output.json")
+        b.env.pop("LORAD_DEBUG_MIRROR_FILE_DELAY_S")
+        b.start()
         workdir = Path(j["workdir"])
         assert adapter_file(workdir) == svc_reference  # bit-identical to the run that never moved
         resumed = [e for e in job_events(workdir) if e.get("event") == "resumed"]
         assert resumed and 0 < resumed[0]["from_step"] < 24, resumed  # from the mirror, mid-run
-        # It goes on mirroring under the job's first key: its output lands there.
-        wait_until(lambda: remote.exists(f"{jid}/output/adapter_model.safetensors"), 60, "the output mirrored")
+        # It goes on mirroring under the job's first key: its output lands there, and the status says caught up.
+        lag = wait_until(lambda: (m := b.job(new)["mirror"]) and m["caught_up"] and m, 60, "the output mirrored")
         assert remote.get(f"{jid}/output/adapter_model.safetensors") == svc_reference
-        lag = b.job(new)["mirror"]
-        assert lag["key"] == jid and lag["last_error"] is None
+        assert remote.exists(f"{jid}/output/lorad-output.json") and newest_remote(remote, jid) == 24
+        assert lag["key"] == jid and lag["last_error"] is None and lag["output_mirrored"]
+        assert "mirror behind" not in b.cli("status").stdout
         status = b.cli("status").stdout + b.cli("status", new).stdout
         if backend == "s3":
             pages = dashboard_pages(b, new)
