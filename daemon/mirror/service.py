@@ -218,6 +218,20 @@ class Mirrors:
         what = f"its newest complete checkpoint is {newest}" if newest else "it has no complete checkpoint: step 0"
         return out, f"fetching; {what}; `lorad status {out.job_id}` shows the download"
 
+    def refetch(self, job: dict[str, Any]) -> bool:
+        """`lorad retry` of a job brought over with --from that failed before its checkpoint landed: it downloads
+        again (state fetching) instead of training from step 0. False for any other job (the usual retry)."""
+        if not (job.get("source") or "").startswith(SOURCE_PREFIX) or (Path(job["workdir"]) / "checkpoints").exists():
+            return False
+        self.store.transition(job["id"], states.FAILED, states.FETCHING, "lorad retry", retries=0, not_before=0,
+                              last_error=None)
+        try:
+            self._fetch(self.store.get(job["id"]))
+        except MirrorError as e:  # its mirror left the config
+            self.store.transition(job["id"], states.FETCHING, states.FAILED, str(e), last_error=str(e))
+            raise
+        return True
+
     def _fetch(self, job: dict[str, Any]) -> None:
         from daemon.intake.accept import validate_text
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from daemon import protocol as p
 from daemon.intake.accept import recent_rejections, validate_text
+from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
@@ -266,6 +267,13 @@ def retry(ctx: Context, req: p.Retry) -> p.JobActionReply:
     if st not in (states.FAILED, states.WAITING):
         raise p.ProtocolError("refused", f"job {job['id']} is {st}; only a failed job (or one waiting for disk space) "
                                       "can be retried")
+    mirrors = getattr(ctx.supervisor, "mirrors", None)
+    try:
+        if st == states.FAILED and mirrors is not None and mirrors.refetch(job):
+            return p.JobActionReply(job=job["id"], state=states.FETCHING,
+                                    message="fetching: its checkpoint is downloaded from the mirror again")
+    except MirrorError as e:
+        raise p.ProtocolError("refused", f"job {job['id']}: {e}") from None
     ctx.store.transition(job["id"], st, states.QUEUED, "lorad retry", retries=0, not_before=0, wait_bytes=None,
                          requested=None)
     ctx.wake()

@@ -43,10 +43,11 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (FETCHING, QUEUED): "its checkpoint is downloaded from the mirror and verified (lorad submit --from)",
     (FETCHING, FAILED): "the mirror's checkpoints are refused (another job's settings, a newer lorad's format)",
     (FETCHING, CANCELLED): "lorad cancel while it downloads",
+    (FAILED, FETCHING): "lorad retry of a job brought over with --from whose checkpoint never landed: downloads again",
 }
 
 # The one way out of a final state: a person asks for it (`lorad retry`); the daemon never leaves one by itself.
-REOPEN = frozenset({(FAILED, QUEUED)})
+REOPEN = frozenset({(FAILED, QUEUED), (FAILED, FETCHING)})
 
 
 class IllegalTransition(Exception):

@@ -172,3 +172,26 @@ def test_a_fetching_job_whose_mirror_left_the_config_ends_failed_at_the_next_sta
     mirrors.resume()
     job = home.store.get(jid)
     assert job["state"] == "failed" and "'old-nas' is not in this daemon's config" in job["last_error"]
+
+
+
+def test_retrying_a_job_whose_download_failed_downloads_again_instead_of_training_from_step_0(home):
+    up = JobMirror("tiny-2", home.workdir, "tiny-2", home.remote, 2, home.text, RecLog()).start()
+    up.committed(12)
+    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
+    up.close(timeout=5)
+    jid = Intake(home.path, home.cfg, home.store, home.log).submit_text(
+        "tiny.yaml", home.text, "mirror:nas/tiny-2", state=states.FETCHING).job_id
+    # A daemon started with its mirror missing from the config: the download cannot be made, the job fails.
+    Mirrors(home.path, home.cfg.model_copy(update={"mirrors": {}, "default_mirror": None}), home.store,
+            home.log).resume()
+    assert home.store.get(jid)["state"] == "failed"
+    # The mirror back in the config, `lorad retry`: the job downloads again, then queues with the checkpoint.
+    mirrors = Mirrors(home.path, home.cfg, home.store, home.log)
+    try:
+        again = handlers.retry(context(home, mirrors), p.Retry(job=jid))
+        assert again.state == "fetching" and "downloaded from the mirror again" in again.message
+        job = wait_until(lambda: (j := home.store.get(jid))["state"] == "queued" and j, 60, "the job queued")
+        assert (Path(job["workdir"]) / "checkpoints" / "step-00000012" / "manifest.json").is_file()
+    finally:
+        mirrors.close()

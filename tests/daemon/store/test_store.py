@@ -34,7 +34,7 @@ def test_the_lifecycle_of_design_md_is_in_the_table():
 def test_final_states_have_no_way_out_but_a_retry_asked_for_by_a_person():
     for edge in states.TRANSITIONS:
         assert edge[0] not in states.FINAL or edge in states.REOPEN
-    assert states.REOPEN == {(states.FAILED, states.QUEUED)}
+    assert states.REOPEN == {(states.FAILED, states.QUEUED), (states.FAILED, states.FETCHING)}
 
 
 def test_every_pair_outside_the_table_is_refused_and_leaves_the_row_alone(store):
