@@ -55,6 +55,13 @@ def context(home, mirrors: Mirrors) -> handlers.Context:
     return handlers.Context(home=home.path, store=home.store, intake=Intake(home.path, home.cfg, home.store, home.log),
                             supervisor=sup, started_at=time.time(), socket_path=home.path / "lorad.sock")
 
+def on_the_mirror(home, key: str) -> None:
+    """The finished tiny job's step-12 checkpoint uploaded under KEY, as its uploader would have."""
+    up = JobMirror(key, home.workdir, key, home.remote, 2, home.text, RecLog()).start()
+    up.committed(12)
+    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
+    up.close(timeout=5)
+
 
 def test_a_job_that_succeeded_while_its_mirror_was_down_is_mirrored_after_a_restart(home, sftp_server):
     ctx = context(home, first := Mirrors(home.path, home.cfg, home.store, home.log))
@@ -89,10 +96,7 @@ def test_a_job_that_succeeded_while_its_mirror_was_down_is_mirrored_after_a_rest
 
 
 def test_submit_from_answers_at_once_and_a_download_cut_short_starts_again_at_the_next_start(home, monkeypatch):
-    up = JobMirror("tiny-1", home.workdir, "tiny-1", home.remote, 2, home.text, RecLog()).start()
-    up.committed(12)
-    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
-    up.close(timeout=5)
+    on_the_mirror(home, "tiny-1")
     monkeypatch.setenv("LORAD_DEBUG_MIRROR_FETCH_DELAY_S", "0.4")  # a slow link: each file takes its time
     ctx = context(home, first := Mirrors(home.path, home.cfg, home.store, home.log))
     t0 = time.monotonic()
@@ -129,10 +133,7 @@ def test_submit_from_answers_at_once_and_a_download_cut_short_starts_again_at_th
 
 
 def test_a_job_that_cannot_use_the_mirrors_checkpoints_is_refused_at_submit(home):
-    up = JobMirror("tiny-1", home.workdir, "tiny-1", home.remote, 2, home.text, RecLog()).start()
-    up.committed(12)
-    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
-    up.close(timeout=5)
+    on_the_mirror(home, "tiny-1")
     other = yaml.safe_load(home.text)
     other["train"]["lr"] = 0.005
     ctx = context(home, mirrors := Mirrors(home.path, home.cfg, home.store, home.log))
@@ -147,10 +148,7 @@ def test_a_job_that_cannot_use_the_mirrors_checkpoints_is_refused_at_submit(home
 def test_a_download_whose_checkpoints_turn_out_unusable_ends_the_job_failed_with_the_reason(home):
     # Submit saw only the newest manifest; here the job's own settings differ from every remote checkpoint
     # (accepted as fetching by an earlier daemon): the download refuses them, and the job ends failed, saying why.
-    up = JobMirror("tiny-1", home.workdir, "tiny-1", home.remote, 2, home.text, RecLog()).start()
-    up.committed(12)
-    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
-    up.close(timeout=5)
+    on_the_mirror(home, "tiny-1")
     other = yaml.safe_load(home.text)
     other["train"]["lr"] = 0.005
     intake = Intake(home.path, home.cfg, home.store, home.log)
@@ -174,12 +172,8 @@ def test_a_fetching_job_whose_mirror_left_the_config_ends_failed_at_the_next_sta
     assert job["state"] == "failed" and "'old-nas' is not in this daemon's config" in job["last_error"]
 
 
-
 def test_retrying_a_job_whose_download_failed_downloads_again_instead_of_training_from_step_0(home):
-    up = JobMirror("tiny-2", home.workdir, "tiny-2", home.remote, 2, home.text, RecLog()).start()
-    up.committed(12)
-    wait_until(lambda: up.status()["remote_step"] == 12, 60, "the checkpoint on the mirror")
-    up.close(timeout=5)
+    on_the_mirror(home, "tiny-2")
     jid = Intake(home.path, home.cfg, home.store, home.log).submit_text(
         "tiny.yaml", home.text, "mirror:nas/tiny-2", state=states.FETCHING).job_id
     # A daemon started with its mirror missing from the config: the download cannot be made, the job fails.
