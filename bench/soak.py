@@ -4,6 +4,7 @@ adapter compared with its uninterrupted reference, tensor by tensor, bit for bit
 
     .venv/bin/python bench/soak.py --faults 100 --seed 1                # the quickstart LM, tiny FLUX.1, tiny FLUX.2
     .venv/bin/python bench/soak.py --faults 1000 --seed 7 --deadline 09:00
+    .venv/bin/python bench/soak.py --faults 5000 --without kill_daemon,kill_both,power_cut --deadline 09:00
 
 Faults (bench/soak_faults.py): SIGKILL of a trainer, the daemon or both; SIGSTOP of a trainer (a hang, found by
 the daemon's hang check); a power cut of the whole home (tests/helpers/faultfs.py: only fsynced bytes and
@@ -13,9 +14,19 @@ checkpoint corrupted; garbage and half-written files in the inbox; socket abuse;
 each family) through the inbox; a finished round is checked and the next one submitted, until --faults faults are
 done or the deadline comes (then the round in flight is finished and checked).
 
+The oracle for committed work (bench/soak_oracle.py): a checkpoint a trainer reported committed is never lost.
+After every restart the trainer must resume from the newest step reported committed, or a newer one (when the
+soak corrupted that checkpoint itself: the one before it that the store still keeps). A bit-identical adapter
+cannot show this (a job that lost a checkpoint redoes the steps and ends the same), so the run's first power cut
+waits for a trainer and strikes right after its next commit, and half of the later ones do too: the moment a
+rename whose directory was never fsynced is lost.
+
 The report: faults by kind, jobs lost, human actions needed (a `lorad retry` the soak had to type), steps lost
-per killing fault against the save interval, recovery time from the fault to the next training step, the
-daemon's RSS and open files. Any failure prints the seed and the schedule so far, and exits 1.
+per killing fault against the save interval, recovery time from the fault to the next training step, and each
+daemon instance's lifetime, RSS and open files when it was ready and at its end (and RSS at each round's end).
+`--kinds`/`--without` choose the faults: without kill_daemon, kill_both and power_cut (each starts a new daemon)
+one daemon lives the whole run, and its figures say whether it leaks. Any failure prints the seed and the
+schedule so far, and exits 1.
 """
 
 from __future__ import annotations
@@ -247,7 +258,7 @@ class Soak:
         if rec.get("paused"):
             self.paused.add(rec["paused"])
         if rec["disrupts"] or kind == "kill_daemon":
-            self.recover(rec, t0, t1 if kind == "full_disk" else t0)
+            self.recover(rec, t0, t1 if kind == "full_disk" else t0 + rec.get("waited_s", 0))
         print(f"  fault {rec['n']:>4} {kind:<18} {json.dumps({k: v for k, v in rec.items() if k not in ('n', 'kind')})}",
               flush=True)
 
