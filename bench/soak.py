@@ -61,11 +61,12 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 
 def soak_config(**over: Any) -> dict[str, Any]:
-    """The daemon's config: short loops, short backoffs, a short hang check, no web, no telemetry."""
+    """The daemon's config: short loops, short backoffs, a short hang check, no web, no telemetry. A trainer stopped
+    in a slow phase (its load, the final checkpoint) is found by its liveness file: after 10 s, not 60."""
     return {"tick_s": 0.1, "inbox_settle_s": 0.2, "inbox_rescan_s": 1.0, "backoff_base_s": 0.2, "backoff_max_s": 1.0,
-            "hang_timeout_s": 4.0, "hang_step_multiple": 10.0, "startup_timeout_s": 300.0, "stop_grace_s": 20.0,
-            "kill_wait_s": 10.0, "retry_budget": 1000, "warm_trainer": True, "run_as_root": os.geteuid() == 0,
-            "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False}, **over}
+            "hang_timeout_s": 4.0, "hang_step_multiple": 10.0, "rank_silence_s": 10.0, "startup_timeout_s": 300.0,
+            "stop_grace_s": 20.0, "kill_wait_s": 10.0, "retry_budget": 1000, "run_as_root": os.geteuid() == 0,
+            "warm_trainer": True, "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False}, **over}
 
 
 def default_specs(models: Path, families: list[str]) -> dict[str, dict[str, Any]]:
