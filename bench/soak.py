@@ -4,6 +4,7 @@ adapter compared with its uninterrupted reference, tensor by tensor, bit for bit
 
     .venv/bin/python bench/soak.py --faults 100 --seed 1                # the quickstart LM, tiny FLUX.1, tiny FLUX.2
     .venv/bin/python bench/soak.py --faults 1000 --seed 7 --deadline 09:00
+    .venv/bin/python bench/soak.py --faults 5000 --without kill_daemon,kill_both,power_cut --deadline 09:00
 
 Faults (bench/soak_faults.py): SIGKILL of a trainer, the daemon or both; SIGSTOP of a trainer (a hang, found by
 the daemon's hang check); a power cut of the whole home (tests/helpers/faultfs.py: only fsynced bytes and
@@ -13,9 +14,19 @@ checkpoint corrupted; garbage and half-written files in the inbox; socket abuse;
 each family) through the inbox; a finished round is checked and the next one submitted, until --faults faults are
 done or the deadline comes (then the round in flight is finished and checked).
 
+The oracle for committed work (bench/soak_oracle.py): a checkpoint a trainer reported committed is never lost.
+After every restart the trainer must resume from the newest step reported committed, or a newer one (when the
+soak corrupted that checkpoint itself: the one before it that the store still keeps). A bit-identical adapter
+cannot show this (a job that lost a checkpoint redoes the steps and ends the same), so the run's first power cut
+waits for a trainer and strikes right after its next commit, and half of the later ones do too: the moment a
+rename whose directory was never fsynced is lost.
+
 The report: faults by kind, jobs lost, human actions needed (a `lorad retry` the soak had to type), steps lost
-per killing fault against the save interval, recovery time from the fault to the next training step, the
-daemon's RSS and open files. Any failure prints the seed and the schedule so far, and exits 1.
+per killing fault against the save interval, recovery time from the fault to the next training step, and each
+daemon instance's lifetime, RSS and open files when it was ready and at its end (and RSS at each round's end).
+`--kinds`/`--without` choose the faults: without kill_daemon, kill_both and power_cut (each starts a new daemon)
+one daemon lives the whole run, and its figures say whether it leaks. Any failure prints the seed and the
+schedule so far, and exits 1.
 """
 
 from __future__ import annotations
@@ -40,7 +51,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.soak_faults import FAULTS, KINDS, NEEDS_TRAINER, pick, stopped  # noqa: E402
+from bench.soak_oracle import check, story  # noqa: E402
 from bench.soak_world import REPO, SoakFailure, World  # noqa: E402
+from engine.config.checkpoint import CheckpointConfig  # noqa: E402
 from tests.helpers.daemon import cli_in_process  # noqa: E402
 
 EXAMPLES = REPO / "configs" / "examples"
@@ -48,11 +61,12 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 
 def soak_config(**over: Any) -> dict[str, Any]:
-    """The daemon's config: short loops, short backoffs, a short hang check, no web, no telemetry."""
+    """The daemon's config: short loops, short backoffs, a short hang check, no web, no telemetry. A trainer stopped
+    in a slow phase (its load, the final checkpoint) is found by its liveness file: after 10 s, not 60."""
     return {"tick_s": 0.1, "inbox_settle_s": 0.2, "inbox_rescan_s": 1.0, "backoff_base_s": 0.2, "backoff_max_s": 1.0,
-            "hang_timeout_s": 4.0, "hang_step_multiple": 10.0, "startup_timeout_s": 300.0, "stop_grace_s": 20.0,
-            "kill_wait_s": 10.0, "retry_budget": 1000, "warm_trainer": True, "run_as_root": os.geteuid() == 0,
-            "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False}, **over}
+            "hang_timeout_s": 4.0, "hang_step_multiple": 10.0, "rank_silence_s": 10.0, "startup_timeout_s": 300.0,
+            "stop_grace_s": 20.0, "kill_wait_s": 10.0, "retry_budget": 1000, "run_as_root": os.geteuid() == 0,
+            "warm_trainer": True, "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False}, **over}
 
 
 def default_specs(models: Path, families: list[str]) -> dict[str, dict[str, Any]]:
@@ -124,8 +138,8 @@ class Soak:
         self.jobs: dict[str, str] = {}  # job id -> spec name, this round
         self.verified = self.lost = self.mismatched = self.human = 0
         self.paused: set[str] = set()
-        self.corrupted: dict[str, set[int]] = {}  # job id -> steps whose checkpoint we corrupted
-        self.corrupted_at: dict[str, float] = {}  # job id -> when we last did
+        self.corrupted: dict[str, list[tuple[float, int]]] = {}  # job id -> (when, step) of each checkpoint we corrupted
+        self.fault_times: list[tuple[float, dict[str, Any]]] = []  # (when it struck, its record)
         self.t_start = time.monotonic()
 
     # ------------------------------------------------------------------ rounds
@@ -165,7 +179,8 @@ class Soak:
             w.tail(jid).poll()
             if jid not in states:
                 self.lost += 1
-                raise SoakFailure(f"job {jid} ({self.jobs[jid]}) is gone from lorad status")
+                last = f" (the last fault: #{self.faults[-1]['n']} {self.faults[-1]['kind']})" if self.faults else ""
+                raise SoakFailure(f"job {jid} ({self.jobs[jid]}) is gone from lorad status{last}")
             if states[jid] in ("failed", "cancelled"):
                 self.human += 1
                 print(f"  ! job {jid} is {states[jid]}: `lorad retry` (a human action)", flush=True)
@@ -177,6 +192,7 @@ class Soak:
         return all(states[jid] == "succeeded" for jid in self.jobs)
 
     def check_round(self) -> None:
+        self.check_promises()
         for jid, spec in self.jobs.items():
             for name, ref in self.refs[spec].items():
                 got = (self.world.home / "jobs" / jid / "output" / name).read_bytes()
@@ -184,6 +200,7 @@ class Soak:
                     self.mismatched += 1
                     raise SoakFailure(f"job {jid} ({spec}): its {name} differs from the uninterrupted reference")
             self.verified += 1
+        self.world.sample_round()
         print(f"  round {self.round}: {len(self.jobs)} jobs finished, bit-identical to their references "
               f"({len(self.faults)} faults so far)", flush=True)
 
@@ -211,7 +228,9 @@ class Soak:
         kind = self.cover.pop() if from_cover else pick(self.rng, self.kinds)
         self.sleep(self.rng.uniform(*self.gap))
         running = self.training_job()
-        if kind in NEEDS_TRAINER and running is None:
+        # The run's first power cut waits for a trainer too: it strikes right after that trainer's next commit.
+        needs_trainer = kind in NEEDS_TRAINER or (kind == "power_cut" and self.world.fs.cuts == 0)
+        if needs_trainer and running is None:
             end = time.monotonic() + 30
             while running is None and time.monotonic() < end:
                 if self.tend():  # the round is over: no trainer will come until run() submits the next one
@@ -222,27 +241,25 @@ class Soak:
                 running = self.training_job()
             if running is None:
                 self.cover.insert(0, kind)  # its turn comes again
-                kind = pick(self.rng, {k: v for k, v in self.kinds.items() if k not in NEEDS_TRAINER})
+                others = {k: v for k, v in self.kinds.items() if k not in NEEDS_TRAINER}
+                if not others:  # --kinds chose only faults that need a trainer
+                    return
+                kind = pick(self.rng, others)
         before = self.world.tail(running).last_step() if running else None
-        # The newest checkpoint committed since we last corrupted one of the job's (older ones may be pruned by then):
-        # no resume may start before it.
-        since = self.corrupted_at.get(running, float("-inf"))
-        committed = max((e["step"] for t, e in self.world.tail(running).fresh if t > since and e.get("event") ==
-                         "checkpoint_committed" and e["step"] not in self.corrupted.get(running, set())),
-                        default=0) if running else None
         t0 = time.monotonic()
         rec = FAULTS[kind](self.world, self.rng, running)
         t1 = time.monotonic()
+        committed = self.promise(running)[0] if running else None  # when it struck: no resume may start before it
         rec = {"n": len(self.faults) + 1, "kind": kind, "at_s": round(t0 - self.t_start, 2), "job": running,
                "step": before, "committed": committed, **rec}
         self.faults.append(rec)
+        self.fault_times.append((t1, rec))  # when it had struck: a power cut may wait for a commit first
         if kind == "corrupt_checkpoint" and rec.get("file"):
-            self.corrupted.setdefault(running, set()).add(int(rec["file"].split("/step-")[1].split("/")[0]))
-            self.corrupted_at[running] = t1
+            self.corrupted.setdefault(running, []).append((t1, int(rec["file"].split("/step-")[1].split("/")[0])))
         if rec.get("paused"):
             self.paused.add(rec["paused"])
         if rec["disrupts"] or kind == "kill_daemon":
-            self.recover(rec, t0, t1 if kind == "full_disk" else t0)
+            self.recover(rec, t0, t1 if kind == "full_disk" else t0 + rec.get("waited_s", 0))
         print(f"  fault {rec['n']:>4} {kind:<18} {json.dumps({k: v for k, v in rec.items() if k not in ('n', 'kind')})}",
               flush=True)
 
@@ -272,14 +289,24 @@ class Soak:
             t = self.world.tail(job)
             if res := t.first("resumed", t0):
                 rec["lost"] = rec["step"] - res[1]["from_step"]
-                if res[1]["from_step"] < rec["committed"] and rec["kind"] != "corrupt_checkpoint":
-                    raise SoakFailure(f"fault {rec['n']} ({rec['kind']}): {job} resumed from step "
-                                      f"{res[1]['from_step']}, though step {rec['committed']} was committed before")
             elif t.first("start", t0):  # no checkpoint yet: trained again from the start
                 rec["lost"] = rec["step"]
+        self.check_promises()
         for pid in rec.get("stopped", []):
             if stopped(pid):
                 raise SoakFailure(f"fault {rec['n']}: the hung trainer {pid} is still there, stopped")
+
+    def promise(self, jid: str) -> tuple[int, str | None]:
+        """The step no resume of job jid may start before now, and the first resume that broke that promise
+        (bench/soak_oracle.py)."""
+        ckpt = self.specs[self.jobs[jid]]["checkpoint"]
+        keep = ckpt.get("keep", CheckpointConfig.model_fields["keep"].default)
+        return check(jid, story(self.world.tail(jid).fresh, self.corrupted.get(jid, []), self.fault_times), keep)
+
+    def check_promises(self) -> None:
+        for jid in self.jobs:
+            if (broken := self.promise(jid)[1]) is not None:
+                raise SoakFailure(broken)
 
     # ------------------------------------------------------------------ the whole run
     def run(self) -> dict[str, Any]:
@@ -318,12 +345,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", type=int, default=100)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--families", default="lm,flux,flux2")
+    ap.add_argument("--kinds", help=f"the fault kinds to draw, comma-separated (default: all of {','.join(KINDS)})")
+    ap.add_argument("--without", default="", help="fault kinds not to draw, e.g. kill_daemon,kill_both,power_cut: "
+                    "one daemon lives the whole run, for its RSS and open files at the start and the end")
     ap.add_argument("--deadline", help="HH:MM (UTC): stop injecting in time to finish the round by then")
     ap.add_argument("--finish-s", type=float, default=300, help="time kept before the deadline to finish a round")
     ap.add_argument("--gap", type=float, nargs=2, default=(0.5, 4.0), help="random pause before each fault (s)")
     ap.add_argument("--root", help="where the home and logs go (default: a new temp dir, removed unless it fails)")
     ap.add_argument("--ref-cache", default=str(Path(tempfile.gettempdir()) / "lorad-soak-refs"))
     args = ap.parse_args(argv)
+    chosen = args.kinds.split(",") if args.kinds else list(KINDS)
+    if unknown := sorted(set(chosen + [k for k in args.without.split(",") if k]) - set(KINDS)):
+        ap.error(f"no such fault kind: {', '.join(unknown)} (kinds: {', '.join(KINDS)})")
+    kinds = {k: KINDS[k] for k in chosen if k not in args.without.split(",")}
+    if not kinds:
+        ap.error("no fault kind left to draw")
     # SIGTERM (timeout, kill) unwinds like an error: the daemon and its trainers killed, the file system unmounted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     stop_at = float("inf")
@@ -340,14 +376,16 @@ def main(argv: list[str] | None = None) -> int:
            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     specs = default_specs(cache / "models", args.families.split(","))
     refs = {name: reference(spec, cache, env) for name, spec in specs.items()}
-    soak = Soak(root, specs, refs, args.seed, args.faults, stop_at, tuple(args.gap), env=env)
-    print(f"soak: seed {args.seed}, {args.faults} faults, families {args.families}, root {root}", flush=True)
+    soak = Soak(root, specs, refs, args.seed, args.faults, stop_at, tuple(args.gap), kinds=kinds, env=env)
+    print(f"soak: seed {args.seed}, {args.faults} faults, families {args.families}, kinds {','.join(kinds)}, "
+          f"root {root}", flush=True)
     try:
         soak.run()
     except (SoakFailure, Exception) as e:  # any failure: the seed, the schedule and what it got through
         soak.report()
         print(f"\nSOAK FAILED: {type(e).__name__}: {e}\nreproduce: python bench/soak.py --seed {args.seed} --faults {args.faults} "
-              f"--families {args.families} --gap {args.gap[0]} {args.gap[1]}\nschedule so far:", flush=True)
+              f"--families {args.families} --gap {args.gap[0]} {args.gap[1]} --kinds {','.join(kinds)}\n"
+              "schedule so far:", flush=True)
         for f in soak.faults:
             print("  " + json.dumps(f), flush=True)
         print(f"home and logs kept: {root}")

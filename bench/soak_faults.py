@@ -49,11 +49,22 @@ def hang(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
 
 
 def power_cut(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """The whole home loses what was not fsynced. The run's first cut (bench/soak.py waits for a trainer for it)
+    and then half of them (w.cut_after_commit) strike the moment the running trainer reports a new committed
+    checkpoint: the most dangerous legitimate moment, when a rename whose directory was never fsynced is still in
+    the air."""
     torn = rng.random() < 0.5
     seed = rng.randrange(1 << 30)
+    after = running is not None and (w.fs.cuts == 0 or rng.random() < w.cut_after_commit)
+    t0 = time.monotonic()
+    step = w.next_commit(running, timeout=10.0) if after else None
+    # When and at which step it struck (recovery time and steps lost count from there), not when it was drawn.
+    struck = {"after_commit": step, "waited_s": round(time.monotonic() - t0, 3),
+              "step": w.tail(running).last_step()} if after else {}
     w.kill_everything()
     w.fs.cut(torn=torn, seed=seed)
-    return {"torn": torn, "seed": seed, "ready_s": round(w.start_daemon(), 2), "kills": True, "disrupts": True}
+    return {"torn": torn, "seed": seed, **struck, "ready_s": round(w.start_daemon(), 2), "kills": True,
+            "disrupts": True}
 
 
 def full_disk(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:

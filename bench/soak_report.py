@@ -34,11 +34,14 @@ def report(soak) -> dict[str, Any]:
         "recovery_by_kind": {k: pct([f["recovery_s"] for f in faults if f["kind"] == k and "recovery_s" in f], 0.5)
                              for k in sorted({f["kind"] for f in faults if "recovery_s" in f})},
         "daemon": {"instances": len(inst), "first": inst[0] if inst else None, "last": inst[-1] if inst else None,
-                   "longest": longest},
+                   "longest": longest, "each": inst if len(inst) <= EACH else None},
     }
     for line in lines(r):
         print(line, flush=True)
     return r
+
+
+EACH = 8  # up to this many daemon instances are listed one by one
 
 
 def _mem(i: dict[str, Any] | None) -> str:
@@ -46,8 +49,10 @@ def _mem(i: dict[str, Any] | None) -> str:
         return "-"
     s, e = i.get("start") or {}, i.get("end") or {}
     life = i.get("ended", time.monotonic()) - i["ready"]
-    return (f"pid {i['pid']}, {life:.0f} s: RSS {s.get('rss_kib', '?')} → {e.get('rss_kib', '?')} KiB, "
-            f"open fds {s.get('fds', '?')} → {e.get('fds', '?')}")
+    rounds = [x["rss_kib"] for x in i.get("rounds", []) if x]
+    return (f"pid {i['pid']}, lived {life:.0f} s: RSS {s.get('rss_kib', '?')} → {e.get('rss_kib', '?')} KiB, "
+            f"open fds {s.get('fds', '?')} → {e.get('fds', '?')}"
+            + (f"; RSS at each round's end {', '.join(map(str, rounds))} KiB" if len(rounds) > 1 else ""))
 
 
 def lines(r: dict[str, Any]) -> list[str]:
@@ -64,9 +69,10 @@ def lines(r: dict[str, Any]) -> list[str]:
         f"  recovery, fault → next training step (n={rc['n']}): median {_s(rc['median'])}, p95 {_s(rc['p95'])}, "
         f"max {_s(rc['max'])}",
         "  recovery median by kind: " + ", ".join(f"{k} {_s(v)}" for k, v in r["recovery_by_kind"].items()),
-        f"  daemon: {d['instances']} instances; first {_mem(d['first'])}",
-        f"          last {_mem(d['last'])}",
-        f"          longest-lived {_mem(d['longest'])}",
+        *([f"  daemon: {d['instances']} instance(s)"] + [f"    #{k} {_mem(i)}" for k, i in enumerate(d["each"], 1)]
+          if d.get("each") is not None else
+          [f"  daemon: {d['instances']} instances; first {_mem(d['first'])}", f"          last {_mem(d['last'])}",
+           f"          longest-lived {_mem(d['longest'])}"]),
     ]
 
 

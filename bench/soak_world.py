@@ -115,6 +115,7 @@ class World:
         self.instances: list[dict[str, Any]] = []  # each daemon: pid, its RSS and fds when ready and at its end
         self.self_exits = 0
         self.full_hold_s = (1.0, 5.0)  # how long a full disk lasts, drawn from this range
+        self.cut_after_commit = 0.5  # how often a power cut waits for the running trainer's next commit
         self.tails: dict[str, Tail] = {}
 
     # ------------------------------------------------------------------ the daemon
@@ -185,6 +186,11 @@ class World:
         except (OSError, StopIteration, ValueError):
             return None
 
+    def sample_round(self) -> None:
+        """The running daemon's RSS and open files now (at a round's end): a leak shows as a climb."""
+        if self.instances and "end" not in self.instances[-1]:
+            self.instances[-1].setdefault("rounds", []).append(self.sample())
+
     def end_instance(self) -> None:
         if self.instances and "end" not in self.instances[-1]:
             self.instances[-1].update(end=self.sample(), ended=time.monotonic())
@@ -231,6 +237,19 @@ class World:
         if jid not in self.tails:
             self.tails[jid] = Tail(self.home / "jobs" / jid / "events.jsonl")
         return self.tails[jid]
+
+    def next_commit(self, jid: str, timeout: float) -> int | None:
+        """Wait for job jid's next `checkpoint_committed` event (its step), polled every 10 ms; None at timeout."""
+        t = self.tail(jid)
+        t.poll()
+        seen, end = len(t.fresh), time.monotonic() + timeout
+        while time.monotonic() < end:
+            time.sleep(0.01)
+            t.poll()
+            if step := next((e["step"] for _, e in t.fresh[seen:] if e.get("event") == "checkpoint_committed"), None):
+                return step
+            seen = len(t.fresh)
+        return None
 
     def jobs(self) -> list[dict[str, Any]]:
         return self.call(p.Status())["jobs"]
