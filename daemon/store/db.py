@@ -135,12 +135,18 @@ class Store:
                 rows = self.db.execute("SELECT * FROM jobs ORDER BY seq").fetchall()
         return [dict(r) for r in rows]
 
-    def next_queued(self, now: float) -> dict[str, Any] | None:
-        """First in line: highest priority, then earliest arrival, whose backoff has passed."""
+    def next_queued(self, now: float, longest_wait: float | None = None) -> dict[str, Any] | None:
+        """First in line: highest priority, then earliest arrival, whose backoff has passed.
+
+        A backoff is a wall-clock time (it outlives the daemon and a reboot), so a clock set back while a job waits
+        would hold it for as long as the jump (an NTP step of a day: a day). A backoff that ends more than
+        `longest_wait` (the longest the daemon ever waits) from now began before such a jump: it has passed."""
+        late = "" if longest_wait is None else " OR not_before>?"
+        args = (states.QUEUED, now) if longest_wait is None else (states.QUEUED, now, now + longest_wait)
         with self._lock:
             row = self.db.execute(
-                "SELECT * FROM jobs WHERE state=? AND not_before<=? ORDER BY priority DESC, seq ASC LIMIT 1",
-                (states.QUEUED, now),
+                f"SELECT * FROM jobs WHERE state=? AND (not_before<=?{late}) ORDER BY priority DESC, seq ASC LIMIT 1",
+                args,
             ).fetchone()
         return dict(row) if row else None
 

@@ -18,6 +18,7 @@ from daemon.config.daemon import ConfigInvalid
 from daemon.store import states
 from daemon.supervisor import cluster, gang, scheduling, trainer
 from daemon.supervisor.accepted_job import accepted_doc
+from daemon.supervisor.lock_contention import LOCK_BUSY_RETRY_S
 from daemon.supervisor.trainer import Child
 from daemon.supervisor.warm_trainer import WarmTrainer, forkable
 from daemon.system import proc
@@ -44,13 +45,18 @@ def warm_trainer_for(cfg, log) -> WarmTrainer | None:
 class StartPath:
     """The spawn step and starting one trainer; mixed into Supervisor."""
 
+    @property
+    def longest_backoff_s(self) -> float:
+        """The longest the daemon holds a queued job back on purpose: a crash's backoff, a busy trainer.lock."""
+        return max(self.cfg.backoff_max_s, self.cfg.backoff_base_s, LOCK_BUSY_RETRY_S)
+
     def _spawn(self) -> None:
         if self.shutting_down or not self.may_start or self.store.get_meta("drain") == "1":
             return
         busy = {d for c in self.children.values() for d in c.devices} | self.pending.gpus() | self.stuck.devices()
         tried: set[str] = set()
         while True:
-            job = self.store.next_queued(time.time())
+            job = self.store.next_queued(time.time(), longest_wait=self.longest_backoff_s)
             if job is None or job["id"] in tried:
                 return
             if self.warm is not None and forkable(self.trainer_command(Path(job["workdir"]))):

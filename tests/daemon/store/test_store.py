@@ -162,6 +162,16 @@ def test_queue_order_is_priority_then_arrival_and_respects_backoff(store):
     assert store.next_queued(1000)["id"] == a
 
 
+def test_a_backoff_longer_than_the_longest_wait_began_before_the_clock_was_set_back_and_has_passed(store):
+    a = add(store, "a")
+    store.update(a, not_before=1000 + 30)  # a 30 s backoff from 1000 on the wall clock
+    assert store.next_queued(1010, longest_wait=600) is None  # still waiting
+    assert store.next_queued(1030, longest_wait=600)["id"] == a
+    # The clock set back a day during the backoff: it would wait a day; no backoff lasts longer than 600 s.
+    assert store.next_queued(1010 - 86400) is None
+    assert store.next_queued(1010 - 86400, longest_wait=600)["id"] == a
+
+
 def test_ids_are_readable_and_unique(store):
     ids = {store.new_id("quickstart") for _ in range(50)}
     assert all(i.startswith("quickstart-") for i in ids)

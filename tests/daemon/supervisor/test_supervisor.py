@@ -186,6 +186,18 @@ def test_a_hung_child_is_killed_as_a_group_and_retried(sup, tmp_path):
     assert sup.store.attempts(c.job_id)[-1]["exit_code"] == -signal.SIGKILL
 
 
+
+def test_a_backoff_the_wall_clock_was_set_back_under_does_not_hold_the_job_for_the_jump(sup, tmp_path):
+    jid = queue_job(sup, tmp_path)
+    sup.store.update(jid, not_before=time.time() + 30)  # a crash's 30 s backoff: the job waits
+    sup.tick()
+    assert sup.store.get(jid)["state"] == states.QUEUED and not sup.children
+    # The clock set back a day during it (an NTP step): the backoff now ends a day from now, longer than any
+    # backoff this daemon makes (backoff_max_s): it began before the jump, and the job starts.
+    sup.store.update(jid, not_before=time.time() + 86400 + 30)
+    sup.tick()
+    assert sup.store.get(jid)["state"] == states.RUNNING and jid in sup.children
+
 RANK_ZERO_BUSY_ALONE = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from engine.distributed.liveness import Liveness
@@ -567,14 +579,14 @@ def test_a_failing_tick_step_is_logged_once_per_cause_and_again_when_it_recovers
     log = RecLog()
     s = Supervisor(tmp_path, DaemonConfig(), store, [None], log, policy=FakePolicy())
     try:
-        def full(now):
+        def full(now, **_):
             raise sqlite3.OperationalError("database or disk is full")
 
         monkeypatch.setattr(store, "next_queued", full)
         for _ in range(8):  # two seconds of a full state.db at 4 ticks a second
             s.tick()
         assert [kw["error"] for kw in log.named("tick_step_failed")] == ["OperationalError: database or disk is full"]
-        monkeypatch.setattr(store, "next_queued", lambda now: (_ for _ in ()).throw(sqlite3.OperationalError("locked")))
+        monkeypatch.setattr(store, "next_queued", lambda now, **_: (_ for _ in ()).throw(sqlite3.OperationalError("locked")))
         s.tick()
         s.tick()
         assert len(log.named("tick_step_failed")) == 2  # a new cause is said once
