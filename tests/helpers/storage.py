@@ -8,6 +8,7 @@ again on the same port (the network faults); sshd's files survive that, moto's m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -60,9 +61,34 @@ class Server:
         return self
 
     def kill(self) -> None:
+        """The server goes down with every connection it holds, as a machine that dies or reboots does."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: sshd's per-connection children too
+            # sshd's per-connection processes each start a session of their own: killing the listener's group
+            # left established SFTP connections up, and an upload in flight never saw the server go.
+            below = descendants(self.proc.pid)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below pid (children, grandchildren, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        out += below
+        todo += below
+    return out
 
 
 @dataclass
