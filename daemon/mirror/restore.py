@@ -17,7 +17,6 @@ listing and a few small files); `fetch`, the download itself, runs afterwards in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -25,18 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from daemon.mirror.remote import Remote
-from daemon.mirror.uploader import STEP_DIR
+from daemon.mirror.uploader import debug_delay, remote_steps
 from engine.errors import ConfigMismatch, JobInvalid, NewerCheckpoint
 
 Progress = Callable[[str, int, int, int, int], None]  # (step-N, files done, files, bytes done, bytes)
-
-
-def _debug_file_delay() -> float:
-    # Fault-injection hook for tests: a slow link, one pause after each downloaded file.
-    try:
-        return float(os.environ.get("LORAD_DEBUG_MIRROR_FETCH_DELAY_S", "0"))
-    except ValueError:
-        return 0.0
 
 
 @dataclass
@@ -74,7 +65,7 @@ def probe(remote: Remote, key: str, validate: Callable[[str], object], text: str
 
     text = job_text(remote, key, text)
     cfg = validate(text)
-    for name in sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True):
+    for name in remote_steps(remote, key):
         try:
             manifest = json.loads(remote.get(f"{key}/checkpoints/{name}/manifest.json"))
             fmt, config_hash = manifest.get("format"), manifest.get("config_hash")
@@ -105,7 +96,7 @@ def fetch(remote: Remote, key: str, staging: Path, validate: Callable[[str], obj
     root = staging / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     store = CheckpointStore(root, cfg.identity_hash(), cfg.checkpoint.keep, identity=cfg.identity())
-    names = sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True)
+    names = remote_steps(remote, key)
     skipped: list[tuple[str, str]] = []
     for name in names:
         why = _download(remote, f"{key}/checkpoints/{name}", root / name, progress)
@@ -135,7 +126,7 @@ def _download(remote: Remote, rel: str, dest: Path, progress: Progress | None = 
         sizes = {name: int(meta.get("size") or 0) for name, meta in files.items()}
     except (ValueError, KeyError, TypeError, AttributeError):
         return None  # the engine's verify names what is wrong with it
-    delay, done_bytes, total = _debug_file_delay(), 0, sum(sizes.values())
+    delay, done_bytes, total = debug_delay("LORAD_DEBUG_MIRROR_FETCH_DELAY_S"), 0, sum(sizes.values())
     for i, name in enumerate(sizes, 1):
         if not _inside(name):
             return f"its manifest names {name!r}, outside the checkpoint"

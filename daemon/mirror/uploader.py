@@ -39,12 +39,18 @@ EVENT_CHUNK_MAX = 4 << 20
 OUTPUT_STAMP = "lorad-output.json"  # engine/checkpoint/output.py: written last into output/, so uploaded last
 
 
-def _debug_file_delay() -> float:
-    # Fault-injection hook for tests: widen the window between two files of one upload.
+def debug_delay(var: str) -> float:
+    """Fault-injection hooks for tests: a pause after each file sent (LORAD_DEBUG_MIRROR_FILE_DELAY_S, widening the
+    window between two files of one upload) or fetched (LORAD_DEBUG_MIRROR_FETCH_DELAY_S, a slow link)."""
     try:
-        return float(os.environ.get("LORAD_DEBUG_MIRROR_FILE_DELAY_S", "0"))
+        return float(os.environ.get(var, "0"))
     except ValueError:
         return 0.0
+
+
+def remote_steps(remote: Remote, key: str) -> list[str]:
+    """The checkpoint-named directories of KEY on the remote, newest first (complete or not)."""
+    return sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True)
 
 
 class JobMirror:
@@ -173,7 +179,7 @@ class JobMirror:
         name = path.name
         manifest_bytes = read_in_job(self.workdir, f"checkpoints/{name}/manifest.json")
         files = json.loads(manifest_bytes)["files"]
-        delay = _debug_file_delay()
+        delay = debug_delay("LORAD_DEBUG_MIRROR_FILE_DELAY_S")
         for rel, meta in files.items():
             # FileNotFoundError: pruned meanwhile → the next pass takes a newer one
             data = read_in_job(self.workdir, f"checkpoints/{name}/{rel}")
@@ -276,7 +282,7 @@ def files_in_job(workdir: Path, rel: str) -> list[str]:
 
 def newest_remote(remote: Remote, key: str) -> int | None:
     """The newest remote checkpoint that has its manifest (None: none yet)."""
-    for n in sorted((n for n in remote.listdir(f"{key}/checkpoints") if STEP_DIR.match(n)), reverse=True):
+    for n in remote_steps(remote, key):
         if remote.exists(f"{key}/checkpoints/{n}/manifest.json"):
             return int(n[5:])
     return None
