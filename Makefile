@@ -1,22 +1,38 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both build the virtualenv first, with everything:
-# the CPU torch, then lorad with its training stack (`train`) and the test tools (`dev`).
+# the CPU torch, lorad's training stack (`train`), the test tools (`dev`) and the mirror's backends (`mirror`),
+# each at the exact version and sha256 that requirements.lock names, so every later day installs the stack that
+# was tested. pyproject.toml keeps its ranges for people who `pip install lorad` into their own environment.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch; a plain `torch` requirement on a fresh venv could pull a multi-GB CUDA build.
-TORCH ?= torch==2.13.0
+LOCK := requirements.lock
 STAMP := $(VENV)/.installed
+# What `make lock` resolves against: the CPU build of torch (a plain `torch` requirement could pull a multi-GB
+# CUDA build), and the triton that torch release is built with (torch's CUDA wheels pin it; the CPU wheel does not).
+LOCK_CONSTRAINTS := requirements.constraints
+# Where pip finds that CPU torch: this machine's wheel folder; elsewhere set PIP_FIND_LINKS or
+# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (docs/install.md).
+UV := $(BIN)/uv
 
-.PHONY: venv demo test lint bench clean system-deps
+.PHONY: venv demo test test-latest lock lint bench clean system-deps
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# --no-deps: the lock is the whole environment, resolved once by `make lock`; pip check proves it is consistent.
+$(STAMP): pyproject.toml $(LOCK)
+	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e '.[train,dev,mirror]'
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $(STAMP)
+
+# Refresh the lock after adding or bumping a dependency in pyproject.toml (or to move to newer releases on
+# purpose): it resolves the newest versions the ranges and constraints allow, then `make test` installs them.
+lock: $(STAMP)
+	$(UV) pip compile pyproject.toml --extra train --extra dev --extra mirror --generate-hashes \
+	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 -c $(LOCK_CONSTRAINTS) \
+	  --find-links "$${PIP_FIND_LINKS:-/opt/wheels}" --custom-compile-command "make lock" $(LOCK_ARGS) -o $(LOCK)
 
 demo: $(STAMP)
 	bash configs/demo.sh
@@ -26,6 +42,16 @@ demo: $(STAMP)
 WORKERS ?= 2
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -x --timeout=600 --durations=20 -n $(WORKERS) --dist loadfile tests
+
+# Not in CI: the newest releases pyproject.toml's ranges allow, unpinned, in a venv of their own, to find the
+# next drift on purpose before a `make lock` takes it in. The lock check (tests/test_locked_install.py) is skipped.
+LATEST := .venv-latest
+test-latest: system-deps
+	rm -rf $(LATEST)
+	$(PY) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q "$$(grep -m1 '^torch==' $(LOCK) | cut -d' ' -f1)"
+	$(LATEST)/bin/pip install -q -e '.[train,dev,mirror]'
+	LORAD_UNLOCKED=1 $(LATEST)/bin/python -m pytest -q --timeout=600 -n $(WORKERS) --dist loadfile tests
 
 # Debian packages some tests drive: chromium and its driver (the dashboard's browser test,
 # tests/e2e/test_dashboard_browser.py), openssh-server (the mirror's SFTP server on loopback, tests/helpers/storage.py)
@@ -48,4 +74,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check engine daemon tests bench
 
 clean:
-	rm -rf $(VENV) demo-home
+	rm -rf $(VENV) $(LATEST) demo-home

@@ -51,7 +51,10 @@ def test_lorad_run_prints_only_its_own_lines_and_a_daemon_child_keeps_real_warni
     assert rc == 0, err
     assert err and all(line.startswith("lorad:") for line in err.splitlines()), err
     recorded = [e for e in read_events(home / "jobs" / "tiny") if e["event"] == "library_warning"]
-    assert [e["message"] for e in recorded] == [REAL]  # not on the terminal, not lost
+    # Not on the terminal, not lost. Other libraries' warnings of the day (a newer release's) go to the events
+    # too, and are no business of this test: it asserts lorad's behaviour, not the quiet of its dependencies.
+    assert REAL in [e["message"] for e in recorded]
+    assert CHATTER not in " ".join(e["message"] for e in recorded)  # import chatter is dropped, not recorded
 
     (stdout, err), rc = out["child"]
     assert rc == 0, err
