@@ -64,6 +64,11 @@ def test_lorad_run_says_where_it_stopped_where_it_resumed_and_where_the_adapter_
     assert "resumed" not in err
     assert err.endswith(f"lorad: done — adapter in {workdir / 'output'} (it had already finished: nothing trained)\n")
 
+    # No daemon ever served this home: `lorad export` reads the saved steps from the job directory.
+    assert lorad(["export", "tiny", "--home", str(home), "--step", "20", "--to", str(tmp_path / "lora")]) == 0
+    adapter = "adapter_model.safetensors"
+    assert (tmp_path / "lora" / adapter).read_bytes() == (workdir / "output" / adapter).read_bytes()
+
 
 def test_a_stop_before_the_first_checkpoint_says_the_run_starts_again():
     events = [{"event": "start"}, {"event": "stopped", "step": 0, "reason": "SIGINT", "checkpoint": 0}]
