@@ -49,6 +49,7 @@ from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
 from engine.frozen_base.prefetch import Prefetcher
 from engine.frozen_base.speedups import apply_train_speedups
+from engine.report import internal_error
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -63,7 +64,15 @@ from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
+from engine.training.stop import (
+    EXIT_INTERNAL,
+    EXIT_INVALID,
+    EXIT_IO,
+    EXIT_OK,
+    EXIT_STOPPED,
+    StopFlag,
+    debug_pause,
+)
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -107,12 +116,20 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             say(f"lorad: {msg}")
             return EXIT_IO
         if (why := hub_refusal(e, cfg)) is None:
-            raise
+            return _internal_error(e, log, workdir, progress)
         log.error("invalid_job", message=why)
         say(f"lorad: invalid job: {why}")
         return EXIT_INVALID
+    except Exception as e:
+        return _internal_error(e, log, workdir, progress)
     finally:
         log.close()
+
+
+def _internal_error(e: Exception, log: EventLog, workdir: Path, progress: str) -> int:
+    """Anything else is ours or a library's: one line here, the traceback in trainer.log, exit 70."""
+    say(internal_error.report(e, log, workdir, stderr_is_log=progress == "json"))
+    return EXIT_INTERNAL
 
 
 def say(line: str) -> None:
