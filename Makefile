@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # CUDA build), and the triton that torch release is built with (torch's CUDA wheels pin it; the CPU wheel does not).
 LOCK_CONSTRAINTS := requirements.constraints
 # Where pip finds that CPU torch: this machine's wheel folder; elsewhere set PIP_FIND_LINKS or
-# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (docs/install.md).
+# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (README, Set-up).
 UV := $(BIN)/uv
 
 .PHONY: venv demo test test-latest lock lint bench clean system-deps
