@@ -76,12 +76,22 @@ class JobPolicy:
     cache_max_bytes: int | None = None  # HOME/cache's size limit (engine/storage/cache_evict.py); None: none
 
     def check(self, raw: dict[str, Any], base_dir: Path) -> None:
-        """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping)."""
+        """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping). Its switches
+        are checked again on the validated job (check_parsed): here, before anything reads a path."""
         model = raw.get("model")
-        if isinstance(model, dict) and model.get("trust_remote_code") is True and not self.allow_trust_remote_code:
+        if isinstance(model, dict):  # 'true' or 1 pass this; check_parsed sees them as the validator reads them
+            self.check_switches(model.get("trust_remote_code") is True)
+        self.check_roots(raw, base_dir)
+
+    def check_parsed(self, cfg: Any) -> None:
+        """The policy's switches on the validated job (engine.config.schema.JobConfig): the values the trainer
+        acts on, whatever spelling the file used."""
+        self.check_switches(cfg.model.trust_remote_code is True)
+
+    def check_switches(self, trust_remote_code: bool) -> None:
+        if trust_remote_code and not self.allow_trust_remote_code:
             raise JobInvalid("model.trust_remote_code: true is not allowed by this daemon "
                              "(set allow_trust_remote_code: true in the daemon config to permit it)")
-        self.check_roots(raw, base_dir)
 
     def check_roots(self, raw: dict[str, Any], base_dir: Path) -> None:
         """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""

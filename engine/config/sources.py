@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine.config.bounded import MAX_CHECK_READ, open_regular, tick, walk
 from engine.errors import JobInvalid
 
 CHAT_FIELD = "messages"
@@ -17,24 +18,34 @@ VIDEO_EXTS = (".mp4", ".webm", ".mov", ".gif")  # the video families' clips (.we
 
 
 def txt_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*.txt") if p.is_file())
+    return sorted(p for p in walk(path, "*.txt") if p.is_file())
 
 
-def first_text(path: Path, chunk: int = 1 << 16) -> bytes:
-    # Validation runs in the daemon's service loop too: read only until the first non-blank line.
-    head = b""
-    with open(path, "rb") as f:
+def first_text(path: Path, chunk: int = 1 << 16, key: str = "data.path", most: int = MAX_CHECK_READ) -> bytes:
+    """The file's text from its first non-blank byte to the end of that line (or 1 MiB of it).
+
+    Validation runs in the daemon: the file is opened as a regular file only (engine/config/bounded.py), leading
+    blanks are dropped as they are read (never copied again: linear in the file), and a file with no text in
+    its first `most` bytes is JobInvalid."""
+    head = bytearray()
+    seen = 0
+    with open_regular(path, key) as f:
         while block := f.read(chunk):
+            seen += len(block)
+            if not head:
+                block = block.lstrip()
             head += block
-            stripped = head.lstrip()
-            if stripped and (b"\n" in stripped or len(head) > (1 << 20)):
+            if head and (b"\n" in block or len(head) > (1 << 20)):
                 break
-    return head.lstrip()
+            if seen >= most:
+                raise JobInvalid(f"{key}: {path} holds no text in its first {most} bytes")
+            tick(key, path)
+    return bytes(head)
 
 
-def jsonl_is_chat(path: Path) -> bool:
+def jsonl_is_chat(path: Path, key: str = "data.path") -> bool:
     """Whether a .jsonl file holds conversations (its first line has a `messages` field)."""
-    line = first_text(path).split(b"\n", 1)[0]
+    line = first_text(path, key=key).split(b"\n", 1)[0]
     try:
         obj = json.loads(line)
     except ValueError:
@@ -45,7 +56,7 @@ def jsonl_is_chat(path: Path) -> bool:
 def list_images(folder: Path) -> list[Path]:
     folder = Path(folder)
     return sorted(
-        p for p in folder.rglob("*")
+        p for p in walk(folder)
         if p.is_file() and p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
 
@@ -54,7 +65,7 @@ def list_media(folder: Path) -> list[Path]:
     """A video family's files: clips and stills (engine/data/videos.py), hidden ones skipped."""
     folder = Path(folder)
     return sorted(
-        p for p in folder.rglob("*")
+        p for p in walk(folder)
         if p.is_file() and p.suffix.lower() in IMAGE_EXTS + VIDEO_EXTS
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
@@ -71,9 +82,9 @@ def check_text_source(path: Path, text_field: str, train_on: str | None = None,
             raise JobInvalid(f"{key}: every .txt file in {path} is empty")
     elif path.suffix not in (".jsonl", ".txt"):
         raise JobInvalid(f"{key}: {path} must be a .jsonl file, a .txt file or a directory of .txt files")
-    elif not first_text(path):
+    elif not first_text(path, key=key):
         raise JobInvalid(f"{key}: {path} is empty")
-    if train_on == "completions" and not (path.suffix == ".jsonl" and jsonl_is_chat(path)):
+    if train_on == "completions" and not (path.suffix == ".jsonl" and jsonl_is_chat(path, key)):
         where = "data.train_on" if key == "data.path" else f"{key}, data.train_on"
         raise JobInvalid(f"{where}: completions needs chat data (a .jsonl whose lines have '{CHAT_FIELD}'); "
                          f"{path.name} is plain text, use data.train_on: all")
