@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config.bounded import open_regular, read_capped, tick
+from engine.config.bounded import CheckTimedOut, open_regular, read_capped, tick
 from engine.config.buckets import assign_bucket
 from engine.config.sources import IMAGE_EXTS, list_images
 from engine.errors import JobInvalid
@@ -101,7 +101,13 @@ def upright_size(path: Path, key: str = KEY) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with open_regular(path, key) as f:  # a FIFO or a device is refused, not read (engine/config/bounded.py)
+        f = open_regular(path, key)  # a FIFO or a device is refused, not read (engine/config/bounded.py)
+    except CheckTimedOut:
+        raise
+    except JobInvalid as e:
+        raise JobInvalid(f"{key}: {path} is not a readable image ({str(e).removeprefix(f'{key}: {path} ')})") from None
+    try:
+        with f:
             with Image.open(f) as im:
                 im.verify()  # the file's own checksums (PNG chunks): a truncated or damaged file fails here
             f.seek(0)
