@@ -118,7 +118,7 @@ def check_video_folder(folder: Path, fps: float, frames: list[int], key: str = "
     folder = Path(folder)
     if not folder.is_dir():
         raise JobInvalid(f"{key}: {folder} must be a folder of clips and images with same-stem captions")
-    files = list_media(folder)
+    files = list_media(folder, key)
     if not files:
         raise JobInvalid(f"{key}: {folder} contains no clips or images ({', '.join(VIDEO_EXTS + IMAGE_EXTS)})")
     shortest = min(frames)

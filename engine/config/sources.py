@@ -17,8 +17,8 @@ IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 VIDEO_EXTS = (".mp4", ".webm", ".mov", ".gif")  # the video families' clips (.webp may be animated too)
 
 
-def txt_files(path: Path) -> list[Path]:
-    return sorted(p for p in walk(path, "*.txt") if p.is_file())
+def txt_files(path: Path, key: str | None = None) -> list[Path]:
+    return sorted(p for p in walk(path, "*.txt", key) if p.is_file())
 
 
 def first_text(path: Path, chunk: int = 1 << 16, key: str = "data.path", most: int = MAX_CHECK_READ) -> bytes:
@@ -53,19 +53,19 @@ def jsonl_is_chat(path: Path, key: str = "data.path") -> bool:
     return isinstance(obj, dict) and CHAT_FIELD in obj
 
 
-def list_images(folder: Path) -> list[Path]:
+def list_images(folder: Path, key: str | None = None) -> list[Path]:
     folder = Path(folder)
     return sorted(
-        p for p in walk(folder)
+        p for p in walk(folder, key=key)
         if p.is_file() and p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
 
 
-def list_media(folder: Path) -> list[Path]:
+def list_media(folder: Path, key: str | None = None) -> list[Path]:
     """A video family's files: clips and stills (engine/data/videos.py), hidden ones skipped."""
     folder = Path(folder)
     return sorted(
-        p for p in walk(folder)
+        p for p in walk(folder, key=key)
         if p.is_file() and p.suffix.lower() in IMAGE_EXTS + VIDEO_EXTS
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
     )
@@ -75,7 +75,7 @@ def check_text_source(path: Path, text_field: str, train_on: str | None = None,
                       key: str = "data.path") -> None:
     """Cheap validation at job-load time: the source exists and holds some text (and chat data where needed)."""
     if path.is_dir():
-        files = txt_files(path)
+        files = txt_files(path, key)
         if not files:
             raise JobInvalid(f"{key}: {path} contains no .txt files")
         if all(f.stat().st_size == 0 for f in files):
@@ -95,5 +95,5 @@ def check_image_folder(path: Path, key: str = "data.path") -> None:
     path = Path(path)
     if not path.is_dir():
         raise JobInvalid(f"{key}: {path} must be a folder of images with same-name .txt captions (model.family flux)")
-    if not list_images(path):
+    if not list_images(path, key):
         raise JobInvalid(f"{key}: {path} contains no images ({', '.join(IMAGE_EXTS)})")

@@ -18,7 +18,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from daemon import protocol as p
@@ -40,8 +39,8 @@ def user_daemon(who, open_dir: Path, **env: str) -> Daemon:  # noqa: F811
     home = open_dir / "home"
     home.mkdir(mode=0o750)
     os.chown(home, who.pw_uid, who.pw_gid)
-    d = Daemon(home, fast_config(open_dir, run_as_root=False, allowed_roots=["{home}", str(open_dir), str(REPO)],
-                                 intake_check_s=5.0), HOME=str(home), **env)
+    d = Daemon(home, fast_config(open_dir, run_as_root=False, allowed_roots=["{home}", str(open_dir), str(REPO)]),
+               HOME=str(home), **env)
     d.run_as = {"user": who.pw_uid, "group": who.pw_gid, "extra_groups": []}
     return d
 
@@ -128,7 +127,7 @@ def test_a_fifo_or_128mb_of_blanks_as_data_never_stalls_the_daemon_and_is_reject
         assert f"data.path: {fifo} is not a regular file" in rejection(d, "fifo.yaml")
         assert f"data.path: {blanks} holds no text in its first" in rejection(d, "blanks.yaml")
         times = [watched_from, *(t for t in pings.times if t >= watched_from), watched_to]
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         assert max(gaps) < 2.0, f"the watchdog went {max(gaps):.1f} s without a ping"
         assert d.jobs() == []
         assert d.terminate(30) == 0  # and SIGTERM still stops it

@@ -61,6 +61,9 @@ def test_a_fifo_named_as_data_is_rejected_at_once_naming_it_never_opened_for_a_b
         done, out = in_thread(lambda: intake.take(intake.inbox / "fifo.yaml"), 5)
         assert done, "intake blocked on the FIFO"
         assert out.job_id is None and f"data.path: {fifo} is not a regular file" in out.error
+        text = yaml.safe_dump(good_job(data={"path": str(fifo)}))  # `lorad submit`, the dashboard's form
+        done, out = in_thread(lambda: pytest.raises(JobInvalid, intake.submit_text, "fifo.yaml", text), 5)
+        assert done and f"data.path: {fifo} is not a regular file" in str(out.value)
     finally:
         try:  # release a reader blocked in open() (today's code), so no thread is left behind
             os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
@@ -111,11 +114,25 @@ def test_a_check_blocked_in_a_syscall_is_given_up_at_its_deadline_naming_the_pat
         release.set()
 
 
-def test_the_loop_does_not_wait_for_a_check_it_collects_the_verdict_on_a_later_tick(intake, tmp_path):
-    texts = tmp_path / "allowed" / "texts"  # a folder that takes a while to walk
+@pytest.fixture
+def texts(tmp_path):
+    """A data folder that takes a while to walk."""
+    texts = tmp_path / "allowed" / "texts"
     texts.mkdir()
     for i in range(3000):
         (texts / f"{i}.txt").write_text("some text\n")
+    return texts
+
+
+def test_a_job_whose_check_runs_out_of_time_is_rejected_naming_the_path(intake, texts):
+    intake.checks.seconds = 0.01  # intake_check_s: 0.01
+    (intake.inbox / "slow.yaml").write_text(yaml.safe_dump(good_job("slow", data={"path": str(texts)})))
+    out = intake.take(intake.inbox / "slow.yaml")
+    assert out.job_id is None and f"slow.yaml: data.path: {texts}/" in out.error
+    assert "checking took longer than 0.01 s; refused" in out.error
+
+
+def test_the_loop_does_not_wait_for_a_check_it_collects_the_verdict_on_a_later_tick(intake, texts):
     intake.check_wait_s = 0.0  # as the service loop: never wait
     (intake.inbox / "later.yaml").write_text(yaml.safe_dump(good_job("later", data={"path": str(texts)})))
     first = intake.take(intake.inbox / "later.yaml")
