@@ -13,8 +13,9 @@ Two ways to ask:
 - `verdict(key, fn, wait)` starts the check once per key and waits at most `wait` seconds: PENDING while it
   runs, so the service loop (and start-up recovery) never waits on one file; it asks again on later ticks.
 
-At most MAX_HUNG checks that outlived their deadline may still be running: past that, no new check starts
-(PENDING, or JobInvalid for `run`) until one ends, so a flood of jobs on a hung mount costs threads, bounded.
+The loop runs at most MAX_RUNNING checks at once (a flood of slow ones waits its turn, PENDING), and at most
+MAX_HUNG checks that outlived their deadline may still be running: past that, no new check starts (PENDING, or
+JobInvalid for `run`) until one ends, so a flood of jobs on a hung mount costs threads, bounded.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.errors import JobInvalid
 PENDING = object()  # verdict(): the check is still running (or waits for a thread)
 GRACE_S = 0.5  # past the budget's deadline, for a check that ends by itself (CheckTimedOut names the path best)
 MAX_HUNG = 16
+MAX_RUNNING = 4  # checks the loop has running at once (verdict); a flood of slow ones waits its turn in incoming/
 
 
 class _Check:
@@ -72,11 +74,13 @@ class Checks:
         self._running: dict[str, _Check] = {}
         self._hung: list[_Check] = []  # given up, still running
 
-    def _start(self, fn: Callable[[], Any]) -> _Check | None:
+    def _start(self, fn: Callable[[], Any], most_running: int | None = None) -> _Check | None:
         with self._lock:
             self._hung = [c for c in self._hung if not c.done.is_set()]
             if len(self._hung) >= MAX_HUNG:
                 return None
+        if most_running is not None and sum(not c.done.is_set() for c in self._running.values()) >= most_running:
+            return None
         c = _Check(fn, self.seconds)
         threading.Thread(target=c.run, name="job-check", daemon=True).start()
         return c
@@ -102,9 +106,9 @@ class Checks:
         until a verdict is returned. wait: how long to wait now (None: until the deadline)."""
         c = self._running.get(key)
         if c is None:
-            c = self._start(fn)
+            c = self._start(fn, MAX_RUNNING)
             if c is None:
-                return PENDING  # too many hung: started on a later call
+                return PENDING  # too many running or hung: started on a later call
             self._running[key] = c
         left = c.started + self.seconds + GRACE_S - time.monotonic()
         c.done.wait(max(0.0, left if wait is None else min(wait, left)))

@@ -13,7 +13,7 @@ import yaml
 
 from daemon.config.daemon import DaemonConfig
 from daemon.intake.accept import MAX_REASON_CHARS, Intake
-from daemon.intake.checks import PENDING, Checks
+from daemon.intake.checks import MAX_RUNNING, PENDING, Checks
 from daemon.store.db import Store
 from daemon.system.log import setup
 from engine.config import bounded
@@ -21,6 +21,7 @@ from engine.config.job import load_job
 from engine.config.policy import JobPolicy
 from engine.config.sources import check_text_source, first_text
 from engine.errors import JobInvalid
+from tests.helpers.daemon import wait_until
 from tests.helpers.hostile import alias_bomb
 from tests.helpers.jobs import QUICKSTART_DATA
 from tests.helpers.processes import REPO
@@ -130,6 +131,28 @@ def test_a_job_whose_check_runs_out_of_time_is_rejected_naming_the_path(intake, 
     out = intake.take(intake.inbox / "slow.yaml")
     assert out.job_id is None and f"slow.yaml: data.path: {texts}/" in out.error
     assert "checking took longer than 0.01 s; refused" in out.error
+
+
+def test_the_loop_runs_a_bounded_number_of_checks_at_once_the_rest_wait_their_turn():
+    release, started = threading.Event(), []
+
+    def slow(i):
+        started.append(i)
+        release.wait(30)
+        return i
+
+    checks = Checks(30)
+    try:
+        assert [checks.verdict(f"job{i}", lambda i=i: slow(i), wait=0) for i in range(MAX_RUNNING + 2)] == \
+            [PENDING] * (MAX_RUNNING + 2)
+        time.sleep(0.2)
+        assert sorted(started) == list(range(MAX_RUNNING))  # the others not started yet
+        release.set()
+        wait_until(lambda: all(checks.verdict(f"job{i}", lambda: None, wait=0) == i for i in range(MAX_RUNNING)), 5,
+                   "the first checks' verdicts")
+        assert checks.verdict("job5", lambda: slow(5), wait=5) == 5  # its turn came
+    finally:
+        release.set()
 
 
 def test_the_loop_does_not_wait_for_a_check_it_collects_the_verdict_on_a_later_tick(intake, texts):
