@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config.bounded import tick
 from engine.errors import JobInvalid
 
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
@@ -48,6 +49,7 @@ def _outside(top: Path, roots: tuple[Path, ...]) -> tuple[Path, Path] | None:
         if real in seen:
             continue
         seen.add(real)
+        tick(None, shown)  # a tree of a million folders ends at the check's deadline (engine/config/bounded.py)
         try:
             entries = list(os.scandir(real))
         except OSError:
