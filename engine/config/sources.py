@@ -37,7 +37,7 @@ def first_text(path: Path, chunk: int = 1 << 16, key: str = "data.path", most: i
             head += block
             if head and (b"\n" in block or len(head) > (1 << 20)):
                 break
-            if seen >= most:
+            if not head and seen >= most:
                 raise JobInvalid(f"{key}: {path} holds no text in its first {most} bytes")
             tick(key, path)
     return bytes(head)
