@@ -90,6 +90,8 @@ def frames_at(times: list[float], fps: float) -> int:
 
 def probe(path: Path, fps: float) -> tuple[int, int, int, bool]:
     """(frames at fps, width, height, still) of one file of a video dataset; ClipUnreadable when it cannot be read."""
+    if not path.is_file():  # a FIFO or a device (swapped in since the folder was listed): never opened
+        raise ClipUnreadable("is not a regular file that can be read")
     if path.stat().st_size == 0:
         raise ClipUnreadable("is empty (0 bytes)")
     suffix = path.suffix.lower()

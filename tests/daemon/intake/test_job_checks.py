@@ -72,6 +72,37 @@ def test_a_fifo_named_as_data_is_rejected_at_once_naming_it_never_opened_for_a_b
             pass
 
 
+def test_every_reader_of_a_named_file_refuses_a_fifo_without_blocking(tmp_path):
+    """model_index.json (pipeline_class), an image (upright_size, PIL) and a clip (probe, PyAV)."""
+    from engine.config.clips import ClipUnreadable, probe
+    from engine.config.controls import pipeline_class, upright_size
+
+    model = tmp_path / "model"
+    model.mkdir()
+    fifos = [model / "model_index.json", tmp_path / "control.png", tmp_path / "clip.mp4"]
+    for f in fifos:
+        os.mkfifo(f)
+
+    def refused(fn, exc) -> str:
+        with pytest.raises(exc) as e:
+            fn()
+        return str(e.value)
+
+    try:
+        for fn, exc, words in [(lambda: pipeline_class(model), JobInvalid, "model_index.json is not a regular file"),
+                               (lambda: upright_size(fifos[1], key="sample.prompts[0].control"), JobInvalid,
+                                "control.png is not a readable image (is not a regular file)"),
+                               (lambda: probe(fifos[2], 8.0), ClipUnreadable, "not a regular file")]:
+            done, said = in_thread(lambda fn=fn, exc=exc: refused(fn, exc), 5)
+            assert done and words in said, said
+    finally:
+        for f in fifos:  # release a reader blocked in open() (today's code)
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+
+
 def test_the_first_line_is_found_in_linear_time_and_a_file_of_blanks_is_refused_by_its_byte_cap(tmp_path):
     spaces = tmp_path / "spaces.jsonl"
     with open(spaces, "wb") as f:
