@@ -177,8 +177,8 @@ def test_escape_sequences_from_a_job_file_or_a_trainers_events_reach_the_termina
         with open(d.home / "jobs" / jid / "events.jsonl", "a") as f:  # what a trainer may write there
             f.write('{"ts": "2026-01-01T00:00:00", "level": "info", "event": "step", "note": "' +
                     evil.replace("\x1b", "\\u001b").replace("\x07", "\\u0007") + '"}\n')
-        status = d.cli("status").stdout
-        logs = d.cli("logs", jid).stdout
+        status = d.cli("status", real=True).stdout  # `lorad status` as a user runs it
+        logs = d.cli("logs", jid, real=True).stdout
         assert "evil.yaml" in status and "x\\x1b]0;pwned\\x07\\x1b[2J" in status
         assert "note=\\x1b]0;pwned\\x07\\x1b[2J" in logs
         for shown in (status, logs):
