@@ -37,6 +37,7 @@ from daemon.system.safe_files import write_durable
 from engine.config.job import JobConfig, dump_job, parse_job
 from engine.config.reading import load_yaml_text
 from engine.errors import JobInvalid
+from engine.importers import Header, bounded_reader, detect, import_text, is_foreign_name, read_header
 from engine.storage.fsio import RealFs, ensure_dir_durable
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -64,6 +65,16 @@ def safe_name(name: str) -> str:
     """A name that is harmless as a path component and in a terminal."""
     s = re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip("._-")[:120]
     return s or "job"
+
+
+def imported_text(text: str, name: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> str:
+    """Another trainer's config (engine/importers/) as the lorad job it imports to; a lorad job as it is.
+
+    The text was read bounded already; the side files an import names (a dataset TOML, ...) are read only inside
+    the allowed roots, bounded the same way."""
+    if detect(text, name) is None:
+        return text
+    return import_text(text, name, base_dir, read=bounded_reader(cfg.job_policy(home).allows_path)).text
 
 
 def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
@@ -262,9 +273,11 @@ class Intake:
             if not SAFE_NAME.match(name):
                 raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
                                  "starting with a letter or digit (no path separators or '..')")
-            if not name.endswith(JOB_SUFFIXES):
-                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
+            if not name.endswith(JOB_SUFFIXES) and not is_foreign_name(name):
+                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml, or .toml or .json "
+                                 "for another trainer's config)")
             text = read_job_file(claimed, name, self.cfg, self.home)
+            text = imported_text(text, name, self.inbox, self.cfg, self.home)
             job = validate_text(text, name, self.inbox, self.cfg, self.home)
         except JobInvalid as e:
             return self._reject(claimed, display, str(e))
@@ -308,6 +321,7 @@ class Intake:
         job whose checkpoint is still to be downloaded from a mirror (daemon/mirror/fetcher.py)."""
         if not SAFE_NAME.match(name):
             raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
+        text = imported_text(text, name, self.home, self.cfg, self.home)
         job = validate_text(text, name, self.home, self.cfg, self.home)
         source = source or f"submit:{name}"
         job_id, same = self._accept(job, source, text, state)
@@ -336,12 +350,21 @@ class Intake:
             self._discard_partial(job_id, workdir)
             raise
         job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
+        if (header := read_header(original)) is not None:
+            self._imported(job_id, workdir, header)
         if same:
             ids = [j["id"] for j in same]
             self.log.warning("job_name_in_use", job=job_id, name=job.name, unfinished=ids)
             job_event(workdir, job_id, "name_in_use", level="warning", name=job.name, unfinished=ids,
                       message="refer to these jobs by id")
         return job_id, same
+
+    def _imported(self, job_id: str, workdir: Path, h: Header) -> None:
+        """An imported job: where from, and what was not carried over, in its events (lorad status and logs)."""
+        fields = {"from_tool": h.tool, "from_file": h.source, "not_carried_over": h.dropped, "notes": h.notes}
+        self.store.event(job_id, "imported", **fields)
+        job_event(workdir, job_id, "imported", **fields,
+                  message=f"imported from {h.tool}; {len(h.dropped)} settings not carried over")
 
     def _discard_partial(self, job_id: str, workdir: Path) -> None:
         """A jobs/ID/ whose job row was never written belongs to no job: remove it (the file is retried)."""

@@ -139,7 +139,9 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     if src[:1].isdigit() and "-" in src:
         job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
     samples_step, samples = latest_samples(Path(job["workdir"]))
-    detail = p.JobDetail.model_validate({**job, "mirror": _mirror_lag(ctx, job["id"]),
+    imported = (ctx.store.first_event(job["id"], "imported") or {}).get("data") or {}
+    detail = p.JobDetail.model_validate({**job, "imported_from": imported.get("from_tool"),
+                                         "not_carried_over": imported.get("not_carried_over") or [], "mirror": _mirror_lag(ctx, job["id"]),
                                          "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20),
                                          "samples_step": samples_step, "samples": samples})

@@ -185,6 +185,7 @@ def import_text(text: str, name: str, base_dir: Path, dataset: tuple[str, str] |
     elif tool == diffusion_pipe.NAME:
         diffusion_pipe.read(p.doc, ctx, out, dataset=side if isinstance(side, dict) else None)
     out.notes += ctx.notes
+    out.dropped += ctx.dropped
     _finish(out)
     if out.problems:
         raise JobInvalid(f"{name}: " + "; ".join(dict.fromkeys(out.problems)))
@@ -214,7 +215,8 @@ def _finish(out: Imported) -> None:
     mp = out.get("model.path")
     if mp is None:
         out.problems.append("model: the source names no base model (set model.path)")
-    if out.get("model.family") is None and mp is not None:
+    refused = any("unsupported model family" in p for p in out.problems)
+    if out.get("model.family") is None and mp is not None and not refused:
         fam = family_of_name(str(mp))
         if fam is None:
             out.problems.append(f"model: cannot tell the model family of {mp!r}; set model.family")

@@ -168,6 +168,13 @@ def _every_epochs(what: str):
     return conv
 
 
+def _resolution(v: Any, ctx: Context) -> list[int]:
+    """sd-scripts' and musubi-tuner's resolution is one size: 512, "768,512" or [960, 544] (W, H)."""
+    if isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) for x in v):
+        return [c.side(int(v[0]), int(v[1]))]
+    return c.resolutions(v, ctx)
+
+
 def _class_tokens(v: Any, ctx: Context) -> str:
     if ctx.images is not None and ctx.source.get("_every_image_captioned"):
         raise NotCarried(other_way("data.trigger", "there, class_tokens only captions images without a caption "
@@ -252,9 +259,9 @@ TABLE: list[Key] = [
     Key("datasets[].subsets[].caption_dropout_rate", "data.caption_dropout", c.number),
     Key("caption_dropout_rate", "data.caption_dropout", c.number),
     Key("datasets[].subsets[].flip_aug", "data.flip"), Key("flip_aug", "data.flip"),
-    Key("datasets[].resolution", "data.resolution", c.resolutions),
-    Key("general.resolution", "data.resolution", c.resolutions),
-    Key("resolution", "data.resolution", c.resolutions, doc="W,H → the side of a square of the same area"),
+    Key("datasets[].resolution", "data.resolution", _resolution),
+    Key("general.resolution", "data.resolution", _resolution),
+    Key("resolution", "data.resolution", _resolution, doc="W,H → the side of a square of the same area"),
     Key("datasets[].batch_size", "train.batch_size", c.integer),
     Key("general.batch_size", "train.batch_size", c.integer),
     Key("train_batch_size", "train.batch_size", c.integer),

@@ -30,6 +30,9 @@ MODEL_TYPES = {"FLUX_DEV_1": "flux", "FLUX_FILL_DEV_1": "flux", "FLUX_2": "flux2
                "QWEN": "qwen_image", "Z_IMAGE": "z_image"}
 
 
+DTYPES = {"BFLOAT_16": "bf16", "FLOAT_16": "fp16", "FLOAT_32": "fp32"}
+
+
 def detect(doc: Any) -> bool:
     return isinstance(doc, dict) and "model_type" in doc and ("training_method" in doc or "__version" in doc
                                                               or "concept_file_name" in doc)
@@ -119,12 +122,17 @@ def _repeats(v: Any, ctx: Context) -> int | None:
 
 def _samples(v: Any, ctx: Context) -> list:
     out = []
-    for s in v if isinstance(v, list) else []:
+    # FLUX.1's guidance is distilled: it samples without a negative prompt (lorad refuses one there)
+    negatives = ctx.job.get("model", {}).get("family") != "flux"
+    for i, s in enumerate(v if isinstance(v, list) else []):
         if not isinstance(s, dict) or not s.get("enabled", True) or not s.get("prompt"):
             continue
         e: dict[str, Any] = {"prompt": str(s["prompt"])}
-        if s.get("negative_prompt"):
+        if s.get("negative_prompt") and negatives:
             e["negative"] = str(s["negative_prompt"])
+        elif s.get("negative_prompt"):
+            ctx.dropped.append((f"samples[{i}].negative_prompt", s["negative_prompt"],
+                                "does not apply (FLUX.1 samples with distilled guidance, without a negative prompt)"))
         if "seed" in s and not s.get("random_seed"):
             e["seed"] = int(s["seed"])
         out.append(e if len(e) > 1 else e["prompt"])
@@ -166,8 +174,7 @@ TABLE: list[Key] = [
     Key("learning_rate_warmup_steps", "train.warmup_steps", c.integer),
     Key("clip_grad_norm", "train.max_grad_norm", c.number),
     Key("seed", "train.seed", c.integer),
-    Key("train_dtype", "model.dtype", lambda v, ctx: c.dtype(str(v).replace("FLOAT_", "fp").replace("BFLOAT_16", "bf16")
-                                                          .lower(), ctx)),
+    Key("train_dtype", "model.dtype", lambda v, ctx: c.dtype(DTYPES.get(str(v).upper(), v), ctx)),
     Key("weight_dtype", "model.base_precision", lambda v, ctx: "fp8" if "8" in str(v) else None),
     Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off),
     Key("timestep_distribution", "train.timestep_sampling", _timesteps),

@@ -78,6 +78,7 @@ class Context:
     job: dict[str, Any] = field(default_factory=dict)
     images: float | None = None  # images × their own repeats ÷ data.repeats, where counted (epochs → steps)
     notes: list[str] = field(default_factory=list)  # converters' one-line remarks for the header
+    dropped: list[tuple[str, Any, str]] = field(default_factory=list)  # parts of a value a converter left out
     read: Callable[[Path], str] | None = None  # a side file's text (bounded; the daemon's checks its roots too)
 
 
@@ -148,7 +149,7 @@ def apply(table: list[Key], flat: dict[str, Any], ctx: Context, out: Imported,
     for src in keys:
         value = flat[src]
         row = rows.get(generic(src))
-        if src.startswith("_") and (row is None or row.dst is None):
+        if src.startswith("_") and not src.startswith("__") and (row is None or row.dst is None):
             continue  # the importer's own facts (what it read from the dataset), not a source setting
         if row is None:
             out.drop(src, value, unknown_why)
