@@ -16,7 +16,6 @@ from engine.importers.table import (
     Key,
     NotCarried,
     apply,
-    carried_in,
     flatten,
     not_applicable,
     other_way,
@@ -128,7 +127,7 @@ TABLE: list[Key] = [
     Key("eval_micro_batch_size_per_gpu", None, why=other_way("data.validation")),
     Key("eval_gradient_accumulation_steps", None, why=other_way("data.validation")),
     Key("video_clip_mode", None, why=other_way("data.frames", "every clip is cut into consecutive windows")),
-    Key("disable_block_swap_for_eval", None, why=carried_in("train.blocks_to_swap")),
+    Key("disable_block_swap_for_eval", None, why=other_way("data.validation")),
 ]
 
 
