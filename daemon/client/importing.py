@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -16,10 +17,9 @@ EXIT_INVALID = 65
 
 
 def _problem_lines(message: str) -> list[str]:
-    """One validation message (problems joined by `; `) as one line per problem."""
-    head, sep, rest = message.partition(": ")
-    body = rest if sep and " " not in head else message  # "FILE: a; b" → the problems of FILE
-    return [p.strip() for p in body.split("; ") if p.strip()]
+    """One validation message (problems joined by `; `) as one line per problem: split only where the next
+    part starts with a key (`train.lr: ...`), never inside a problem's own words."""
+    return [p.strip() for p in re.split(r"; (?=[\w.\[\]/-]+: )", message) if p.strip()]
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -124,7 +124,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from engine.config.job import dump_job, parse_job
     from engine.config.reading import MAX_JOB_FILE_BYTES, decode_job_bytes, read_yaml
     from engine.errors import JobInvalid
-    from engine.importers import detect, import_text, read_header
+    from engine.importers import detect, import_text, is_foreign_name, read_header
 
     path = Path(args.job)
     try:
@@ -132,7 +132,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if len(data) > MAX_JOB_FILE_BYTES:
             raise JobInvalid(f"{path.name}: larger than the {MAX_JOB_FILE_BYTES}-byte limit")
         text = decode_job_bytes(data, path.name)
-        if detect(text, path.name) is not None:  # another trainer's config: checked as it would be imported
+        if detect(text, path.name) is not None or is_foreign_name(path.name):  # another trainer's config: checked as it would be imported
             text = import_text(text, path.name, path.parent.resolve()).text
         cfg = parse_job(read_yaml(text, max_aliases=100), path.parent.resolve(), source=path.name)
     except (JobInvalid, OSError) as e:

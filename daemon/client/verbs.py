@@ -91,7 +91,7 @@ def _local_import(path: Path):
     from engine.config.job import parse_job
     from engine.config.reading import MAX_JOB_FILE_BYTES, decode_job_bytes, read_yaml
     from engine.errors import JobInvalid
-    from engine.importers import detect, header_text, import_text
+    from engine.importers import detect, header_text, import_text, is_foreign_name
 
     try:
         data = path.read_bytes()[: MAX_JOB_FILE_BYTES + 1]
@@ -100,7 +100,7 @@ def _local_import(path: Path):
     if len(data) > MAX_JOB_FILE_BYTES:
         return "", None
     text = decode_job_bytes(data, path.name)
-    if detect(text, path.name) is not None:
+    if detect(text, path.name) is not None or is_foreign_name(path.name):  # an unknown .toml: refused naming formats
         text = import_text(text, path.name, path.parent.resolve()).text
     header = header_text(text)
     if not header:

@@ -72,8 +72,8 @@ def imported_text(text: str, name: str, base_dir: Path, cfg: DaemonConfig, home:
 
     The text was read bounded already; the side files an import names (a dataset TOML, ...) are read only inside
     the allowed roots, bounded the same way."""
-    if detect(text, name) is None:
-        return text
+    if detect(text, name) is None and not is_foreign_name(name):
+        return text  # a lorad job (or not a job at all: validate_text says why)
     return import_text(text, name, base_dir, read=bounded_reader(cfg.job_policy(home).allows_path)).text
 
 
