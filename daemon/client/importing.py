@@ -66,22 +66,31 @@ def dataset_summary(cfg) -> dict[str, Any]:
                if not p.with_suffix("." + cfg.data.caption_ext).is_file()]
     buckets: Counter[str] = Counter()
     if not video:
-        from PIL import Image
-
-        for p in files:
-            try:
-                with Image.open(p) as im:
-                    w, h = im.size
-            except OSError:
-                continue
+        for size in _sizes(files):
             for res in cfg.data.resolution:
-                bw, bh = assign_bucket(w, h, res)
+                bw, bh = assign_bucket(*size, res)
                 buckets[f"{bw}x{bh}"] += 1
     items = len(files) * (1 if video else len(cfg.data.resolution))
     return {"path": cfg.data.path, "files": len(files), "items": items, "repeats": cfg.data.repeats,
             "samples_per_epoch": items * cfg.data.repeats, "buckets": dict(sorted(buckets.items())),
             "captions_missing": len(missing), "captions_missing_files": missing[:20],
             "trigger": cfg.data.trigger, "caption_ext": cfg.data.caption_ext}
+
+
+def _sizes(files: list[Path]) -> list[tuple[int, int]]:
+    """Each image's (w, h) from its header; none without Pillow (`pip install lorad`, no training stack)."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return []
+    out = []
+    for p in files:
+        try:
+            with Image.open(p) as im:
+                out.append(im.size)
+        except OSError:
+            continue
+    return out
 
 
 def _model_note(path: str) -> str:

@@ -157,6 +157,20 @@ def import_text(text: str, name: str, base_dir: Path, dataset: tuple[str, str] |
     ctx = Context(source={}, base_dir=base_dir, read=read or bounded_reader())
     ctx.job = out.job
     side = _parse(dataset[0], dataset[1]).doc if dataset is not None else None
+    try:
+        _read(p, tool, name, side, ctx, out)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        # a config of the right kind whose shape is not the tool's (a list where a table is, ...): one line
+        raise JobInvalid(f"{name}: not a {tool} config lorad can read ({type(e).__name__}: {e})") from None
+    out.notes += ctx.notes
+    out.dropped += ctx.dropped
+    _finish(out)
+    if out.problems:
+        raise JobInvalid(f"{name}: " + "; ".join(dict.fromkeys(out.problems)))
+    return ImportResult(out, to_yaml(out))
+
+
+def _read(p: Parsed, tool: str, name: str, side: Any, ctx: Context, out: Imported) -> None:
     if p.kind == "command line":
         script, args = p.doc
         cfg = dict(args)
@@ -184,12 +198,6 @@ def import_text(text: str, name: str, base_dir: Path, dataset: tuple[str, str] |
         simpletuner.read(p.doc, ctx, out, backends=side if isinstance(side, list) else None)
     elif tool == diffusion_pipe.NAME:
         diffusion_pipe.read(p.doc, ctx, out, dataset=side if isinstance(side, dict) else None)
-    out.notes += ctx.notes
-    out.dropped += ctx.dropped
-    _finish(out)
-    if out.problems:
-        raise JobInvalid(f"{name}: " + "; ".join(dict.fromkeys(out.problems)))
-    return ImportResult(out, to_yaml(out))
 
 
 def _kohya(script: str | None, cfg: dict[str, Any], side: Any, ctx: Context, out: Imported) -> None:
