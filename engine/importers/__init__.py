@@ -155,7 +155,7 @@ def import_text(text: str, name: str, base_dir: Path, dataset: tuple[str, str] |
         raise JobInvalid(f"{name}: not a format lorad import knows; it reads {known_formats()}")
     out = Imported(tool=tool, source=name)
     ctx = Context(source={}, base_dir=base_dir, read=read or bounded_reader())
-    ctx.job = out.job
+    ctx.job, ctx.origin = out.job, out.origin
     side = _parse(dataset[0], dataset[1]).doc if dataset is not None else None
     try:
         _read(p, tool, name, side, ctx, out)

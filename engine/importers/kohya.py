@@ -118,6 +118,13 @@ def _module(v: Any, ctx: Context) -> None:
     raise CarriedIn("model.family")
 
 
+def _rank(v: Any, ctx: Context) -> int:
+    n = c.integer(v, ctx)
+    if n > 1024:  # LyCORIS's "full dimension" idiom for LoKr (network_dim = 10000)
+        raise NotCarried(f"{NO_FEATURE} (a rank above 1024, LyCORIS's full matrix; lora.rank's default is used)")
+    return n
+
+
 def _algo(v: Any, ctx: Context) -> str:
     a = str(v).lower()
     if a in ("lora", "locon"):
@@ -229,7 +236,7 @@ TABLE: list[Key] = [
     Key("fp8_base_unet", "model.base_precision", _precision_fp8),
     Key("fp8_scaled", "model.base_precision", _precision_fp8),
     Key("full_bf16", None, why=other_way("lora.dtype")), Key("full_fp16", None, why=other_way("lora.dtype")),
-    Key("network_dim", "lora.rank", c.integer),
+    Key("network_dim", "lora.rank", _rank, doc="up to 1024 (LyCORIS's 10000, a full matrix: not carried)"),
     Key("network_alpha", "lora.alpha", c.number),
     Key("network_dropout", "lora.dropout", c.number),
     Key("network_args.algo", "lora.type", _algo),

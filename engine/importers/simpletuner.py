@@ -63,6 +63,7 @@ def _lycoris(v: Any, ctx: Context) -> str:
         raise NotCarried(f"{NO_FEATURE} (LyCORIS algo {algo})")
     if algo == "lokr" and "factor" in cfg:
         ctx.job.setdefault("lora", {})["factor"] = int(cfg["factor"])
+        ctx.origin["lora.factor"] = f"{v}: factor = {cfg['factor']}"
     return "lora" if algo == "locon" else algo
 
 

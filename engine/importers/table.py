@@ -79,6 +79,7 @@ class Context:
     images: float | None = None  # images × their own repeats ÷ data.repeats, where counted (epochs → steps)
     notes: list[str] = field(default_factory=list)  # converters' one-line remarks for the header
     dropped: list[tuple[str, Any, str]] = field(default_factory=list)  # parts of a value a converter left out
+    origin: dict[str, str] = field(default_factory=dict)  # the import's: a converter setting a second key says why
     read: Callable[[Path], str] | None = None  # a side file's text (bounded; the daemon's checks its roots too)
 
 
@@ -173,7 +174,8 @@ def apply(table: list[Key], flat: dict[str, Any], ctx: Context, out: Imported,
         if row.dst in out.origin:
             out.drop(src, value, other_way(row.dst, f"set from {out.origin[row.dst].split(' = ')[0]}"))
             continue
-        out.set(row.dst, None if v is NULL else v, f"{src} = {_short(value)}")
+        said = f"{row.doc} = {_short(value)}" if src.startswith("_") else f"{src} = {_short(value)}"
+        out.set(row.dst, None if v is NULL else v, said)
         ctx.job = out.job
 
 

@@ -301,8 +301,120 @@ type = 'lora'
 rank = 8
 """
 
+AI_TOOLKIT_CHROMA = """\
+job: extension
+config:
+  name: chroma-style
+  process:
+    - type: sd_trainer
+      network: {type: dora, linear: 8, linear_alpha: 4}
+      save: {save_every: 100}
+      datasets:
+        - {folder_path: {root}/data, default_caption: "in the style of xyz", flip_x: true, resolution: 768}
+      train: {batch_size: 4, steps: 400, lr: 1e-4, optimizer: AdamW, lr_scheduler: linear, timestep_type: linear,
+              max_grad_norm: 0.5, seed: 11, train_text_encoder: true}
+      model: {name_or_path: lodestones/Chroma1-HD, arch: chroma}
+      sample: {sample_every: 100, prompts: ["a house, in the style of xyz"], neg: "low quality", walk_seed: false}
+"""
+
+KOHYA_LOKR_EPOCHS = """\
+pretrained_model_name_or_path = "black-forest-labs/FLUX.1-dev"
+network_module = "lycoris.kohya"
+network_args = ["algo=lokr", "factor=4", "conv_dim=4"]
+network_dim = 10000
+network_alpha = 1
+train_data_dir = "{root}/concepts"
+resolution = 512
+train_batch_size = 2
+max_train_epochs = 3
+learning_rate = 1
+optimizer_type = "Prodigy"
+optimizer_args = ["weight_decay=0.01", "decouple=True"]
+lr_scheduler = "constant"
+save_every_n_epochs = 1
+caption_extension = ".caption"
+"""
+
+MUSUBI_QWEN_CONFIG = """\
+dit = "/models/qwen_image_bf16.safetensors"
+vae = "/models/vae.safetensors"
+text_encoder = "/models/qwen_2.5_vl_7b.safetensors"
+dataset_config = "qwen-data.toml"
+network_module = "networks.lora_qwen_image"
+network_dim = 16
+network_alpha = 16
+learning_rate = 5e-5
+optimizer_type = "adamw8bit"
+max_train_steps = 500
+save_every_n_steps = 50
+gradient_checkpointing = true
+blocks_to_swap = 16
+timestep_sampling = "qinglong"
+seed = 1
+"""
+
+MUSUBI_QWEN_DATASET = """\
+[general]
+resolution = [1024, 1024]
+caption_extension = ".txt"
+batch_size = 2
+
+[[datasets]]
+image_directory = "{root}/data"
+num_repeats = 1
+"""
+
+ONETRAINER_CHROMA = """\
+{{"__version": 6, "training_method": "LORA", "model_type": "CHROMA_1", "base_model_name": "lodestones/Chroma1-HD",
+ "peft_type": "LOHA", "lora_rank": 8, "lora_alpha": 8.0, "learning_rate": 0.0001, "batch_size": 1,
+ "epochs": 2, "resolution": "512", "optimizer": {{"optimizer": "PRODIGY"}}, "timestep_distribution": "UNIFORM",
+ "ema": "OFF", "ema_decay": 0.999, "save_every": 30, "save_every_unit": "STEP", "sample_after": 0,
+ "sample_after_unit": "NEVER", "concepts": [{{"path": "{root}/data", "balancing": 1.5}}]}}
+"""
+
+SIMPLETUNER_LYCORIS = """\
+{{"model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+ "lora_type": "lycoris", "lycoris_config": "lycoris.json", "learning_rate": 4e-4, "num_train_epochs": 5,
+ "train_batch_size": 3, "optimizer": "optimi-lion", "lr_scheduler": "polynomial", "checkpointing_steps": 50,
+ "data_backend_config": "backends.json", "instance_prompt": "sks dog", "resolution": 1.0, "resolution_type": "area"}}
+"""
+
+SIMPLETUNER_LYCORIS_CONFIG = """\
+{{"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 16}}
+"""
+
+SIMPLETUNER_TEXTFILE_BACKENDS = """\
+[{{"id": "pics", "type": "local", "instance_data_dir": "{root}/data", "caption_strategy": "textfile"}}]
+"""
+
+DIFFUSION_PIPE_CHROMA = """\
+dataset = 'chroma-data.toml'
+epochs = 3
+micro_batch_size_per_gpu = 2
+save_every_n_steps = 3
+[model]
+type = 'chroma'
+diffusers_path = 'lodestones/Chroma1-HD'
+dtype = 'bfloat16'
+flux_shift = true
+[adapter]
+type = 'lora'
+rank = 16
+alpha = 16
+[optimizer]
+type = 'AdamW8bitKahan'
+lr = 1e-4
+"""
+
+DIFFUSION_PIPE_CHROMA_DATASET = """\
+resolutions = [[512, 768]]
+frame_buckets = [1]
+[[directory]]
+path = '{root}/data'
+"""
+
 # (case id, file name, text, dataset (name, text) or None (a list: the first is --dataset, the others files
-# the config names beside it), expected lorad values, expected not-carried keys)
+# the config names beside it; a name starting with + is only written beside it), expected lorad values, expected not-carried keys)
 CASES = [
     ("ai-toolkit-flux", "flux.yaml", AI_TOOLKIT_FLUX, None,
      {"model.family": "flux", "model.path": "black-forest-labs/FLUX.1-dev", "lora.rank": 16, "lora.alpha": 16.0,
@@ -381,7 +493,160 @@ CASES = [
      {"output_dir", "dataset", "pipeline_stages", "save_dtype", "caching_batch_size", "steps_per_print",
       "dataset.enable_ar_bucket", "dataset.min_ar", "dataset.max_ar", "dataset.num_ar_buckets",
       "dataset.directory[1]"}),
+    ("ai-toolkit-chroma-dora", "chroma.yaml", AI_TOOLKIT_CHROMA, None,
+     {"model.family": "chroma", "lora.type": "dora", "lora.rank": 8, "lora.alpha": 4.0, "train.lr": 1e-4,
+      "train.steps": 400, "train.batch_size": 4, "data.resolution": [768], "train.optimizer": "adamw",
+      "checkpoint.every_steps": 100, "data.trigger": "in the style of xyz", "data.path": "{root}/data",
+      "data.flip": True, "train.schedule": "linear", "train.timestep_sampling": "linear", "train.max_grad_norm": 0.5,
+      "sample.prompts": [{"prompt": "a house, in the style of xyz", "negative": "low quality", "seed": None,
+                          "control": None}]},
+     {"job", "type", "train.train_text_encoder", "sample.walk_seed"}),
+    ("kohya-lokr-epochs", "lokr.toml", KOHYA_LOKR_EPOCHS, None,
+     {"model.family": "flux", "lora.type": "lokr", "lora.factor": 4, "lora.rank": None, "lora.alpha": 1.0,
+      "train.lr": 1.0, "train.optimizer": "prodigy", "train.weight_decay": 0.01, "train.batch_size": 2,
+      "data.resolution": [512], "data.path": "{root}/concepts", "data.repeats": 4, "data.caption_ext": "caption",
+      # (2 images × 4 + 1 image × 2) ÷ 4 repeats = 2.5 images a pass of 4 repeats: ceil(2.5 × 4 ÷ 2) = 5 a epoch
+      "train.steps": 3 * 5, "checkpoint.every_steps": 5, "data.trigger": None},
+     {"network_args.conv_dim", "optimizer_args.decouple", "train_data_dir/2_cat",
+      "train_data_dir/N_name", "network_dim"}),
+    ("musubi-qwen-config", "qwen.toml", MUSUBI_QWEN_CONFIG, [("+qwen-data.toml", MUSUBI_QWEN_DATASET)],
+     {"model.family": "qwen_image", "model.path": "Qwen/Qwen-Image", "lora.rank": 16, "train.lr": 5e-5,
+      "train.steps": 500, "train.batch_size": 2, "data.resolution": [1024], "train.optimizer": "adamw8bit",
+      "checkpoint.every_steps": 50, "data.path": "{root}/data", "train.blocks_to_swap": 16,
+      "train.gradient_checkpointing": True, "train.timestep_sampling": None},
+     {"vae", "text_encoder", "dataset_config", "timestep_sampling"}),
+    ("onetrainer-chroma-loha", "chroma.json", ONETRAINER_CHROMA, None,
+     {"model.family": "chroma", "lora.type": "loha", "lora.rank": 8, "train.lr": 1e-4, "train.steps": 2 * 3,
+      "train.batch_size": 1, "data.resolution": [512], "train.optimizer": "prodigy", "checkpoint.every_steps": 30,
+      "data.path": "{root}/data", "data.repeats": None, "train.timestep_sampling": "linear", "train.ema": None,
+      "sample.every_steps": None, "train.schedule": "constant"},
+     {"__version", "concepts[0].balancing", "ema_decay", "sample_after"}),
+    ("simpletuner-plain-lycoris", "st.json", SIMPLETUNER_LYCORIS,
+     [("backends.json", SIMPLETUNER_TEXTFILE_BACKENDS), ("lycoris.json", SIMPLETUNER_LYCORIS_CONFIG)],
+     {"model.family": "flux", "lora.type": "lokr", "lora.factor": 16, "train.lr": 4e-4, "train.steps": 5 * 1,
+      "train.batch_size": 3, "data.resolution": [1000], "train.optimizer": None, "checkpoint.every_steps": 50,
+      "data.path": "{root}/data", "data.trigger": None, "train.schedule": None},
+     {"lora_type", "optimizer", "lr_scheduler", "instance_prompt", "data_backend_config", "backends[0].id",
+      "backends[0].type"}),
+    ("diffusion-pipe-chroma", "chroma.toml", DIFFUSION_PIPE_CHROMA, [("+chroma-data.toml", DIFFUSION_PIPE_CHROMA_DATASET)],
+     {"model.family": "chroma", "model.path": "lodestones/Chroma1-HD", "lora.rank": 16, "lora.alpha": 16.0,
+      "train.lr": 1e-4, "train.steps": 3 * 2, "train.batch_size": 2, "data.resolution": [627],
+      "train.optimizer": None, "checkpoint.every_steps": 3, "data.path": "{root}/data",
+      "train.timestep_sampling": "shift"},
+     {"dataset", "optimizer.type", "dataset.frame_buckets"}),
 ]
+
+AI_TOOLKIT_CHROMA = """\
+job: extension
+config:
+  name: chroma-style
+  process:
+    - type: sd_trainer
+      network: {type: dora, linear: 8, linear_alpha: 4}
+      save: {save_every: 100}
+      datasets:
+        - {folder_path: {root}/data, default_caption: "in the style of xyz", flip_x: true, resolution: 768}
+      train: {batch_size: 4, steps: 400, lr: 1e-4, optimizer: AdamW, lr_scheduler: linear, timestep_type: linear,
+              max_grad_norm: 0.5, seed: 11, train_text_encoder: true}
+      model: {name_or_path: lodestones/Chroma1-HD, arch: chroma}
+      sample: {sample_every: 100, prompts: ["a house, in the style of xyz"], neg: "low quality", walk_seed: false}
+"""
+
+KOHYA_LOKR_EPOCHS = """\
+pretrained_model_name_or_path = "black-forest-labs/FLUX.1-dev"
+network_module = "lycoris.kohya"
+network_args = ["algo=lokr", "factor=4", "conv_dim=4"]
+network_dim = 10000
+network_alpha = 1
+train_data_dir = "{root}/concepts"
+resolution = 512
+train_batch_size = 2
+max_train_epochs = 3
+learning_rate = 1
+optimizer_type = "Prodigy"
+optimizer_args = ["weight_decay=0.01", "decouple=True"]
+lr_scheduler = "constant"
+save_every_n_epochs = 1
+caption_extension = ".caption"
+"""
+
+MUSUBI_QWEN_CONFIG = """\
+dit = "/models/qwen_image_bf16.safetensors"
+vae = "/models/vae.safetensors"
+text_encoder = "/models/qwen_2.5_vl_7b.safetensors"
+dataset_config = "qwen-data.toml"
+network_module = "networks.lora_qwen_image"
+network_dim = 16
+network_alpha = 16
+learning_rate = 5e-5
+optimizer_type = "adamw8bit"
+max_train_steps = 500
+save_every_n_steps = 50
+gradient_checkpointing = true
+blocks_to_swap = 16
+timestep_sampling = "qinglong"
+seed = 1
+"""
+
+MUSUBI_QWEN_DATASET = """\
+[general]
+resolution = [1024, 1024]
+caption_extension = ".txt"
+batch_size = 2
+
+[[datasets]]
+image_directory = "{root}/data"
+num_repeats = 1
+"""
+
+ONETRAINER_CHROMA = """\
+{{"__version": 6, "training_method": "LORA", "model_type": "CHROMA_1", "base_model_name": "lodestones/Chroma1-HD",
+ "peft_type": "LOHA", "lora_rank": 8, "lora_alpha": 8.0, "learning_rate": 0.0001, "batch_size": 1,
+ "epochs": 2, "resolution": "512", "optimizer": {{"optimizer": "PRODIGY"}}, "timestep_distribution": "UNIFORM",
+ "ema": "OFF", "ema_decay": 0.999, "save_every": 30, "save_every_unit": "STEP", "sample_after": 0,
+ "sample_after_unit": "NEVER", "concepts": [{{"path": "{root}/data", "balancing": 1.5}}]}}
+"""
+
+SIMPLETUNER_LYCORIS = """\
+{{"model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+ "lora_type": "lycoris", "lycoris_config": "lycoris.json", "learning_rate": 4e-4, "num_train_epochs": 5,
+ "train_batch_size": 3, "optimizer": "optimi-lion", "lr_scheduler": "polynomial", "checkpointing_steps": 50,
+ "data_backend_config": "backends.json", "instance_prompt": "sks dog", "resolution": 1.0, "resolution_type": "area"}}
+"""
+
+SIMPLETUNER_LYCORIS_CONFIG = """\
+{{"algo": "lokr", "multiplier": 1.0, "linear_dim": 10000, "linear_alpha": 1, "factor": 16}}
+"""
+
+SIMPLETUNER_TEXTFILE_BACKENDS = """\
+[{{"id": "pics", "type": "local", "instance_data_dir": "{root}/data", "caption_strategy": "textfile"}}]
+"""
+
+DIFFUSION_PIPE_CHROMA = """\
+dataset = 'chroma-data.toml'
+epochs = 3
+micro_batch_size_per_gpu = 2
+save_every_n_steps = 3
+[model]
+type = 'chroma'
+diffusers_path = 'lodestones/Chroma1-HD'
+dtype = 'bfloat16'
+flux_shift = true
+[adapter]
+type = 'lora'
+rank = 16
+alpha = 16
+[optimizer]
+type = 'AdamW8bitKahan'
+lr = 1e-4
+"""
+
+DIFFUSION_PIPE_CHROMA_DATASET = """\
+resolutions = [[512, 768]]
+frame_buckets = [1]
+[[directory]]
+path = '{root}/data'
+"""
 
 # (case id, file name, text, dataset, what the one refusal line must name)
 REFUSED = [

@@ -25,6 +25,8 @@ def root(tmp_path_factory) -> Path:
     r = tmp_path_factory.mktemp("sources")
     make_images(r / "data", [("a.png", 64, 48, "a dog"), ("b.png", 48, 64, "a dog running"), ("c.png", 40, 40, "x")])
     make_images(r / "kohya" / "10_sks dog", [("k0.png", 64, 64, None), ("k1.png", 64, 48, None)])
+    make_images(r / "concepts" / "4_sks dog", [("d0.png", 64, 64, "x"), ("d1.png", 48, 64, "y")])
+    make_images(r / "concepts" / "2_cat", [("c0.png", 64, 48, "z")])
     make_images(r / "reg", [("r0.png", 48, 48, "a dog"), ("r1.png", 48, 48, "a dog")])
     return r
 
@@ -40,8 +42,10 @@ def write_case(root: Path, tmp: Path, name: str, text: str, dataset) -> tuple[Pa
     src.write_text(fill(text, root))
     side = None
     for i, (n, t) in enumerate(dataset if isinstance(dataset, list) else [dataset] if dataset else []):
+        beside = n.startswith("+")  # only beside the config, which names it: not given with --dataset
+        n = n.lstrip("+")
         (tmp / n).write_text(fill(t, root))
-        side = tmp / n if i == 0 else side
+        side = tmp / n if i == 0 and not beside else side
     return src, side
 
 
