@@ -160,6 +160,9 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported, dataset: dict[str, An
         if dirs:
             flat.update({f"dataset.directory[0].{k}": v for k, v in flatten(dirs[0]).items()})
             ctx.images = len(c.images_in(Path(c.local_path(dirs[0].get("path", ""), ctx)))) or None
+    if "adapter.rank" in flat and "adapter.alpha" not in flat:
+        flat["adapter.alpha"] = flat["adapter.rank"]  # diffusion-pipe trains at alpha = rank
+        out.notes.append(f"adapter.alpha not set there: diffusion-pipe's alpha = rank ({flat['adapter.rank']}) written")
     if "lr_scheduler" not in flat:
         flat["lr_scheduler"] = "constant"
         out.notes.append("lr_scheduler not set there: diffusion-pipe's constant written")

@@ -331,7 +331,10 @@ TABLE: list[Key] = [
     Key("lowram", None, why=not_applicable("lorad plans memory itself")),
     Key("apply_t5_attn_mask", None, why=not_applicable("each family masks its text encoder as its model does")),
 ]
-DEFAULTS = {"lr_scheduler": "constant", "max_train_steps": 1600}
+# sd-scripts' defaults (train_util.py, train_network.py) where lorad's differ and the run would change: written as
+# if the file said them (the header says which). Not for a dataset TOML given alone (it trains nothing).
+DEFAULTS = {"lr_scheduler": "constant", "max_train_steps": 1600, "network_dim": 4, "network_alpha": 1,
+            "learning_rate": 2e-6}
 
 
 def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] | None, ctx: Context,
@@ -363,12 +366,15 @@ def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] |
             out.set("model.family", fam, f"network_module = {flat['network_module']}")
     if "train_data_dir" in flat:
         _repeat_folders(Path(c.local_path(flat["train_data_dir"], ctx)), flat, ctx, out)
-    if "max_train_steps" not in flat and "max_train_epochs" not in flat:
-        flat["max_train_steps"] = DEFAULTS["max_train_steps"]
-        out.notes.append(f"max_train_steps not set there: its default {DEFAULTS['max_train_steps']} written")
-    if "lr_scheduler" not in flat:
-        flat["lr_scheduler"] = DEFAULTS["lr_scheduler"]
-        out.notes.append("lr_scheduler not set there: its default constant written")
+    if cfg_args:
+        for k, v in DEFAULTS.items():
+            if k == "max_train_steps" and "max_train_epochs" in flat:
+                continue
+            if k == "learning_rate" and "unet_lr" in flat:
+                continue
+            if k not in flat:
+                flat[k] = v
+                out.notes.append(f"{k} not set there: its default {v} written")
     _count(flat, ctx)
     ctx.source = flat
     apply(TABLE, flat, ctx, out)

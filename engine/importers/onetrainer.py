@@ -200,7 +200,9 @@ TABLE: list[Key] = [
     Key("device", None, why=not_applicable("the daemon gives the job its GPU")),
     Key("train_device", None, why=not_applicable("the daemon gives the job its GPU")),
 ]
-DEFAULTS = {"learning_rate_scheduler": "CONSTANT"}
+# OneTrainer's defaults (its TrainConfig) where lorad's differ and the run would change: a preset holds only the
+# keys that differ from them, so these are written as if it said them (the header says which).
+DEFAULTS = {"learning_rate_scheduler": "CONSTANT", "lora_rank": 16, "lora_alpha": 1.0, "optimizer.optimizer": "ADAMW"}
 
 
 def _side_json(name: Any, ctx: Context) -> Any:

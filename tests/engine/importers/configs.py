@@ -372,6 +372,11 @@ ONETRAINER_CHROMA = """\
  "sample_after_unit": "NEVER", "concepts": [{{"path": "{root}/data", "balancing": 1.5}}]}}
 """
 
+ONETRAINER_MINIMAL = """\
+{{"training_method": "LORA", "model_type": "Z_IMAGE", "base_model_name": "Tongyi-MAI/Z-Image-Turbo",
+ "epochs": 1, "concepts": [{{"path": "{root}/data"}}]}}
+"""
+
 SIMPLETUNER_LYCORIS = """\
 {{"model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
  "lora_type": "lycoris", "lycoris_config": "lycoris.json", "learning_rate": 4e-4, "num_train_epochs": 5,
@@ -457,6 +462,7 @@ CASES = [
      {"optimizer_type", "lr_scheduler", "output_dir"}),
     ("musubi-wan-cmdline", "wan.sh", MUSUBI_WAN_CMDLINE, ("ds.toml", MUSUBI_DATASET),
      {"model.family": "wan", "model.path": "Wan-AI/Wan2.2-TI2V-5B-Diffusers", "lora.rank": 32, "train.lr": 2e-4,
+      "lora.alpha": 1.0,  # sd-scripts' and musubi's default network_alpha, not lorad's 16
       "train.steps": 1600, "train.batch_size": 1, "data.resolution": [723], "train.optimizer": "adamw8bit",
       "checkpoint.every_steps": 100, "data.path": "{root}/data", "data.repeats": 2, "model.base_precision": "fp8"},
      {"task", "sdpa", "max_data_loader_n_workers", "persistent_data_loader_workers", "discrete_flow_shift",
@@ -485,6 +491,7 @@ CASES = [
       "backends[0].metadata_backend"}),
     ("diffusion-pipe-flux", "main.toml", DIFFUSION_PIPE_FLUX, ("dataset.toml", DIFFUSION_PIPE_DATASET),
      {"model.family": "flux", "model.path": "black-forest-labs/FLUX.1-dev", "lora.rank": 32, "train.lr": 2e-5,
+      "lora.alpha": 32.0,  # diffusion-pipe trains at alpha = rank
       "train.steps": 2 * 4, "train.batch_size": 1, "train.grad_accum": 4, "data.resolution": [512],
       "train.optimizer": "adamw", "checkpoint.every_steps": 4, "checkpoint.every_seconds": 1800.0,
       "data.path": "{root}/data", "data.repeats": 5, "lora.dtype": "bfloat16", "model.base_precision": "fp8",
@@ -521,6 +528,10 @@ CASES = [
       "data.path": "{root}/data", "data.repeats": None, "train.timestep_sampling": "linear", "train.ema": None,
       "sample.every_steps": None, "train.schedule": "constant"},
      {"__version", "concepts[0].balancing", "ema_decay", "sample_after"}),
+    ("onetrainer-minimal-preset", "z.json", ONETRAINER_MINIMAL, None,  # only what differs from its defaults
+     {"model.family": "z_image", "lora.rank": 16, "lora.alpha": 1.0, "train.optimizer": "adamw",
+      "train.schedule": "constant", "train.steps": 3, "data.path": "{root}/data"},
+     set()),
     ("simpletuner-plain-lycoris", "st.json", SIMPLETUNER_LYCORIS,
      [("backends.json", SIMPLETUNER_TEXTFILE_BACKENDS), ("lycoris.json", SIMPLETUNER_LYCORIS_CONFIG)],
      {"model.family": "flux", "lora.type": "lokr", "lora.factor": 16, "train.lr": 4e-4, "train.steps": 5 * 1,
@@ -605,6 +616,11 @@ ONETRAINER_CHROMA = """\
  "epochs": 2, "resolution": "512", "optimizer": {{"optimizer": "PRODIGY"}}, "timestep_distribution": "UNIFORM",
  "ema": "OFF", "ema_decay": 0.999, "save_every": 30, "save_every_unit": "STEP", "sample_after": 0,
  "sample_after_unit": "NEVER", "concepts": [{{"path": "{root}/data", "balancing": 1.5}}]}}
+"""
+
+ONETRAINER_MINIMAL = """\
+{{"training_method": "LORA", "model_type": "Z_IMAGE", "base_model_name": "Tongyi-MAI/Z-Image-Turbo",
+ "epochs": 1, "concepts": [{{"path": "{root}/data"}}]}}
 """
 
 SIMPLETUNER_LYCORIS = """\
