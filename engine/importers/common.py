@@ -160,9 +160,8 @@ def resolutions(v: Any, ctx: Context) -> list[int]:
     raise Problem(f"{v!r} is not a resolution")
 
 
-def caption_ext(v: Any, ctx: Context) -> str | None:
-    ext = str(v).lstrip(".")
-    return None if ext == "txt" else ext
+def caption_ext(v: Any, ctx: Context) -> str:
+    return str(v).lstrip(".")
 
 
 def local_path(v: Any, ctx: Context) -> str:

@@ -41,6 +41,21 @@ def _family(v: Any, ctx: Context) -> str:
     return fam
 
 
+# SimpleTuner's flavours → the hub repository it loads for them (only used when the config names no model path).
+FLAVOURS = {("flux", "dev"): "black-forest-labs/FLUX.1-dev", ("flux", "schnell"): "black-forest-labs/FLUX.1-schnell",
+            ("flux", "krea"): "black-forest-labs/FLUX.1-Krea-dev", ("qwen_image", "v1.0"): "Qwen/Qwen-Image",
+            ("chroma", "base"): "lodestones/Chroma1-Base", ("chroma", "hd"): "lodestones/Chroma1-HD"}
+
+
+def _flavour(v: Any, ctx: Context) -> str:
+    if "pretrained_model_name_or_path" in ctx.source:
+        raise CarriedIn("model.path")
+    repo = FLAVOURS.get((str(ctx.source.get("model_family", "")).lower(), str(v).lower()))
+    if repo is None:
+        raise Problem(f"{v}: a flavour whose model this importer does not know; set pretrained_model_name_or_path")
+    return repo
+
+
 def _model_type(v: Any, ctx: Context) -> None:
     if str(v).lower() != "lora":
         raise Problem(f"{v}: lorad trains LoRA adapters only (model_type lora)")
@@ -119,8 +134,8 @@ BUCKETS = other_way("data.resolution", "lorad's buckets: aspect within 2:1 at th
 TABLE: list[Key] = [
     Key("model_family", "model.family", _family, doc=", ".join(FAMILIES) + "; others refused"),
     Key("model_type", None, _model_type, doc="lora only"),
-    Key("model_flavour", None, carried_in("model.path")),
     Key("pretrained_model_name_or_path", "model.path", c.model_path),
+    Key("model_flavour", "model.path", _flavour, doc="without a model path: the flavour's hub id"),
     Key("lora_type", None, _lora_type),
     Key("lycoris_config", "lora.type", _lycoris, doc="its algo (lokr, loha, lora) and factor"),
     Key("use_dora", "lora.type", _dora),

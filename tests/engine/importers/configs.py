@@ -378,7 +378,7 @@ ONETRAINER_MINIMAL = """\
 """
 
 SIMPLETUNER_LYCORIS = """\
-{{"model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+{{"model_type": "lora", "model_family": "flux", "model_flavour": "dev",
  "lora_type": "lycoris", "lycoris_config": "lycoris.json", "learning_rate": 4e-4, "num_train_epochs": 5,
  "train_batch_size": 3, "optimizer": "optimi-lion", "lr_scheduler": "polynomial", "checkpointing_steps": 50,
  "data_backend_config": "backends.json", "instance_prompt": "sks dog", "resolution": 1.0, "resolution_type": "area"}}
@@ -535,6 +535,7 @@ CASES = [
     ("simpletuner-plain-lycoris", "st.json", SIMPLETUNER_LYCORIS,
      [("backends.json", SIMPLETUNER_TEXTFILE_BACKENDS), ("lycoris.json", SIMPLETUNER_LYCORIS_CONFIG)],
      {"model.family": "flux", "lora.type": "lokr", "lora.factor": 16, "train.lr": 4e-4, "train.steps": 5 * 1,
+      "model.path": "black-forest-labs/FLUX.1-dev",  # from model_flavour: the config names no path
       "train.batch_size": 3, "data.resolution": [1000], "train.optimizer": None, "checkpoint.every_steps": 50,
       "data.path": "{root}/data", "data.trigger": None, "train.schedule": None},
      {"lora_type", "optimizer", "lr_scheduler", "instance_prompt", "data_backend_config", "backends[0].id",
@@ -624,7 +625,7 @@ ONETRAINER_MINIMAL = """\
 """
 
 SIMPLETUNER_LYCORIS = """\
-{{"model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+{{"model_type": "lora", "model_family": "flux", "model_flavour": "dev",
  "lora_type": "lycoris", "lycoris_config": "lycoris.json", "learning_rate": 4e-4, "num_train_epochs": 5,
  "train_batch_size": 3, "optimizer": "optimi-lion", "lr_scheduler": "polynomial", "checkpointing_steps": 50,
  "data_backend_config": "backends.json", "instance_prompt": "sks dog", "resolution": 1.0, "resolution_type": "area"}}
