@@ -18,6 +18,15 @@ PRIVATE = {"_script": "(the training script's name)", "_folder_repeats": "(N of 
            "_folder_caption": "(name of an `N_name` folder)"}
 
 
+# What the shared converters (engine/importers/common.py) do, in the table's words.
+HOW = {"integer": "a whole number", "number": "a number", "positive_int": "a count; 0 or less (off there) not carried",
+       "optimizer": "by name: adamw8bit, paged_adamw8bit, adamw, prodigy, adamw_schedulefree; others not carried",
+       "schedule": "constant (with warm-up), linear, cosine; others not carried",
+       "timestep_sampling": "sigmoid/logit_normal → sigmoid, uniform/sigma/linear → linear, shift; others not carried",
+       "dtype": "bf16 → bfloat16, fp16 → float16, fp32/no → float32", "caption_ext": "without the dot",
+       "local_path": "made absolute against the config's folder"}
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -27,7 +36,12 @@ def _row(k: Key) -> str:
     if k.dst is None and k.conv is None:
         return f"| {src} | — | not carried over: {_cell(k.why or '')} |"
     dst = f"`{k.dst}`" if k.dst else "(qualifies another key)"
-    return f"| {src} | {dst} | {_cell(k.doc or k.why or '')} |"
+    how = k.doc or k.why or ("as is" if k.conv is None else _first_line(k.conv.__doc__) or HOW.get(k.conv.__name__, ""))
+    return f"| {src} | {dst} | {_cell(how)} |"
+
+
+def _first_line(doc: str | None) -> str:
+    return " ".join((doc or "").split(". ")[0].split()).rstrip(".")
 
 
 def tables() -> str:
