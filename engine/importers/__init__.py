@@ -105,7 +105,7 @@ def _detect(p: Parsed) -> str | None:
     if kohya.is_dataset_toml(d):
         return kohya.MUSUBI if kohya.is_musubi_dataset(d) else kohya.NAME
     if kohya.is_config_toml(d):
-        return kohya.MUSUBI if "dit" in kohya._config_flat(d) else kohya.NAME
+        return kohya.MUSUBI if "dit" in kohya.config_flat(d) else kohya.NAME
     return None
 
 
@@ -176,7 +176,7 @@ def _read(p: Parsed, tool: str, name: str, side: Any, ctx: Context, out: Importe
         cfg = dict(args)
         if "config_file" in cfg:  # the TOML first, the command line's own arguments over it (as sd-scripts)
             try:
-                cfg = {**kohya._config_flat(tomllib.loads(ctx.read(Path(ctx.base_dir / str(cfg["config_file"]))))),
+                cfg = {**kohya.config_flat(tomllib.loads(ctx.read(Path(ctx.base_dir / str(cfg["config_file"]))))),
                        **cfg}
             except (OSError, ValueError) as e:
                 out.problems.append(f"config_file: {args['config_file']} could not be read ({e})")
@@ -188,7 +188,7 @@ def _read(p: Parsed, tool: str, name: str, side: Any, ctx: Context, out: Importe
                                 f"(--config_file TOML or its command line) with --dataset {name}")
             kohya.read({}, None, p.doc, ctx, out)
         else:
-            _kohya(None, kohya._config_flat(p.doc), side, ctx, out)
+            _kohya(None, kohya.config_flat(p.doc), side, ctx, out)
     elif tool == ai_toolkit.NAME:
         ai_toolkit.read(p.doc, ctx, out)
     elif tool == onetrainer.NAME:

@@ -55,7 +55,7 @@ def is_dataset_toml(doc: Any) -> bool:
 
 
 def is_config_toml(doc: Any) -> bool:
-    flat = _config_flat(doc) if isinstance(doc, dict) else {}
+    flat = config_flat(doc) if isinstance(doc, dict) else {}
     return any(k in flat for k in TRAINING_KEYS)
 
 
@@ -64,7 +64,7 @@ def is_musubi_dataset(doc: dict) -> bool:
                for d in doc.get("datasets", []))
 
 
-def _config_flat(doc: dict) -> dict[str, Any]:
+def config_flat(doc: dict) -> dict[str, Any]:
     """sd-scripts reads a config TOML's sections as if their keys were at the top."""
     out: dict[str, Any] = {}
     for k, v in doc.items():
@@ -322,7 +322,6 @@ TABLE: list[Key] = [
     Key("cache_text_encoder_outputs", None, why=CACHE), Key("cache_text_encoder_outputs_to_disk", None, why=CACHE),
     Key("sdpa", None, why=not_applicable("lorad picks the attention kernel")),
     Key("xformers", None, why=not_applicable("lorad picks the attention kernel")),
-    Key("sdpa", None, why=not_applicable("lorad picks the attention kernel")),
     Key("persistent_data_loader_workers", None, why=not_applicable("the other tool's data loader")),
     Key("max_data_loader_n_workers", None, why=not_applicable("the other tool's data loader")),
     Key("output_dir", None, why=OUTPUT), Key("output_name", None, why=OUTPUT), Key("logging_dir", None, why=OUTPUT),

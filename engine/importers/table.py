@@ -167,19 +167,19 @@ def apply(table: list[Key], flat: dict[str, Any], ctx: Context, out: Imported,
             out.problems.append(f"{src}: {e}")
             continue
         except CarriedIn as e:
-            out.also[e.dst] = [*out.also.get(e.dst, []), f"{src} = {_short(value)}"]
+            out.also[e.dst] = [*out.also.get(e.dst, []), f"{src} = {short(value)}"]
             continue
         if v is None or row.dst is None:
             continue  # the converter says the value is lorad's default or empty: nothing to write, nothing lost
         if row.dst in out.origin:
             out.drop(src, value, other_way(row.dst, f"set from {out.origin[row.dst].split(' = ')[0]}"))
             continue
-        said = f"{row.doc} = {_short(value)}" if src.startswith("_") else f"{src} = {_short(value)}"
+        said = f"{row.doc} = {short(value)}" if src.startswith("_") else f"{src} = {short(value)}"
         out.set(row.dst, None if v is NULL else v, said)
         ctx.job = out.job
 
 
-def _short(v: Any, width: int = 60) -> str:
+def short(v: Any, width: int = 60) -> str:
     s = v if isinstance(v, str) else repr(v)
     s = " ".join(str(s).split())
     return s if len(s) <= width else s[: width - 1] + "…"

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from engine.importers.table import Imported, _short
+from engine.importers.table import Imported, short
 
 HEADER = "# lorad import: from "
 DROPPED = "# not carried over:"
@@ -31,7 +31,7 @@ def to_yaml(imp: Imported) -> str:
     lines += [f"# {_comment(n)}" for n in imp.notes]
     if imp.dropped:
         lines.append(DROPPED)
-        lines += [f"#   {src} = {_short(v)} — {why}" for src, v, why in imp.dropped]
+        lines += [f"#   {src} = {short(v)} — {why}" for src, v, why in imp.dropped]
     lines.append("")
     keys = sorted(imp.job, key=lambda k: (SECTION_ORDER.index(k) if k in SECTION_ORDER else len(SECTION_ORDER), k))
     for k in keys:
