@@ -69,7 +69,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         # file's directory. What the paths hold is for the daemon to check, in the same order and with the
         # same words as for an inbox file: its allowed roots before anything reads them.
         # Another trainer's config is imported here first (engine/importers/): its paths are this machine's.
-        header, cfg = _local_import(Path(args.job))
+        header, cfg = local_import(Path(args.job))
         if cfg is None:
             cfg = load_job(args.job, check_paths=False)
     except JobInvalid as e:
@@ -85,7 +85,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                                                         else "")))
 
 
-def _local_import(path: Path):
+def local_import(path: Path, check_paths: bool = False):
     """(the import header to keep, the job) of another trainer's config or of a job `lorad import` wrote; ("",
     None) for a plain lorad job, which load_job reads."""
     from engine.config.job import parse_job
@@ -109,7 +109,7 @@ def _local_import(path: Path):
         raw = read_yaml(text, max_aliases=100)
     except ValueError as e:
         raise JobInvalid(f"{path.name}: {e}") from None
-    return header, parse_job(raw, path.parent.resolve(), source=path.name, check_paths=False)
+    return header, parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

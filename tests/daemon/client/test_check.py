@@ -50,3 +50,18 @@ def test_check_a_hub_model_offline_says_it_was_not_looked_at(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "not looked at (offline is fine)" in out and "memory plan: decided at start" in out
     assert "captions missing: 1 (their caption: the trigger 'sks')" in out
+
+
+def test_lorad_run_and_cache_take_another_trainers_config_as_the_job_it_imports_to(tmp_path):
+    import argparse
+
+    from daemon.client.foreground import _local_job
+    from tests.daemon.intake.test_import_intake import AI_TOOLKIT
+    from tests.engine.importers.test_tools import fill
+
+    make_images(tmp_path / "data", [("a.png", 48, 32, "a cat")])
+    (tmp_path / "flux.yaml").write_text(fill(AI_TOOLKIT, tmp_path))
+    cfg, workdir = _local_job(argparse.Namespace(job=str(tmp_path / "flux.yaml"), home=str(tmp_path / "home")))
+    assert (cfg.name, cfg.model.family, cfg.lora.rank, cfg.lora.alpha, cfg.train.steps) == ("imported-flux", "flux",
+                                                                                             4, 8.0, 4)
+    assert workdir.parent.parent == tmp_path / "home"

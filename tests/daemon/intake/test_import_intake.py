@@ -12,7 +12,7 @@ import pytest
 
 from daemon import protocol as p
 from daemon.client import cli
-from daemon.client.verbs import _local_import
+from daemon.client.verbs import local_import
 from daemon.config.daemon import DaemonConfig
 from daemon.intake.accept import Intake
 from daemon.service import handlers
@@ -120,7 +120,7 @@ def test_a_bad_foreign_file_is_rejected_in_one_line_and_nothing_is_queued(intake
 def test_submit_imports_on_the_client_and_the_daemon_keeps_the_note(intake, tmp_path):
     src = tmp_path / "allowed" / "flux.yaml"
     src.write_text(fill(AI_TOOLKIT, root(intake)))
-    header, cfg = _local_import(src)  # what `lorad submit` sends: the header, then the normalised job
+    header, cfg = local_import(src)  # what `lorad submit` sends: the header, then the normalised job
     assert header.startswith("# lorad import: from ai-toolkit (flux.yaml)")
     out = intake.submit_text("flux.yaml", header + dump_job(cfg))
     assert status(intake, out.job_id).imported_from == "ai-toolkit"
