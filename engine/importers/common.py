@@ -197,22 +197,17 @@ def model_path(v: Any, ctx: Context) -> str:
 
 
 # ---------------------------------------------------------------- datasets
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 REPEAT_DIR = re.compile(r"^(\d+)_(.+)$")
 
 
-def images_in(folder: Path, limit: int = 100_000) -> list[Path]:
-    """The images under folder (sub-folders too, as lorad reads them), without following links out; [] if absent."""
-    out: list[Path] = []
+def images_in(folder: Path) -> list[Path]:
+    """The images under folder as lorad reads them (engine/config/sources.py: sub-folders too); [] if absent."""
+    from engine.config.sources import list_images
+
     try:
-        for p in sorted(folder.rglob("*")):
-            if p.suffix.lower() in IMAGE_EXTS and not any(part.startswith(".") for part in p.relative_to(folder).parts):
-                out.append(p)
-                if len(out) >= limit:
-                    break
+        return list_images(folder) if folder.is_dir() else []
     except OSError:
         return []
-    return out
 
 
 def repeat_folders(folder: Path) -> list[tuple[int, str, Path]]:
