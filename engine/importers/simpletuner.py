@@ -76,9 +76,22 @@ def _lycoris(v: Any, ctx: Context) -> str:
     algo = str(cfg.get("algo", "lora")).lower()
     if algo not in ("lora", "lokr", "loha", "locon"):
         raise NotCarried(f"{NO_FEATURE} (LyCORIS algo {algo})")
-    if algo == "lokr" and "factor" in cfg:
-        ctx.job.setdefault("lora", {})["factor"] = int(cfg["factor"])
-        ctx.origin["lora.factor"] = f"{v}: factor = {cfg['factor']}"
+    lora = ctx.job.setdefault("lora", {})
+    for k, val in cfg.items():  # the LyCORIS file's own settings: carried beside lora.type, or listed
+        if k == "algo":
+            continue
+        if k == "factor" and algo == "lokr":
+            lora["factor"], ctx.origin["lora.factor"] = int(val), f"{v}: factor = {val}"
+        elif k == "linear_dim" and int(val) <= 1024:
+            lora["rank"], ctx.origin["lora.rank"] = int(val), f"{v}: linear_dim = {val}"
+        elif k == "linear_alpha" and int(cfg.get("linear_dim", 0)) <= 1024:
+            lora["alpha"], ctx.origin["lora.alpha"] = float(val), f"{v}: linear_alpha = {val}"
+        elif k == "multiplier":
+            ctx.dropped.append((f"lycoris_config.{k}", val, not_applicable("the LoRA's weight when it is used")))
+        else:
+            ctx.dropped.append((f"lycoris_config.{k}", val, f"{NO_FEATURE}" + (
+                " (a rank above 1024, LyCORIS's full matrix; lora.rank's default is used)"
+                if k in ("linear_dim", "linear_alpha") else "")))
     return "lora" if algo == "locon" else algo
 
 

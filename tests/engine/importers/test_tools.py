@@ -17,6 +17,9 @@ from engine.importers.table import NO_FEATURE
 from tests.engine.importers.configs import CASES, REFUSED
 from tests.helpers.images import make_images
 
+# What every case states (None: the import leaves it to lorad's default): the list.
+STATED = ("lora.rank", "lora.alpha", "train.lr", "train.steps", "train.batch_size", "data.resolution",
+          "train.optimizer", "checkpoint.every_steps", "data.trigger", "data.path")
 WHY = re.compile(rf"^({NO_FEATURE}|lorad does this another way \(.+\)|does not apply \(.+\))")
 
 
@@ -60,6 +63,7 @@ def value(d: dict, dotted: str):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_config_imports_to_a_valid_job_with_the_values_it_meant(case, root, tmp_path):
     cid, name, text, dataset, want, dropped = case
+    assert set(STATED) <= set(want), f"the case must state {sorted(set(STATED) - set(want))}"
     src, side = write_case(root, tmp_path, name, text, dataset)
     tool = cid.split("-")[0] if not cid.startswith(("ai-toolkit", "diffusion-pipe", "musubi")) else \
         "-".join(cid.split("-")[:2]) if not cid.startswith("musubi") else "musubi-tuner"
