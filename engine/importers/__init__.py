@@ -161,7 +161,7 @@ def import_text(text: str, name: str, base_dir: Path, dataset: tuple[str, str] |
         _read(p, tool, name, side, ctx, out)
     except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
         # a config of the right kind whose shape is not the tool's (a list where a table is, ...): one line
-        raise JobInvalid(f"{name}: not a {tool} config lorad can read ({type(e).__name__}: {e})") from None
+        raise JobInvalid(f"{name}: not a {tool} config of a shape lorad can read ({type(e).__name__}: {e})") from None
     out.notes += ctx.notes
     out.dropped += ctx.dropped
     _finish(out)
@@ -184,8 +184,8 @@ def _read(p: Parsed, tool: str, name: str, side: Any, ctx: Context, out: Importe
         _kohya(script, cfg, side, ctx, out)
     elif tool in (kohya.NAME, kohya.MUSUBI):
         if kohya.is_dataset_toml(p.doc):
-            out.problems.append(f"{name}: a dataset config only; it names no model. Import the training config "
-                                f"(--config_file TOML or its command line) with --dataset {name}")
+            out.problems.append(f"a dataset config only, naming no model: import the training config (--config_file "
+                                f"TOML or its command line) with --dataset {name}")
             kohya.read({}, None, p.doc, ctx, out)
         else:
             _kohya(None, kohya.config_flat(p.doc), side, ctx, out)

@@ -680,5 +680,5 @@ REFUSED = [
     ("simpletuner-sd3", "st.json", SIMPLETUNER_PLAIN_NO_BACKENDS, None,
      r"data_backend_config: missing.json not found.*model_family: unsupported model family: 'sd3'"),
     ("diffusion-pipe-hunyuan-1.0", "hv.toml", DIFFUSION_PIPE_HUNYUAN, None, r"model\.type: unsupported model family"),
-    ("kohya-dataset-alone", "dataset.toml", KOHYA_DATASET, None, r"a dataset config only; it names no model"),
+    ("kohya-dataset-alone", "dataset.toml", KOHYA_DATASET, None, r"a dataset config only, naming no model"),
 ]

@@ -108,3 +108,25 @@ def test_model_names_map_to_their_families_and_the_unknown_to_none():
                                         "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "builtin:tiny-flux",
                                         "stabilityai/stable-diffusion-xl-base-1.0")] == \
         ["flux", "flux2", "qwen_image", "z_image", "chroma", "wan", "flux", None]
+
+
+ODD = [  # the right kind of file, the wrong shape inside: one line each, never a traceback
+    ("a.yaml", "job: extension\nconfig:\n  process: []\n"),
+    ("a.yaml", "job: extension\nconfig:\n  process:\n    - network: x\n      model: 3\n      datasets: 5\n"),
+    ("a.yaml", "job: extension\nconfig:\n  process:\n    - model: {name_or_path: [1, 2]}\n      train: {lr: abc}\n"),
+    ("k.toml", "pretrained_model_name_or_path = 5\nnetwork_args = 3\nnetwork_dim = 'x'\nmax_train_epochs = 2\n"),
+    ("k.toml", "[[datasets]]\nsubsets = 3\n"),
+    ("o.json", '{"model_type": 5, "training_method": "LORA", "concepts": "x", "samples": 7}'),
+    ("s.json", '{"--model_family": ["flux"], "--lora_rank": "a"}'),
+    ("d.toml", "dataset = 5\n[model]\ntype = 'flux'\n[adapter]\nrank = 'x'\n"),
+    ("c.sh", "python flux_train_network.py --network_dim --resolution 512,512,512 --max_train_epochs x"),
+]
+
+
+@pytest.mark.parametrize("name,text", ODD, ids=[f"{i}-{n}" for i, (n, _) in enumerate(ODD)])
+def test_a_config_of_an_odd_shape_is_one_line_never_a_traceback(name, text, tmp_path):
+    from engine.importers import import_text
+
+    with pytest.raises(JobInvalid) as e:
+        import_text(text, name, tmp_path)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"{name}: ")
