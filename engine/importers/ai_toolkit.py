@@ -247,6 +247,10 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported) -> None:
                     f"datasets[{i}].folder_path = {d.get('folder_path')} (is_reg)")
             if d.get("num_repeats"):
                 out.set("data.regularisation.repeats", int(d["num_repeats"]), f"datasets[{i}].num_repeats")
+            for k, val in d.items():
+                if k not in ("folder_path", "num_repeats", "is_reg"):
+                    out.drop(f"datasets[{i}].{k}", val, f"{NO_FEATURE} (for a regularisation folder: lorad reads its "
+                             "images with their own captions)")
         else:
             out.drop(f"datasets[{i}]", (d or {}).get("folder_path", "?") if isinstance(d, dict) else d,
                      other_way("data.path", "one image folder per job: put the folders under one, as sub-folders"))

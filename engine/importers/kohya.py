@@ -217,6 +217,7 @@ OUTPUT = not_applicable("the other tool's output, names and logs; lorad writes t
 CACHE = other_way("the cache", "lorad always caches latents and text embeddings, once, in its home")
 PARTS = other_way("model.path", "lorad reads the VAE and text encoders from the model's diffusers directory")
 BUCKETS = other_way("data.resolution", "lorad's buckets: aspect within 2:1 at the resolution's area, always on")
+REG_ONLY = f"{NO_FEATURE} (for a regularisation folder: lorad reads its images with their own captions)"
 ONE_FOLDER = other_way("data.path", "one image folder per job: put the folders under one, as sub-folders")
 
 TABLE: list[Key] = [
@@ -404,6 +405,9 @@ def _dataset(doc: dict[str, Any], flat: dict[str, Any], ctx: Context, out: Impor
                     if s.get("num_repeats"):
                         out.set("data.regularisation.repeats", int(s["num_repeats"]),
                                 f"datasets[{i}].subsets[{j}].num_repeats")
+                    for k, val in s.items():
+                        if k not in ("image_dir", "num_repeats", "is_reg"):
+                            out.drop(f"datasets[{i}].subsets[{j}].{k}", val, REG_ONLY)
                 else:
                     out.drop(f"datasets[{i}].subsets[{j}]", s.get("image_dir"), other_way("data.regularisation",
                              "one regularisation folder per job"))

@@ -452,7 +452,7 @@ CASES = [
       "cache_text_encoder_outputs_to_disk", "highvram", "dataset_config", "output_dir", "output_name",
       "discrete_flow_shift", "model_prediction_type",
       "general.shuffle_caption", "general.keep_tokens", "datasets[0].keep_tokens",
-      "datasets[0].subsets[0].class_tokens"}),
+      "datasets[0].subsets[0].class_tokens", "datasets[0].subsets[1].class_tokens"}),
     ("kohya-config-folders", "config.toml", KOHYA_CONFIG_FOLDERS, None,
      {"model.family": "flux", "model.path": "black-forest-labs/FLUX.1-schnell", "lora.rank": 8, "lora.alpha": 8.0,
       "train.lr": 5e-4, "train.steps": 800, "train.batch_size": 2, "data.resolution": [627],
