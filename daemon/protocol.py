@@ -174,6 +174,8 @@ class JobDetail(JobRow):
     events: list[dict[str, Any]] = []
     samples_step: int | None = None  # the newest step with rendered sample images (Flux jobs)
     samples: list[str] = []  # their PNG paths
+    imported_from: str | None = None  # another trainer's config it was imported from (ai-toolkit, kohya, ...)
+    not_carried_over: list[str] = []  # what of that config lorad did not carry over, and why
 
 
 class Reply(_Msg):

@@ -3,6 +3,7 @@
     daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
     daemon/client/export.py           export
     daemon/client/foreground.py       run cache
+    daemon/client/importing.py        import check
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
     daemon/power/helper.py            power-helper (root, its own unit)
@@ -70,6 +71,18 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from daemon.client.foreground import cmd_cache as cache
 
     return cache(args)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from daemon.client.importing import cmd_import as import_
+
+    return import_(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from daemon.client.importing import cmd_check as check
+
+    return check(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,7 +181,8 @@ def _job_file(text: str) -> str:
 
 
 def _local_verbs(sub) -> None:
-    """The verbs that run here, without the daemon's socket: run, cache, serve, install-service, power-helper."""
+    """The verbs that run here, without the daemon's socket: run, cache, import, check, serve, install-service,
+    power-helper."""
     p_ = sub.add_parser("run", help="train a job in the foreground; run again to resume")
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
@@ -181,6 +195,19 @@ def _local_verbs(sub) -> None:
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
     p_.add_argument("--config", help="daemon config YAML whose cache_max_bytes applies (as to the daemon's jobs)")
     p_.set_defaults(fn=cmd_cache, needs_training_stack=True)
+
+    p_ = sub.add_parser("import", help="turn another trainer's config (ai-toolkit, kohya/musubi, OneTrainer, "
+                                       "SimpleTuner, diffusion-pipe) into a lorad job file")
+    p_.add_argument("file", help="the config: YAML, TOML, JSON or a saved command line")
+    p_.add_argument("--dataset", metavar="FILE", help="its dataset file (kohya/musubi or diffusion-pipe dataset "
+                                                      "TOML, SimpleTuner backends JSON, OneTrainer concepts JSON)")
+    p_.add_argument("--to", metavar="JOB.yaml", help="write the job here (default: print it)")
+    p_.set_defaults(fn=cmd_import)
+
+    p_ = sub.add_parser("check", help="validate a job and say what it will do (no daemon needed)")
+    p_.add_argument("job", help="job YAML file (or another trainer's config)")
+    p_.add_argument("--json", action="store_true", help="the report as JSON")
+    p_.set_defaults(fn=cmd_check)
 
     p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
     p_.add_argument("--home", help="lorad home directory")

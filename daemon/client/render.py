@@ -168,6 +168,9 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
             ("last checkpoint", j.last_checkpoint or "-"), ("output", j.output or "-"),
             ("workdir", j.workdir), ("submitted", when(j.submitted_at)), ("source", num(j.source)),
             ("crashes in a row", j.retries)]
+    if j.imported_from:
+        rows.append(("imported", f"imported from {j.imported_from}; {len(j.not_carried_over)} settings not carried "
+                                 "over (lorad logs ID: the imported event)"))
     if j.not_before and j.not_before > time.time() and j.state == "queued":
         rows.append(("next try", when(j.not_before)))
     if j.state == "waiting":

@@ -68,10 +68,14 @@ def cmd_submit(args: argparse.Namespace) -> int:
         # The schema locally first (a typo is shown without a daemon), with relative paths resolved against the
         # file's directory. What the paths hold is for the daemon to check, in the same order and with the
         # same words as for an inbox file: its allowed roots before anything reads them.
-        cfg = load_job(args.job, check_paths=False)
+        # Another trainer's config is imported here first (engine/importers/): its paths are this machine's.
+        header, cfg = local_import(Path(args.job))
+        if cfg is None:
+            cfg = load_job(args.job, check_paths=False)
     except JobInvalid as e:
         return fail(args.json, "invalid_job", f"invalid job: {e}", 65)
-    data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg), from_mirror=args.from_mirror or None))
+    data = call(args, p.Submit(name=Path(args.job).name, text=header + dump_job(cfg),
+                               from_mirror=args.from_mirror or None))
     reply = p.SubmitReply.model_validate(data)
     if reply.same_name and not args.json:
         others = render.term_safe(", ".join(f"{j.id} ({j.state})" for j in reply.same_name))
@@ -79,6 +83,33 @@ def cmd_submit(args: argparse.Namespace) -> int:
               file=sys.stderr)
     return out(args, data, lambda d: print(render.term_safe(
         reply.job + (f" (from the mirror: {reply.restored})" if reply.restored else ""))))
+
+
+def local_import(path: Path, check_paths: bool = False):
+    """(the import header to keep, the job) of another trainer's config or of a job `lorad import` wrote; ("",
+    None) for a plain lorad job, which load_job reads."""
+    from engine.config.job import parse_job
+    from engine.config.reading import MAX_JOB_FILE_BYTES, decode_job_bytes, read_yaml
+    from engine.errors import JobInvalid
+    from engine.importers import detect, header_text, import_text, is_foreign_name
+
+    try:
+        data = path.read_bytes()[: MAX_JOB_FILE_BYTES + 1]
+    except OSError:
+        return "", None  # load_job says why, in its words
+    if len(data) > MAX_JOB_FILE_BYTES:
+        return "", None
+    text = decode_job_bytes(data, path.name)
+    if detect(text, path.name) is not None or is_foreign_name(path.name):  # an unknown .toml: refused naming formats
+        text = import_text(text, path.name, path.parent.resolve()).text
+    header = header_text(text)
+    if not header:
+        return "", None
+    try:
+        raw = read_yaml(text, max_aliases=100)
+    except ValueError as e:
+        raise JobInvalid(f"{path.name}: {e}") from None
+    return header, parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
 
 
 def cmd_status(args: argparse.Namespace) -> int:

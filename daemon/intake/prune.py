@@ -17,7 +17,7 @@ import stat
 import time
 from pathlib import Path
 
-from daemon.intake.accept import ERROR_SUFFIX
+from daemon.intake.rejections import ERROR_SUFFIX
 
 PRUNE_BATCH = 500
 PRUNE_EVERY_S = 60.0

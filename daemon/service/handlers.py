@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
-from daemon.intake.accept import recent_rejections
+from daemon.intake.rejections import recent_rejections
 from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
@@ -84,7 +84,7 @@ def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
                 raise JobInvalid("--from: this daemon has no mirrors")
             out, restored = mirrors.restore(
                 req.from_mirror, lambda text, source, state: ctx.intake.submit_text(req.name, text, source, state=state),
-                lambda text: ctx.intake.validate(text, req.name), req.text or None)
+                lambda text: ctx.intake.validate(text, req.name)[1], req.text or None)
         else:
             if mirrors is not None:
                 mirrors.check_job(_doc(req.text))  # a mirror that cannot work is refused now, when it can be told
@@ -139,7 +139,9 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     if src[:1].isdigit() and "-" in src:
         job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
     samples_step, samples = latest_samples(Path(job["workdir"]))
-    detail = p.JobDetail.model_validate({**job, "mirror": _mirror_lag(ctx, job["id"]),
+    imported = (ctx.store.first_event(job["id"], "imported") or {}).get("data") or {}
+    detail = p.JobDetail.model_validate({**job, "imported_from": imported.get("from_tool"),
+                                         "not_carried_over": imported.get("not_carried_over") or [], "mirror": _mirror_lag(ctx, job["id"]),
                                          "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20),
                                          "samples_step": samples_step, "samples": samples})

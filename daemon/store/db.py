@@ -254,6 +254,13 @@ class Store:
                                    (job_id, limit)).fetchall()
         return [dict(r, data=json.loads(r["data"])) for r in reversed(rows)]
 
+    def first_event(self, job_id: str, kind: str) -> dict[str, Any] | None:
+        """The job's first event of this kind (e.g. imported), its data decoded; None when it has none."""
+        with self._lock:
+            row = self.db.execute("SELECT * FROM events WHERE job_id=? AND kind=? ORDER BY id LIMIT 1",
+                                  (job_id, kind)).fetchone()
+        return dict(row, data=json.loads(row["data"])) if row else None
+
     def get_meta(self, key: str, default: str | None = None) -> str | None:
         with self._lock:
             row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from daemon.config.daemon import DaemonConfig
-from daemon.intake.accept import MAX_REASON_CHARS, Intake
+from daemon.intake.accept import Intake
 from daemon.intake.checks import MAX_RUNNING, PENDING, Checks
+from daemon.intake.rejections import MAX_REASON_CHARS
 from daemon.store.db import Store
 from daemon.system.log import setup
 from engine.config import bounded
