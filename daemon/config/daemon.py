@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -68,6 +68,9 @@ class DaemonConfig(BaseModel):
     cluster: ClusterSettings | None = None  # jobs that span machines (daemon/supervisor/cluster.py); none: refused at submit
     mirrors: dict[str, MirrorSettings] = Field(default_factory=dict)  # named off-box copies (daemon/mirror/)
     default_mirror: str | None = None  # the mirror of a job that names none (output.mirror); null: none
+    # Hub users/organisations a job's output.push_to_hub may name (the daemon's HF token writes only there); none:
+    # no job may push (daemon/mirror/hub.py)
+    hub_namespaces: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]{0,95}$")]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _default_mirror_named(self) -> DaemonConfig:

@@ -80,6 +80,12 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
         raise JobInvalid(f"{source}: {e}") from None
     job = parse_job(raw, base_dir, source=source)
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
+    if job.output.push_to_hub:
+        from daemon.mirror.hub import (
+            check_repo,  # only the daemon config's hub_namespaces: its token writes there
+        )
+
+        check_repo(job.output.push_to_hub, cfg.hub_namespaces)
     return job
 
 
