@@ -25,7 +25,7 @@ SCRUBBED = "***"
 # job's name, engine/config/schema.py NAME_RE, and a suffix): one path component, never "." or "..".
 KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 CHUNK = 1 << 20  # reads and writes go in pieces of this size: memory stays flat whatever a file's size
-WRITE_BLOCK = 8 << 20  # what an object store buffers before sending a part (S3's smallest multipart part: 5 MiB)
+WRITE_BLOCK = 8 << 20  # an object store's buffer per open file: a part sent (S3's smallest: 5 MiB), a range read
 GET_MOST = 64 << 20  # get(): what a caller that names no limit may read into memory at most
 BURST_S = 0.25  # the bandwidth cap lets this many seconds of unused budget go at once after a quiet spell
 
@@ -226,7 +226,7 @@ class Remote:
 
         def do(fs, path: str) -> None:
             nonlocal n
-            with fs.open(path, "rb", **self._open_opts(CHUNK, cache_type="readahead")) as f:
+            with fs.open(path, "rb", **self._open_opts(WRITE_BLOCK, cache_type="readahead")) as f:
                 while chunk := f.read(min(CHUNK, most + 1 - n)):
                     n += len(chunk)
                     if n > most:
