@@ -109,10 +109,16 @@ def may_search(st: os.stat_result, who: RunAs) -> bool:
 
 
 def way_in(workdir: Path, who: RunAs) -> str | None:
-    """Before every start: the trainer user gets a way into jobs/ (root's, made 0750 under the unit's UMask=0007):
-    jobs/ is given the user's group, which may enter and list it (never write). None when the user can now reach
-    its job directory; else why not, in one line: a configuration error (a home it cannot enter), not a crash."""
+    """Before every start: the trainer user gets a way into its job directory, whatever umask made the daemon's
+    directories (a root daemon under the unit's UMask=0007 makes its home 0770 and jobs/ 0750, root's): the home
+    gets search permission only (o+x: enter, never list), jobs/ the user's group (enter and list, never write).
+    Nothing is taken from anyone. None when the user can now reach its job directory; else why not, in one line:
+    a configuration error (a directory above the home it cannot enter), not a crash to retry."""
     workdir = Path(workdir)
+    with opened_dir(workdir.parent.parent, follow=True) as d:  # the home: the daemon's own (maybe through a link)
+        st = os.fstat(d)
+        if not may_search(st, who):
+            os.fchmod(d, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
     with opened_dir(workdir.parent) as d:  # HOME/jobs: the daemon's, never a symlink
         st = os.fstat(d)
         if not may_search(st, who):
