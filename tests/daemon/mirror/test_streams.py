@@ -22,8 +22,8 @@ from tests.daemon.mirror.test_uploader import job_copy, mirrored, validate  # no
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
 
-BIG = 256 << 20
-FLAT = 64 << 20  # what the daemon may grow by while it moves BIG bytes
+BIG = 128 << 20
+FLAT = 48 << 20  # what the daemon may grow by while it moves BIG bytes
 
 
 def rss() -> int:
