@@ -13,6 +13,7 @@ import stat
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from daemon.config.daemon import DaemonConfig
@@ -85,3 +86,36 @@ def test_a_trainer_user_that_cannot_reach_its_job_directory_fails_the_job_as_a_c
         assert stat.S_IMODE(above.stat().st_mode) == 0o700  # above the home: said, never changed
     finally:
         store.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user needs root")
+def test_a_forked_trainer_that_cannot_enter_its_job_directory_exits_as_an_invalid_job_saying_why(tmp_path):
+    # The fork server's child enters the job directory as the trainer user; should that still fail (a home
+    # changed after the check), it is said in one line and exits 65: failed, never retried as a crash.
+    from daemon.supervisor import zygote
+    from daemon.supervisor.exit_policy import decide_exit
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: as `nobody`, then what the zygote does for a request
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            req = {"umask": 0o027, "lock_fd": 9, "cwd": str(private), "env": {}, "argv": ["python", "-m", "x"]}
+            zygote._child(req, [os.open(os.devnull, os.O_WRONLY), w, os.open(os.devnull, os.O_RDONLY)])
+        finally:
+            os._exit(99)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said = f.read()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert code == 65, said
+    (line,) = said.splitlines()
+    assert line == f"configuration error: the trainer (uid 65534) cannot enter its job directory {private}: " \
+                   "Permission denied"
+    decided = decide_exit(code, None, 0, DaemonConfig(), line)
+    assert decided.state == "failed" and "configuration error" in decided.reason
