@@ -96,6 +96,17 @@ class DaemonConfig(BaseModel):
         return socket_default(home)
 
 
+def check_hub_repo(repo: str, namespaces: list[str]) -> None:
+    """JobInvalid, in one line naming the key, unless REPO (USER/NAME) lies in one of `namespaces` (hub_namespaces:
+    where the daemon's Hub token may write)."""
+    from engine.errors import JobInvalid
+
+    if repo.partition("/")[0] not in namespaces:
+        allowed = f"hub_namespaces: {sorted(namespaces)}" if namespaces else "its hub_namespaces is empty"
+        raise JobInvalid(f"output.push_to_hub: {repo!r} is not in a namespace this daemon may push to ({allowed}; "
+                         f"the daemon's config decides where its Hub token writes)")
+
+
 def socket_default(home: Path) -> Path:
     rd = os.environ.get("RUNTIME_DIRECTORY")
     if rd:

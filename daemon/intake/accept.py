@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.config.daemon import DaemonConfig
+from daemon.config.daemon import DaemonConfig, check_hub_repo
 from daemon.intake.job_file import read_job_file
 from daemon.store import states
 from daemon.store.db import Store
@@ -80,12 +80,8 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
         raise JobInvalid(f"{source}: {e}") from None
     job = parse_job(raw, base_dir, source=source)
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
-    if job.output.push_to_hub:
-        from daemon.mirror.hub import (
-            check_repo,  # only the daemon config's hub_namespaces: its token writes there
-        )
-
-        check_repo(job.output.push_to_hub, cfg.hub_namespaces)
+    if job.output.push_to_hub:  # only into the daemon config's hub_namespaces: its token writes there
+        check_hub_repo(job.output.push_to_hub, cfg.hub_namespaces)
     return job
 
 

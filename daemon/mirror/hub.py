@@ -28,24 +28,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.config.daemon import check_hub_repo
 from daemon.mirror.uploader import chunks_in_job, files_in_job, open_in_job
 from daemon.system.log import job_event
 from engine.errors import JobInvalid
+
+check_repo = check_hub_repo  # where a push may go: the daemon config's hub_namespaces (daemon/config/daemon.py)
 
 TEXT_SUFFIXES = (".json", ".md", ".txt", ".yaml", ".yml")
 TEXT_MAX = 16 << 20  # a text file of the output larger than this is not published (an adapter's are kilobytes)
 HEADER_MAX = 100 << 20  # safetensors' own limit on a header
 # An absolute path: "/" not preceded by what would make it part of a URL or a relative path, then 2+ parts.
 ABSOLUTE = re.compile(r"(?<![\w.:/~-])/(?:[\w.@+%=,-]+/)+[\w.@+%=,-]*")
-
-
-def check_repo(repo: str, namespaces: list[str]) -> None:
-    """JobInvalid, in one line naming the key, unless REPO (USER/NAME) lies in one of `namespaces`."""
-    namespace = repo.partition("/")[0]
-    if namespace not in namespaces:
-        allowed = f"hub_namespaces: {sorted(namespaces)}" if namespaces else "its hub_namespaces is empty"
-        raise JobInvalid(f"output.push_to_hub: {repo!r} is not in a namespace this daemon may push to ({allowed}; "
-                         f"the daemon's config decides where its Hub token writes)")
 
 
 def local_paths(doc: Any, *more: Path) -> list[str]:
