@@ -6,8 +6,8 @@ token without write access, a repo name taken) is said once per cause (the daemo
 (HF_TOKEN, or `hf auth login`'s file): lorad never reads or writes it.
 
 Where it may write: only repos under the daemon config's `hub_namespaces` (none by default). A job naming another
-is refused at intake (`check_repo`), and the push checks again before it calls the Hub at all, so the daemon's
-token is never used on any other repo whatever a job file says.
+is refused at intake (daemon/config/daemon.py `check_hub_repo`), and the push checks again before it calls the
+Hub at all, so the daemon's token is never used on any other repo whatever a job file says.
 
 What goes: the output is copied out of the job's directory first, through descriptors that never follow a symlink
 (daemon/mirror/uploader.py), so the trainer user cannot make the daemon publish someone else's file; and no
@@ -32,8 +32,6 @@ from daemon.config.daemon import check_hub_repo
 from daemon.mirror.uploader import chunks_in_job, files_in_job, open_in_job
 from daemon.system.log import job_event
 from engine.errors import JobInvalid
-
-check_repo = check_hub_repo  # where a push may go: the daemon config's hub_namespaces (daemon/config/daemon.py)
 
 TEXT_SUFFIXES = (".json", ".md", ".txt", ".yaml", ".yml")
 TEXT_MAX = 16 << 20  # a text file of the output larger than this is not published (an adapter's are kilobytes)
@@ -150,7 +148,7 @@ class HubPush:
 
     def _run(self) -> None:
         try:
-            check_repo(self.repo, self.namespaces)  # again: the config may have changed since the job was accepted
+            check_hub_repo(self.repo, self.namespaces)  # again: the config may have changed since the job was accepted
         except JobInvalid as e:
             self.error = str(e)  # never retried: nothing is sent anywhere
             self.log.error("hub_push_refused", job=self.job_id, repo=self.repo, error=self.error)
