@@ -43,12 +43,13 @@ from engine.distributed.fsdp import (
     load_shards,
     rng_snapshot,
 )
-from engine.errors import ConfigMismatch, DiskError, JobInvalid
+from engine.errors import DiskError
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
 from engine.frozen_base.prefetch import Prefetcher
 from engine.frozen_base.speedups import apply_train_speedups
+from engine.report import failures
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -63,7 +64,7 @@ from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
+from engine.training.stop import EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -92,25 +93,8 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             return _train(cfg, workdir, progress, fs, stop, log)
         with warnings_to_events(log):  # a terminal: lorad's own lines only
             return _train(cfg, workdir, progress, fs, stop, log)
-    except (JobInvalid, ConfigMismatch) as e:
-        log.error("invalid_job", message=str(e))
-        say(f"lorad: invalid job: {e}" if isinstance(e, JobInvalid) else f"lorad: {e}")
-        return EXIT_INVALID
-    except DiskError as e:
-        log.error("disk_error", message=str(e))
-        say(f"lorad: {e}")
-        return EXIT_IO
-    except OSError as e:
-        if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
-            msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
-            log.error("disk_error", message=msg)
-            say(f"lorad: {msg}")
-            return EXIT_IO
-        if (why := hub_refusal(e, cfg)) is None:
-            raise
-        log.error("invalid_job", message=why)
-        say(f"lorad: invalid job: {why}")
-        return EXIT_INVALID
+    except Exception as e:  # its exit code and one line (engine/report/failures.py); a crash is raised again
+        return failures.exit_code(e, log, workdir, progress == "json", lambda err: hub_refusal(err, cfg))
     finally:
         log.close()
 

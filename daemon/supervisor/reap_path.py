@@ -12,7 +12,7 @@ from typing import Any
 
 from daemon.store import states
 from daemon.supervisor import disk_wait
-from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor.exit_policy import decide_exit, describe_exit, same_error_in_a_row
 from daemon.supervisor.notifications import event_of_exit
 from daemon.supervisor.stuck import StuckTrainer
 from daemon.supervisor.trainer import Child
@@ -49,7 +49,8 @@ class ReapPath:
                 stop_reason = job["requested"]
             elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
                 stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
-            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint)
+            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint,
+                            repeats=same_error_in_a_row(error, job["previous_errors"]))
             fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
                                           requested=None, last_error=error if error else job["last_error"])
             if d.state == states.WAITING:
