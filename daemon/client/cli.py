@@ -226,6 +226,7 @@ def _local_verbs(sub) -> None:
     p_.add_argument("--socket", default="/run/lorad-power/lorad-power.sock")
     p_.add_argument("--state", default="/var/lib/lorad-power/changed.json", help="the GPUs it changed (root only)")
     p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
+    p_.add_argument("--config", help="the daemon config whose `devices` are the only GPUs it caps (default: every one)")
     p_.set_defaults(fn=cmd_power_helper)
 
 

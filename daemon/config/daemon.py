@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -70,6 +70,9 @@ class DaemonConfig(BaseModel):
     cluster: ClusterSettings | None = None  # jobs that span machines (daemon/supervisor/cluster.py); none: refused at submit
     mirrors: dict[str, MirrorSettings] = Field(default_factory=dict)  # named off-box copies (daemon/mirror/)
     default_mirror: str | None = None  # the mirror of a job that names none (output.mirror); null: none
+    # Hub users/organisations a job's output.push_to_hub may name (the daemon's HF token writes only there); none:
+    # no job may push (daemon/mirror/hub.py)
+    hub_namespaces: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]{0,95}$")]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _default_mirror_named(self) -> DaemonConfig:
@@ -93,6 +96,17 @@ class DaemonConfig(BaseModel):
         if self.socket:
             return Path(self.socket)
         return socket_default(home)
+
+
+def check_hub_repo(repo: str, namespaces: list[str]) -> None:
+    """JobInvalid, in one line naming the key, unless REPO (USER/NAME) lies in one of `namespaces` (hub_namespaces:
+    where the daemon's Hub token may write)."""
+    from engine.errors import JobInvalid
+
+    if repo.partition("/")[0] not in namespaces:
+        allowed = f"hub_namespaces: {sorted(namespaces)}" if namespaces else "its hub_namespaces is empty"
+        raise JobInvalid(f"output.push_to_hub: {repo!r} is not in a namespace this daemon may push to ({allowed}; "
+                         f"the daemon's config decides where its Hub token writes)")
 
 
 def socket_default(home: Path) -> Path:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.config.daemon import DaemonConfig
+from daemon.config.daemon import DaemonConfig, check_hub_repo
 from daemon.intake.checks import PENDING, Checks
 from daemon.intake.job_file import read_job_file
 from daemon.intake.rejections import ERROR_SUFFIX, REJECTED_FILE_MODE, REJECTED_HEADER, capped
@@ -100,6 +100,8 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     except JobInvalid as e:
         raise JobInvalid(f"{source}: {e}") from None
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
+    if job.output.push_to_hub:  # only into the daemon config's hub_namespaces: its token writes there
+        check_hub_repo(job.output.push_to_hub, cfg.hub_namespaces)
     return job
 
 

@@ -148,7 +148,10 @@ class StartPath:
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)
-            p = self.pending.add(job_id, devs, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
+            # A trainer user that cannot enter the job directory: every retry would fail the same way.
+            to = states.FAILED if isinstance(e, trainer.CannotEnter) else states.QUEUED
+            p = self.pending.add(job_id, devs, "failed start",
+                                 lambda: self._requeue_unstarted(job_id, job["step"], msg, to))
             self.pending.settle(p)  # if this write fails too, the next tick's reap tries again
             return False
         # The trainer runs: track it (and read its stdout) before anything else can fail.
@@ -173,7 +176,7 @@ class StartPath:
         self._tell_policy("on_job_start", c.running_job())
         return True
 
-    def _requeue_unstarted(self, job_id: str, step: int, msg: str) -> None:
+    def _requeue_unstarted(self, job_id: str, step: int, msg: str, to: str = states.QUEUED) -> None:
         fields = dict(last_error=msg, gpu=None, pid=None, pid_start=None,
                       not_before=time.time() + self.cfg.backoff_base_s)
-        self.store.end_run(job_id, None, step, msg, lambda job: ([(states.QUEUED, msg, fields)], None))
+        self.store.end_run(job_id, None, step, msg, lambda job: ([(to, msg, fields)], None))

@@ -85,6 +85,14 @@ def power_section(doc: dict[str, Any]) -> dict[str, Any]:
     return dict(power) if isinstance(power, dict) else {}
 
 
+class CannotEnter(OSError):
+    """The trainer user cannot reach its job directory: a configuration error (the job fails, saying how to fix
+    it), never a crash to retry."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
           cfg: DaemonConfig | None = None, warm: WarmTrainer | None = None) -> subprocess.Popen | WarmPopen:
     """Start a trainer leading a session of its own, stdout piped (heartbeats), stderr appended to trainer.log.
@@ -103,6 +111,8 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
     trainer_user_mod.protect_job_files(workdir, JOB_DIR_MODE, JOB_FILE_MODE)
     extra: dict[str, Any] = {}
     if run_as is not None:
+        if (why := trainer_user_mod.way_in(workdir, run_as)) is not None:
+            raise CannotEnter(why)
         trainer_user_mod.hand_over(workdir, run_as)
         extra = run_as.popen_kwargs()
         env = {**env, **run_as.env()}  # root's HOME would send its caches (~/.cache, ~/.triton) where it cannot write

@@ -32,6 +32,7 @@ import sys
 import time
 
 from engine.imports import unwalked_imports
+from engine.training.stop import EXIT_INVALID
 
 # What a trainer imports before its first step, whatever its family (tests/helpers/forked.py keeps a like list).
 PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engine.families.image.base",
@@ -66,7 +67,15 @@ def _child(req: dict, fds: list[int]) -> None:
             os.close(fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        os.chdir(req["cwd"])
+        try:
+            os.chdir(req["cwd"])
+        except PermissionError as e:
+            # The trainer user cannot enter its job directory: a configuration error (docs/security.md), which
+            # every retry would meet again. 65, as an invalid job: failed with this line, never retried.
+            print(f"configuration error: the trainer (uid {os.getuid()}) cannot enter its job directory "
+                  f"{req['cwd']}: {e.strerror}", file=sys.stderr)
+            code = EXIT_INVALID
+            return
         os.environ.clear()
         os.environ.update(req["env"])
         if "OMP_NUM_THREADS" in req["env"]:  # torch read it at import: apply it as a new interpreter would
