@@ -6,9 +6,10 @@
                     (daemon/power/simulated.py, with faults tests inject)
     verdict.py      per GPU: ok → quarantined → held, and back (pure: readings and a clock in, verdicts out)
     watcher.py      a thread that reads every GPU every interval_s and keeps the verdicts
-    supervision.py  what the supervisor does about them: stops a trainer on a quarantined GPU (its job goes
-                    `waiting_for_gpu`, no crash counted), requeues it when a healthy GPU is there, keeps bad GPUs
-                    out of scheduling, plans for or waits for VRAM others hold (`gpu_memory_policy`)
+
+What the supervisor does about the verdicts (stop a trainer on a quarantined GPU, its job `waiting_for_gpu` with
+no crash counted, requeued when a healthy GPU is there; bad GPUs kept out of scheduling; VRAM others hold planned
+for or waited for, `gpu_memory_policy`) is its own part: daemon/supervisor/gpu_path.py.
 
 The daemon never initialises CUDA (daemon/supervisor/devices.py): everything here goes through NVML.
 """

@@ -1,4 +1,5 @@
-"""One reading of one GPU, and what its parts mean.
+"""One reading of one GPU (daemon/power/gpu.py: HealthReading, made by NVML or the simulated device), and what its
+parts mean.
 
 Fatal Xids are the ones NVIDIA's Xid catalogue attributes to the hardware, the driver or the bus (a double-bit
 ECC error, a row-remap failure, a GPU that fell off the bus, a GSP error, ...). Xids an application causes (13
@@ -8,7 +9,7 @@ not the GPU: they are logged and the GPU stays in service.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from daemon.power.gpu import HealthReading as Reading  # noqa: F401 — the type lives with the devices that make it
 
 GIB = float(1 << 30)
 
@@ -28,20 +29,6 @@ FATAL_XIDS = frozenset({
 # not because a cap asked for it.
 THERMAL = ("sw_thermal_slowdown", "hw_thermal_slowdown")
 HARDWARE = ("hw_slowdown", "hw_power_brake_slowdown")
-
-
-@dataclass
-class Reading:
-    gpu: int
-    lost: bool = False  # NVML_ERROR_GPU_IS_LOST: fell off the bus
-    error: str | None = None  # any other NVML error reading it (NVML_ERROR_UNKNOWN, ...)
-    xids: list[int] = field(default_factory=list)  # Xid critical-error events since the last reading
-    ecc_uncorrected: int | None = None  # volatile uncorrectable ECC count (None: no ECC)
-    pending_remap: bool = False  # remapped rows (or retired pages) pending: the GPU needs a reset
-    remap_failed: bool = False
-    throttle: list[str] = field(default_factory=list)
-    memory_total: int | None = None  # bytes
-    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, bytes) of compute processes on it
 
 
 def slowdown(throttle: list[str]) -> list[str]:

@@ -62,7 +62,8 @@ class GpuVerdict:
                 "faults": len(self.faults), "lost": self.lost, "slowdown": slowdown(self.throttle),
                 "throttle": list(self.throttle),
                 "memory_total_gb": None if self.memory_total is None else round(self.memory_total / GIB, 2),
-                "foreign_gb": round(self.foreign_bytes() / GIB, 2), "foreign_processes": len(self.foreign),
+                "foreign_gb": round(self.foreign_bytes() / GIB, 2), "foreign_bytes": self.foreign_bytes(),
+                "foreign_processes": len(self.foreign),
                 "free_gb": None if free is None else round(free / GIB, 2)}
 
 

@@ -47,7 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.power.gpu import CapRefused, GpuInfo, Sample
+from daemon.power.gpu import CapRefused, GpuInfo, HealthReading, Sample
 
 MODEL_NAME = "SIMULATED lorad-sim-400W"
 MAX_W = 400.0
@@ -144,23 +144,21 @@ class SimulatedDevice:
 
     def health_reading(self, gpu: int):
         """One health reading (daemon/gpu_health/reading.py), from the injected faults."""
-        from daemon.gpu_health.reading import GIB, Reading
-
         with self._lock:
             f = self._faults(gpu)
             if f.get("lost"):
-                return Reading(gpu=gpu, lost=True)
+                return HealthReading(gpu=gpu, lost=True)
             if f.get("error"):
-                return Reading(gpu=gpu, error=f"simulated: {f['error']}")
+                return HealthReading(gpu=gpu, error=f"simulated: {f['error']}")
             xids = [int(x) for x in f.get("xid") or []]
             if len(xids) < self._xids_delivered[gpu]:
                 self._xids_delivered[gpu] = 0  # a new list: its events are new
             new, self._xids_delivered[gpu] = xids[self._xids_delivered[gpu]:], len(xids)
             foreign = int(float(f.get("foreign_mib") or 0) * (1 << 20))
-            return Reading(gpu=gpu, xids=new, ecc_uncorrected=int(f.get("ecc_uncorrected") or 0),
+            return HealthReading(gpu=gpu, xids=new, ecc_uncorrected=int(f.get("ecc_uncorrected") or 0),
                            pending_remap=bool(f.get("pending_remap")), remap_failed=bool(f.get("remap_failed")),
                            throttle=self._throttle(gpu) + list(f.get("throttle") or []),
-                           memory_total=int(VRAM_GB * GIB),
+                           memory_total=int(VRAM_GB * (1 << 30)),
                            processes=[(FOREIGN_PID, foreign)] if foreign else [])
 
     def _throttle(self, gpu: int) -> list[str]:

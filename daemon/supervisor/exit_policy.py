@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 RESUMABLE_STOPS = ("shutdown", "drain", "outage")
 RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."
 INTERNAL_REPEATS = 2  # an internal error seen this many times before, in a row, is not retried again
-GPU_FAULT_PREFIX = "gpu:"  # "gpu: GPU 1 quarantined (Xid 79)": set by daemon/gpu_health/supervision.py
+GPU_FAULT_PREFIX = "gpu:"  # "gpu: GPU 1 quarantined (Xid 79)": set by daemon/supervisor/gpu_path.py
 
 
 @dataclass(frozen=True)

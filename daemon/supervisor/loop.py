@@ -5,7 +5,7 @@
     reap        children that exited → succeeded / failed / retried / paused / ... (daemon/supervisor/exit_policy.py)
     heartbeats  progress lines from the children; hung trainers are killed
     gpus        GPU health: trainers on a quarantined GPU stopped, jobs waiting for a GPU requeued
-                (daemon/gpu_health/supervision.py)
+                (daemon/supervisor/gpu_path.py)
     requests    pause / cancel / drain asked for over the socket → SIGTERM
     inbox       complete job files → accepted or rejected
     disk waits  jobs that found the disk full → queued again once their disk has the space (daemon/supervisor/disk_wait.py)
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
-from daemon.gpu_health.supervision import GpuSupervision
 from daemon.power.run_policy import NullPolicy, Policy
 from daemon.store import states
 from daemon.store.bookkeeping import PendingWrites
 from daemon.store.db import Store
 from daemon.supervisor import disk_wait
 from daemon.supervisor.beats import BeatQueue
+from daemon.supervisor.gpu_path import GpuSupervision
 from daemon.supervisor.lock_contention import TrainerLockContention
 from daemon.supervisor.reap_path import ReapPath
 from daemon.supervisor.shutdown import shut_down

@@ -76,7 +76,7 @@ def test_gpu_lost_mid_job_waits_uncounted_and_resumes_bit_identical(tmp_path, mi
         j = d.wait_state(jid, {"waiting_for_gpu"}, 30)
         assert j["retries"] == 0 and "GPU 0 quarantined" in j["last_error"]
         wait_until(lambda: not d.trainers(), 10, "the trainer on the lost GPU to be gone")
-        time.sleep(1.0)  # lost for a while: nothing starts, nothing is counted
+        time.sleep(0.5)  # lost for a while (five health readings): nothing starts, nothing is counted
         assert d.job(jid)["state"] == "waiting_for_gpu" and not d.trainers()
         (gpu,) = json.loads(d.cli("status", "--json").stdout)["gpus"]
         assert gpu["state"] == "quarantined" and gpu["lost"]
@@ -104,7 +104,7 @@ def test_xid_storm_on_gpu_1_of_2_quarantines_it_and_gpu_0s_job_goes_on(tmp_path,
     d = Daemon(tmp_path / "home", gpu_config(tmp_path, micro_model, faults, 2, notify=notify),
                LORAD_DEBUG_STEP_DELAY_S="0.15").start()
     try:
-        ids = [submit(d, write_yaml(tmp_path / f"{n}.yaml", daemon_job(micro_model, steps=20, every=4, name=n)))
+        ids = [submit(d, write_yaml(tmp_path / f"{n}.yaml", daemon_job(micro_model, steps=12, every=3, name=n)))
                for n in ("a", "b")]
         dirs = {jid: d.home / "jobs" / jid for jid in ids}
         wait_until(lambda: all(last_step(w) >= 2 for w in dirs.values()), 240, "both jobs to train")

@@ -1,4 +1,5 @@
-"""What the supervisor does about GPU health and the VRAM other programs hold; mixed into Supervisor.
+"""The supervisor's GPU path: what it does about GPU health (daemon/gpu_health/) and the VRAM other programs hold;
+mixed into Supervisor.
 
     gpus step     the watcher's changes are logged, told (notification `gpu_quarantined`) and persisted (held
                   GPUs outlive a restart: meta `gpu_held`; every GPU's view: meta `gpu_health`, read by /metrics,
@@ -138,13 +139,13 @@ class GpuSupervision:
     def _say_vram_wait(self, job: dict[str, Any], short: dict[int, str]) -> None:
         note = "waiting for VRAM (gpu_memory_policy: wait): " + "; ".join(short.values())
         if self.gpu_notes.get(job["id"]) != note:
-            self.gpu_notes[job["id"]] = note
+            self._note_gpu(job["id"], note)
             self.log.info("vram_wait", job=job["id"], reason=note)
             job_event(Path(job["workdir"]), job["id"], "vram_wait", reason=note)
 
     def vram_budget_env(self, job_id: str, workdir: Path, devs: list[int | None]) -> dict[str, str]:
         """Under `plan`: LORAD_VRAM_BUDGET_GB, the least free VRAM among the job's GPUs (nothing without readings)."""
-        self.gpu_notes.pop(job_id, None)
+        self._note_gpu(job_id, None)
         if self.health is None or self.cfg.gpu_memory_policy != "plan":
             return {}
         views = [self.health.verdict(d) for d in devs if d is not None]
@@ -156,10 +157,20 @@ class GpuSupervision:
         held = v.foreign_bytes() / GIB
         note = f"planned for {budget:.1f} GiB free on GPU {v.gpu}" + \
             (f" (other programs hold {held:.1f} GiB)" if held else "")
-        self.gpu_notes[job_id] = note
+        self._note_gpu(job_id, note)
         self.log.info("vram_plan", job=job_id, budget_gb=round(budget, 2), foreign_gb=round(held, 2), gpu=v.gpu)
         job_event(workdir, job_id, "vram_plan", budget_gb=round(budget, 2), foreign_gb=round(held, 2), gpu=v.gpu)
         return {BUDGET_ENV: f"{budget:.2f}"}
+
+    def _note_gpu(self, job_id: str, note: str | None) -> None:
+        """What was decided about a job's GPU memory: in memory for `lorad status`, in meta for the dashboard."""
+        if self.gpu_notes.get(job_id) == note:
+            return
+        if note is None:
+            self.gpu_notes.pop(job_id, None)
+        else:
+            self.gpu_notes[job_id] = note
+        self.store.set_meta("gpu_notes", json.dumps(self.gpu_notes))
 
     # ------------------------------------------------------------ lorad gpu [clear N]
     def gpu_views(self) -> list[dict[str, Any]]:
