@@ -70,3 +70,31 @@ def test_quarantine_slowdown_and_foreign_vram_show_in_status_dashboard_and_metri
         assert '"held"' not in (site.store.get_meta("gpu_health") or "")
     finally:
         site.close()
+
+
+def test_a_job_waiting_for_a_gpu_can_be_paused_cancelled_and_is_requeued_when_a_gpu_is_healthy(tmp_path):
+    site = Site(tmp_path)
+    try:
+        dev = SimulatedDevice(1)
+        w = HealthWatcher(dev, [0], vd.Rules(recover_s=0.0), 1.0, RecLog())
+        sup = Supervisor(site.home, site.cfg.model_copy(update={"warm_trainer": False}), site.store, [0], RecLog(),
+                         health=w)
+        site.ctx.supervisor = sup
+        a, b, c = (site.add_job(n) for n in "abc")
+        for jid in (a, b, c):
+            site.store.transition(jid, states.QUEUED, states.RUNNING, "test")
+            site.store.transition(jid, states.RUNNING, states.WAITING_FOR_GPU, "gpu: GPU 0 quarantined (lost)")
+        assert handlers.pause(site.ctx, p.Pause(job=a)).state == states.PAUSED
+        assert handlers.cancel(site.ctx, p.Cancel(job=b)).state == states.CANCELLED
+        dev.inject(0, lost=True)
+        w.poll_once()
+        sup._gpus()
+        assert site.store.get(c)["state"] == states.WAITING_FOR_GPU  # its only GPU is out
+        dev.inject(0)
+        w.poll_once()
+        w.poll_once()  # clean for recover_s (0 here): taken back
+        sup._next_gpu_requeue = 0.0
+        sup._gpus()
+        assert site.store.get(c)["state"] == states.QUEUED
+    finally:
+        site.close()
