@@ -2,9 +2,10 @@
 holding memory, and the clock-event reasons.
 
 A GPU that answers NVML_ERROR_GPU_IS_LOST is lost; any other NVML error on the calls every board supports is an
-unknown error. After either, the next reading starts NVML again (a driver reload makes old handles useless), so a
-GPU brought back by an admin is seen without restarting the daemon. Calls a board does not support (no ECC, no
-row remapping) are skipped, not faults.
+unknown error. After either, NVML is started again before the next reading (a driver reload makes old handles
+useless), so a GPU brought back by an admin is seen without restarting the daemon; a GPU whose handle cannot be
+had is lost (or in error) alone, the others read on. Calls a board does not support (no ECC, no row remapping)
+are skipped, not faults. Untested here: this machine has no NVML (the simulated device stands in for tests).
 """
 
 from __future__ import annotations
@@ -20,34 +21,47 @@ class NvmlHealth:
     def __init__(self):
         import pynvml  # lazy: the daemon imports without nvidia-ml-py being usable
 
-        self._nv = pynvml
         from daemon.power.telemetry import _throttle_names
 
+        self._nv = pynvml
         self._throttle = _throttle_names(pynvml)
+        self._events: Any = None
+        self._handles: list[Any] = []
+        self._xids: dict[int, list[int]] = {}
         self._stale = True
         self._start()
+        self._count = len(self._handles)
 
     def _start(self) -> None:
         nv = self._nv
-        if not self._stale:
-            return
+        if self._events is not None:
+            try:
+                nv.nvmlEventSetFree(self._events)
+            except nv.NVMLError:
+                pass
+            self._events = None
         try:
             nv.nvmlShutdown()
-        except Exception:  # noqa: BLE001 — not started yet, or the driver went away
+        except nv.NVMLError:  # not started yet, or the driver went away
             pass
         nv.nvmlInit()
-        self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
         self._events = nv.nvmlEventSetCreate()
-        for h in self._handles:
+        self._handles = []
+        for i in range(nv.nvmlDeviceGetCount()):
             try:
-                nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, self._events)
-            except nv.NVMLError:  # not supported on this board: no Xid events from it
-                pass
-        self._xids: dict[int, list[int]] = {}
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+            except nv.NVMLError:  # this GPU is lost or failing: its readings say so
+                h = None
+            if h is not None:
+                try:
+                    nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, self._events)
+                except nv.NVMLError:  # not supported on this board: no Xid events from it
+                    pass
+            self._handles.append(h)
         self._stale = False
 
     def count(self) -> int:
-        return len(self._handles)
+        return self._count
 
     def _drain_events(self) -> None:
         nv = self._nv
@@ -56,17 +70,18 @@ class NvmlHealth:
                 ev = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError_Timeout:
                 return
-            gpu = next((i for i, h in enumerate(self._handles)
-                        if nv.nvmlDeviceGetIndex(h) == nv.nvmlDeviceGetIndex(ev.device)), None)
-            if gpu is not None:
-                self._xids.setdefault(gpu, []).append(int(ev.eventData))
+            self._xids.setdefault(int(nv.nvmlDeviceGetIndex(ev.device)), []).append(int(ev.eventData))
 
     def health_reading(self, gpu: int) -> Reading:
         nv = self._nv
         try:
-            self._start()
+            if self._stale:
+                self._start()
             self._drain_events()
-            h = self._handles[gpu]
+            h = self._handles[gpu] if gpu < len(self._handles) else None
+            if h is None:
+                h = nv.nvmlDeviceGetHandleByIndex(gpu)  # raises what is wrong with it
+                self._stale = True  # it answers again: start over, with its events registered
             r = Reading(gpu=gpu, xids=self._xids.pop(gpu, []))
             r.memory_total = int(nv.nvmlDeviceGetMemoryInfo(h).total)
             r.processes = [(int(p.pid), int(p.usedGpuMemory or 0))
@@ -94,7 +109,8 @@ class NvmlHealth:
 
     def close(self) -> None:
         try:
-            self._nv.nvmlEventSetFree(self._events)
+            if self._events is not None:
+                self._nv.nvmlEventSetFree(self._events)
             self._nv.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
