@@ -56,15 +56,14 @@ class GpuVerdict:
         return None if self.memory_total is None else max(0, self.memory_total - self.foreign_bytes())
 
     def view(self) -> dict[str, Any]:
-        """What status, /metrics and the dashboard show."""
+        """What status, /metrics and the dashboard show. Memory to 0.1 GiB and no raw throttle reasons: the daemon
+        writes a view to state.db when it changes, and a browser's memory moving by a few MiB is no change."""
         free = self.free_bytes()
-        return {"gpu": self.gpu, "state": self.state, "reason": self.reason, "since": self.since,
-                "faults": len(self.faults), "lost": self.lost, "slowdown": slowdown(self.throttle),
-                "throttle": list(self.throttle),
-                "memory_total_gb": None if self.memory_total is None else round(self.memory_total / GIB, 2),
-                "foreign_gb": round(self.foreign_bytes() / GIB, 2), "foreign_bytes": self.foreign_bytes(),
-                "foreign_processes": len(self.foreign),
-                "free_gb": None if free is None else round(free / GIB, 2)}
+        return {"gpu": self.gpu, "state": self.state, "reason": self.reason, "faults": len(self.faults),
+                "lost": self.lost, "slowdown": slowdown(self.throttle),
+                "memory_total_gb": None if self.memory_total is None else round(self.memory_total / GIB, 1),
+                "foreign_gb": round(self.foreign_bytes() / GIB, 1), "foreign_processes": len(self.foreign),
+                "free_gb": None if free is None else round(free / GIB, 1)}
 
 
 @dataclass(frozen=True)

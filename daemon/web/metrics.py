@@ -154,7 +154,8 @@ def _gpu_health(gpus: list[dict[str, Any]]) -> list[Metric]:
     faults = GaugeMetricFamily("lorad_gpu_faults", "faults within gpu_health.fault_window_s", labels=["gpu"])
     slow = GaugeMetricFamily("lorad_gpu_slowdown", "1 while the GPU slows itself down (kind: thermal, hardware)",
                              labels=["gpu", "kind"])
-    foreign = GaugeMetricFamily("lorad_gpu_foreign_vram_bytes", "VRAM held by processes that are not lorad's",
+    foreign = GaugeMetricFamily("lorad_gpu_foreign_vram_bytes", "VRAM held by processes that are not lorad's "
+                                "(to 0.1 GiB)",
                                 labels=["gpu"])
     for g in gpus:
         gpu = str(g.get("gpu"))
@@ -164,7 +165,7 @@ def _gpu_health(gpus: list[dict[str, Any]]) -> list[Metric]:
         faults.add_metric([gpu], float(g.get("faults") or 0))
         for kind in ("thermal", "hardware"):
             slow.add_metric([gpu, kind], 1.0 if kind in (g.get("slowdown") or []) else 0.0)
-        foreign.add_metric([gpu], float(g.get("foreign_bytes") or 0))
+        foreign.add_metric([gpu], float(g.get("foreign_gb") or 0) * (1 << 30))  # to 0.1 GiB
     return [state, ok, faults, slow, foreign]
 
 
