@@ -1,6 +1,6 @@
 """The `lorad` command line: the parser and one dispatch; each verb is one function in its own room.
 
-    daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
+    daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url gpu
     daemon/client/export.py           export
     daemon/client/foreground.py       run cache
     daemon/client/importing.py        import check
@@ -29,6 +29,7 @@ from daemon.client.export import cmd_export
 from daemon.client.verbs import (
     cmd_cancel,
     cmd_drain,
+    cmd_gpu,
     cmd_logs,
     cmd_pause,
     cmd_ping,
@@ -285,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_.set_defaults(fn=cmd_export)
     p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
     p_.set_defaults(fn=cmd_web_url)
+    p_ = sub.add_parser("gpu", parents=[common], help="each GPU's health; `gpu clear N` takes back a GPU held out")
+    p_.set_defaults(fn=cmd_gpu)
+    gsub = p_.add_subparsers(dest="gpu_action", required=False, metavar="ACTION")
+    p_ = gsub.add_parser("clear", parents=[common], help="forget GPU N's faults and schedule it again")
+    p_.add_argument("gpu", type=_int_in(p.Gpu, "clear"), metavar="N", help="the GPU's NVML index")
+    p_.set_defaults(fn=cmd_gpu)
     return ap
 
 

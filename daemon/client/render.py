@@ -83,6 +83,8 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
         note = j.requested and f"{j.requested} requested" or (j.last_error or "")
         if j.state == "waiting":
             note = f"waiting: {waiting_note(j.wait_bytes)}"
+        if j.gpu_note and j.state in ("queued", "running"):  # gpu_memory_policy: what was decided
+            note = f"{note}; {j.gpu_note}" if note else j.gpu_note
         if j.state in ("succeeded", "cancelled"):
             note = ""
         if j.mirror is not None and (m := mirror_note(j.state, j.mirror)):
@@ -119,8 +121,30 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in q.notes:
         c.print(f"note: {term_safe(n)}", markup=False, highlight=False)
+    print_gpus(q)
     print_stuck(q, width)
     print_rejections(q, width)
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    """One GPU's health: state (and why), slowdown, and the VRAM other programs hold."""
+    head = f"GPU {g['gpu']}: {g['state']}"
+    if g["state"] != "ok":
+        head += f" ({g.get('reason')})" + ("; `lorad gpu clear " + str(g["gpu"]) + "` to take it back"
+                                           if g["state"] == "held" else "; taken back when it reads healthy")
+    if g.get("slowdown"):
+        head += f"; {' and '.join(g['slowdown'])} slowdown"
+    if g.get("foreign_gb"):
+        head += (f"; other programs hold {g['foreign_gb']:.1f} of {g['memory_total_gb']:.1f} GiB "
+                 f"({g.get('foreign_processes', 0)} process(es))")
+    return head
+
+
+def print_gpus(data: dict[str, Any] | p.QueueReply) -> None:
+    """`lorad status`: GPUs that are out, slowing down or shared with other programs (healthy idle ones: silent)."""
+    for g in _queue(data).gpus:
+        if g.get("state") != "ok" or g.get("slowdown") or g.get("foreign_gb"):
+            print(term_safe(gpu_line(g)))
 
 
 def print_stuck(data: dict[str, Any] | p.QueueReply, width: int) -> None:
@@ -175,6 +199,10 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         rows.append(("next try", when(j.not_before)))
     if j.state == "waiting":
         rows.append(("waiting", f"{waiting_note(j.wait_bytes)}; retried when the space is free"))
+    if j.state == "waiting_for_gpu":
+        rows.append(("waiting for GPU", f"{j.last_error or 'its GPU is out'}; queued again once a GPU is healthy"))
+    if j.gpu_note:
+        rows.append(("GPU memory", j.gpu_note))
     if j.requested:
         rows.append(("requested", j.requested))
     if j.last_error:

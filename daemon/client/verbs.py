@@ -174,3 +174,18 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def cmd_web_url(args: argparse.Namespace) -> int:
     data = call(args, p.WebUrl())
     return out(args, data, lambda d: print(p.WebUrlReply.model_validate(d).url))
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    data = call(args, p.Gpu(clear=getattr(args, "gpu", None)))
+
+    def human(d: dict[str, Any]) -> None:
+        reply = p.GpuReply.model_validate(d)
+        if reply.message:
+            print(reply.message)
+        for g in reply.gpus:
+            print(render.gpu_line(g))
+        if not reply.gpus:
+            print("no GPU health readings (power.telemetry.backend off, gpu_health disabled, or no GPU)")
+
+    return out(args, data, human)

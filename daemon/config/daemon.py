@@ -9,6 +9,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from daemon.config.cluster import ClusterSettings
+from daemon.config.gpu_health import GpuHealthSettings
 from daemon.config.mirrors import MirrorSettings
 from daemon.config.notify import NotifySettings
 from daemon.config.power import PowerSettings
@@ -63,6 +64,11 @@ class DaemonConfig(BaseModel):
     warm_trainer: bool = True  # fork trainers from one pre-imported process (cold start whenever it cannot)
     trainer_user: str | None = None  # such a root daemon runs trainers as this user (else as root); else unused
     cache_max_bytes: int = Field(100 << 30, ge=0)  # HOME/cache's size limit (LRU eviction after a fill); 0: none
+
+    # VRAM other programs hold (daemon/gpu_health/): plan = start with the free memory as the job's budget
+    # (LORAD_VRAM_BUDGET_GB for the memory planner); wait = do not start until it is free
+    gpu_memory_policy: Literal["plan", "wait"] = "plan"
+    gpu_health: GpuHealthSettings = Field(default_factory=GpuHealthSettings)
 
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)

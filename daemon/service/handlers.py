@@ -141,7 +141,8 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     samples_step, samples = latest_samples(Path(job["workdir"]))
     imported = (ctx.store.first_event(job["id"], "imported") or {}).get("data") or {}
     detail = p.JobDetail.model_validate({**job, "imported_from": imported.get("from_tool"),
-                                         "not_carried_over": imported.get("not_carried_over") or [], "mirror": _mirror_lag(ctx, job["id"]),
+                                         "not_carried_over": imported.get("not_carried_over") or [],
+                                         "mirror": _mirror_lag(ctx, job["id"]), "gpu_note": _gpu_note(ctx, job["id"]),
                                          "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20),
                                          "samples_step": samples_step, "samples": samples})
@@ -149,6 +150,10 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
 
     policy = getattr(ctx.supervisor, "policy", None)
     return p.JobStatusReply(job=detail, power=power_api.job_power(policy, ctx.home / "state.db", job["id"]))
+
+
+def _gpu_note(ctx: Context, job_id: str) -> str | None:
+    return getattr(ctx.supervisor, "gpu_notes", {}).get(job_id)
 
 
 def _mirror_lag(ctx: Context, job_id: str) -> dict[str, Any] | None:
@@ -161,8 +166,9 @@ def queue(ctx: Context) -> p.QueueReply:
     rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
                                              REJECTIONS_SHOWN)
     return p.QueueReply(
-        jobs=[p.JobRow.model_validate({**j, "mirror": _mirror_lag(ctx, j["id"])})
+        jobs=[p.JobRow.model_validate({**j, "mirror": _mirror_lag(ctx, j["id"]), "gpu_note": _gpu_note(ctx, j["id"])})
               for j in status_order(ctx.store.jobs(), time.time())],
+        gpus=gpu_health(ctx),
         draining=ctx.store.get_meta("drain") == "1",
         notes=list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
         rejected=rejected, rejected_within_s=REJECTIONS_WITHIN_S, rejected_total=n_rejected,
@@ -227,7 +233,7 @@ def _ask_trainer(ctx: Context, job: dict[str, Any], what: str) -> None:
 def pause(ctx: Context, req: p.Pause) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.WAITING):
+    if st in (states.QUEUED, states.WAITING, states.WAITING_FOR_GPU):
         ctx.store.transition(job["id"], st, states.PAUSED, "lorad pause", wait_bytes=None)  # refused if it moved on
         return p.JobActionReply(job=job["id"], state=states.PAUSED, message="paused")
     if st == states.RUNNING:
@@ -252,7 +258,8 @@ def resume(ctx: Context, req: p.Resume) -> p.JobActionReply:
 def cancel(ctx: Context, req: p.Cancel) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING, states.FETCHING):
+    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING, states.FETCHING,
+              states.WAITING_FOR_GPU):
         ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
         return p.JobActionReply(job=job["id"], state=states.CANCELLED, message="cancelled")
     if st == states.RUNNING:
@@ -334,10 +341,36 @@ def exports(ctx: Context, req: p.Exports) -> p.ExportsReply:
     return p.ExportsReply.of(job["id"], job["state"], saved)
 
 
+def gpu(ctx: Context, req: p.Gpu) -> p.GpuReply:
+    """`lorad gpu [clear N]`: each GPU's health; with clear, GPU N's faults forgotten first (scheduled again
+    unless a fault still holds)."""
+    sup = ctx.supervisor
+    if req.clear is None:
+        return p.GpuReply(gpus=sup.gpu_views() if sup is not None else gpu_health(ctx))
+    try:
+        if sup is None:
+            raise KeyError("no supervisor")
+        view = sup.clear_gpu(req.clear)
+    except KeyError as e:
+        raise p.ProtocolError("refused", str(e.args[0])) from None
+    msg = (f"GPU {req.clear} cleared: scheduled again" if view["state"] == "ok" else
+           f"GPU {req.clear} cleared, but it is still out: {view['reason']}")
+    return p.GpuReply(gpus=sup.gpu_views(), cleared=req.clear, message=msg)
+
+
+def gpu_health(ctx: Context) -> list[dict[str, Any]]:
+    """Each GPU's health as the supervisor last wrote it (meta gpu_health), [] without readings."""
+    try:
+        out = json.loads(ctx.store.get_meta("gpu_health") or "[]")
+    except ValueError:
+        return []
+    return out if isinstance(out, list) else []
+
+
 HANDLERS: dict[str, Callable[[Context, Any], Any]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
     "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
-    "export": exports,
+    "export": exports, "gpu": gpu,
 }
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
+from daemon.gpu_health.watcher import open_watcher
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
 from daemon.intake.prune import RejectedPruner
@@ -203,10 +204,14 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
     mirrors = Mirrors(home, cfg, store, log)
+    health = open_watcher(cfg, policy, devs, store.get_meta("gpu_held"), log)  # daemon/gpu_health/
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications, mirrors=mirrors,
+                     notifications=notifications, mirrors=mirrors, health=health,
                      prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log,
                                                     store))
+    if health is not None:
+        health.groups = lambda: {c.pid for c in list(sup.children.values())}  # trainers lead their process groups
+        health.start()
     mirrors.resume(sup.wake.set)  # what the last run left behind: uploads not caught up, downloads cut short
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
@@ -249,6 +254,8 @@ def stop_parts(parts: Parts, server: SocketServer, web, cfg: DaemonConfig, log, 
     parts.notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
     parts.inbox.stop()
     parts.sup.shutdown(cfg.stop_grace_s)
+    if parts.sup.health is not None:
+        parts.sup.health.stop()
     server.close()
     if web is not None:
         web.close()

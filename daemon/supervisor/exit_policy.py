@@ -8,6 +8,8 @@ no clock: the supervisor and start-up recovery both ask it, and tests walk it as
     stopped for shutdown, drain, policy,
       preemption, or cut off by an
       outage (reboot, UPS shutdown)      interrupted (resumed from its last checkpoint at once, nothing counted)
+    stopped (or died) because its GPU
+      was quarantined ("gpu: ...")      waiting_for_gpu (queued again once a healthy GPU is there, never counted)
     exit 65                              failed: the job is invalid, never retried
     exit 74 with a full disk             waiting for free space (retried when it returns, never counted)
     exit 75 nobody here asked for        interrupted (an operator's or the system's SIGTERM)
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 RESUMABLE_STOPS = ("shutdown", "drain", "outage")
 RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."
 INTERNAL_REPEATS = 2  # an internal error seen this many times before, in a row, is not retried again
+GPU_FAULT_PREFIX = "gpu:"  # "gpu: GPU 1 quarantined (Xid 79)": set by daemon/supervisor/gpu_path.py
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,9 @@ def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, 
         return ExitDecision(states.CANCELLED, "cancelled by the user", crashes=before)
     if stop_reason == "pause":
         return ExitDecision(states.PAUSED, "paused by the user", crashes=before)
+    if (stop_reason or "").startswith(GPU_FAULT_PREFIX):
+        # The GPU failed, not the job (daemon/gpu_health/): whatever the exit, no crash is counted.
+        return ExitDecision(states.WAITING_FOR_GPU, stop_reason, crashes=before)
     if stop_reason in RESUMABLE_STOPS or (stop_reason or "").startswith(RESUMABLE_PREFIXES):
         return ExitDecision(states.INTERRUPTED, stop_reason or "stopped", crashes=before)
     if code == EXIT_INVALID:

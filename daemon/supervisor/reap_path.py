@@ -17,7 +17,7 @@ from daemon.supervisor.notifications import event_of_exit
 from daemon.supervisor.stuck import StuckTrainer
 from daemon.supervisor.trainer import Child
 from daemon.system.log import job_event
-from engine.training.stop import EXIT_STOPPED
+from engine.training.stop import EXIT_INVALID, EXIT_OK, EXIT_STOPPED
 
 
 class ReapPath:
@@ -38,11 +38,16 @@ class ReapPath:
 
     def _finish(self, c: Child, code: int | None) -> None:
         error = c.exit_error(code)
+        # A trainer that died by itself (or hung) while its GPU failed: the GPU's fault, not the job's.
+        gpu_fault = self.gpu_fault_of(c.devices) \
+            if c.stop_reason in (None, "hung") and code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID) else None
 
         def plan(job: dict[str, Any]):
             # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
             # the exit is being written is either seen here or refused afterwards, never lost in between.
             stop_reason = None if c.stop_reason == "hung" else c.stop_reason
+            if gpu_fault is not None:
+                stop_reason = gpu_fault
             if job["requested"] in ("pause", "cancel"):
                 # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
                 # and over an exit the trainer came to on its own just before the stop.
@@ -55,6 +60,8 @@ class ReapPath:
                                           requested=None, last_error=error if error else job["last_error"])
             if d.state == states.WAITING:
                 fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
+            if d.state == states.WAITING_FOR_GPU:
+                fields["last_error"] = d.reason  # which GPU, and its fault: what it waits on
             if d.state == states.SUCCEEDED:
                 fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
             if d.retry_in is not None:

@@ -66,7 +66,13 @@ class StartPath:
             tried.add(job["id"])
             doc = accepted_doc(self.store, job)  # never jobs/ID/job.yaml: the trainer user may replace it
             gpus = gang.job_gpus(doc)
-            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
+            busy |= self.gpu_out()  # quarantined GPUs (daemon/gpu_health/)
+            short = self.vram_short(doc, [d for d in self.devices if d not in busy])
+            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy | set(short))
+            if short and not plan.starts and not plan.impossible \
+                    and gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy).starts:
+                self._say_vram_wait(job, short)  # gpu_memory_policy: wait; the jobs behind it wait too
+                return
             if plan.impossible:
                 self._fail_unstartable(job, f"resources.gpus: the job needs {gpus} devices at once and this machine "
                                             f"has {len(self.devices)} (daemon devices: {self.devices})")
@@ -138,6 +144,7 @@ class StartPath:
             return False  # paused or cancelled over the socket in the meantime
         self.locks.started(job_id)
         env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
+        env.update(self.vram_budget_env(job_id, workdir, devs))  # gpu_memory_policy: plan
         shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
         power = trainer.power_section(doc)
         try:

@@ -145,7 +145,10 @@ class Dashboard:
     def jobs(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:
             return denied
-        return self._page(request, "Jobs", pages.jobs_table(self.view.jobs()), extra="<h2>Jobs</h2>")
+        notes = self.view.meta_json("gpu_notes", {})  # daemon/gpu_health/supervision.py
+        jobs = [{**j, "gpu_note": notes.get(j["id"])} for j in self.view.jobs()]
+        gpus = pages.gpu_health_table(self.view.meta_json("gpu_health", []))
+        return self._page(request, "Jobs", gpus + pages.jobs_table(jobs), extra="<h2>Jobs</h2>")
 
     def job(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:

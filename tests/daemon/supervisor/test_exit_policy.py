@@ -46,6 +46,13 @@ FULL = "disk full while saving checkpoint step-00000020 in /j/checkpoints (0 MiB
     (74, None, 2, False, FULL, states.WAITING, None, f"disk full; waits for free space ({FULL})", 2),
     (74, None, 1, False, "cannot write (Read-only file system)", states.QUEUED, 20,
      "crashed (cannot write (Read-only file system)); retry 2/2", 2),
+    # Its GPU was quarantined (daemon/supervisor/gpu_path.py): killed or crashed with it, the job waits for a GPU
+    # and nothing is counted, not even with the budget already spent.
+    (-9, "gpu: GPU 1 quarantined (Xid 79)", 2, False, "boom", states.WAITING_FOR_GPU, None,
+     "gpu: GPU 1 quarantined (Xid 79)", 2),
+    (75, "gpu: GPU 0 quarantined (row remap pending: the GPU needs a reset)", 0, False, None, states.WAITING_FOR_GPU,
+     None, "gpu: GPU 0 quarantined (row remap pending: the GPU needs a reset)", 0),
+    (0, "gpu: GPU 0 held (Xid 79)", 0, False, None, states.SUCCEEDED, None, "finished", 0),  # finished first
 ])
 def test_exit_code_and_stop_reason_decide_the_next_state(code, stop, before, progressed, error, state, backoff,
                                                           reason, crashes):
