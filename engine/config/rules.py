@@ -20,6 +20,7 @@ from engine.config.declare import (
     read_only_by,
 )
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
+from engine.registry.families import families
 
 if TYPE_CHECKING:
     from engine.config.schema import JobConfig
@@ -108,18 +109,11 @@ def image_output_formats(cfg: JobConfig) -> list[Problem]:
     return out
 
 
-# lora.type per image family: the types whose files lorad writes so that the loaders apply them as trained (the
-# format rules in image_output_formats: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file). A family
-# not named here trains plain LoRA only until its exports are checked.
-IMAGE_LORA_TYPES = {"flux": ("lora", "dora", "lokr", "loha"), "chroma": ("lora", "dora", "lokr", "loha"),
-                    "qwen_image": ("lora", "dora", "lokr", "loha"), "z_image": ("lora", "dora", "lokr", "loha"),
-                    "flux2": ("lora", "dora"), "krea2": ("lora", "dora", "lokr", "loha"),
-                    "flux3": ("lora", "dora", "lokr", "loha")}
-_WHY_NOT = {
-    "flux2": "ComfyUI's FLUX.2 model fuses q, k and v (and the single blocks' q, k, v and MLP input) into one "
-             "linear and maps FLUX.2 LoRA keys by those fused BFL names only; a LoKr or LoHa update of each part "
-             "is no LyCORIS update of the fused weight, and diffusers' load_lora_weights reads neither",
-}
+# lora.type per image family: the types whose files lorad writes so that the loaders apply them as trained (the format
+# rules in image_output_formats: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file), and why the others
+# are refused. Derived from the family packages' declarations (engine/registry/families.py).
+IMAGE_LORA_TYPES = {name: families()[name].adapter_types for name in IMAGE_FAMILIES}
+_WHY_NOT = {name: families()[name].why_not_others for name in IMAGE_FAMILIES}
 
 
 def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
@@ -131,9 +125,9 @@ def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
     if unread := keys_not_read_by(cfg, family):
         keys = ", ".join(unread)
         out.append(Problem(keys, f"{keys}: not read by model.family {family} yet"))
-    types = IMAGE_LORA_TYPES.get(family, ("lora",))
+    types = IMAGE_LORA_TYPES[family]
     if cfg.lora.type not in types:
-        why = _WHY_NOT.get(family, "its exports are not yet checked against diffusers' and ComfyUI's loaders")
+        why = _WHY_NOT[family]
         out.append(Problem("lora.type", f"lora.type: {cfg.lora.type} is not supported for model.family {family} "
                                         f"(it trains {', '.join(types)}): {why}"))
     return out

@@ -53,7 +53,7 @@ class VideoDataset(CachedImages):
 
 
 class VideoFamily(ImageFamily):
-    """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan.py)."""
+    """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan/family.py)."""
 
     dataset_class = VideoDataset
 
