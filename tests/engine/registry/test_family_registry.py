@@ -130,7 +130,7 @@ def test_a_new_family_is_its_own_package_and_nothing_else(tmp_path):
     (toy / "__init__.py").write_text(TOY_INIT)
     (toy / "family.py").write_text(TOY_CODE)
     data = make_images(tmp_path / "data", images=[("a.png", 32, 32, "a toy")])
-    job = "name: toy\nmodel: {family: toy, path: builtin:tiny-toy}\ndata: {path: %s}\n" % data
+    job = f"name: toy\nmodel: {{family: toy, path: builtin:tiny-toy}}\ndata: {{path: {data}}}\n"
     (tmp_path / "toy.yaml").write_text(job)
     (tmp_path / "loha.yaml").write_text(job + "lora: {type: loha}\noutput: {formats: [comfyui]}\n")
     env = child_env(PYTHONPATH=str(root))
