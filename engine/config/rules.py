@@ -8,10 +8,12 @@ the others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
+from engine.config.buckets import bucket_step, buckets_for
 from engine.config.declare import (
     IMAGE_FAMILIES,
     VIDEO_FAMILIES,
@@ -20,7 +22,7 @@ from engine.config.declare import (
     read_only_by,
 )
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
-from engine.registry.families import families
+from engine.registry.families import families, spatial_multiple
 
 if TYPE_CHECKING:
     from engine.config.schema import JobConfig
@@ -170,10 +172,25 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
         elif files and len(files) != len(cfg.data.control_paths()):
             out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: one image per "
                                                                f"data.control_path folder ({len(cfg.data.control_paths())})"))
+    step = math.lcm(16, spatial_multiple(cfg.model.family, cfg.model.path))
     for k in ("width", "height"):
-        if getattr(s, k) % 16:
-            out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of 16 (got {getattr(s, k)})"))
+        if getattr(s, k) % step:
+            out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of {step} (got {getattr(s, k)})"))
     return out
+
+
+def resolutions_have_buckets(cfg: JobConfig) -> list[Problem]:
+    """Every bucket side is a multiple of the family's spatial multiple (VAE factor × patch; engine/config/buckets.py):
+    a resolution below it has no bucket to train at."""
+    if cfg.model.family not in IMAGE_FAMILIES:
+        return []
+    multiple = spatial_multiple(cfg.model.family, cfg.model.path)
+    if small := [r for r in cfg.data.resolution if not buckets_for(r, multiple)]:
+        return [Problem("data.resolution", f"data.resolution: {', '.join(map(str, small))} is below the smallest "
+                                           f"bucket of model.family {cfg.model.family} at {cfg.model.path}: every "
+                                           f"side is a multiple of {multiple} px (its VAE factor × patch); use "
+                                           f"at least {bucket_step(min(small), multiple)}")]
+    return []
 
 
 def video_jobs_read_what_they_can(cfg: JobConfig) -> list[Problem]:
@@ -298,7 +315,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
     fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, video_jobs_read_what_they_can,
-    edit_jobs_pair_every_image,
+    edit_jobs_pair_every_image, resolutions_have_buckets,
 )
 
 
