@@ -12,7 +12,7 @@ FAMILY = Facts(
     offline=(Offline("tiny-hunyuan-video15", "A HunyuanVideo-1.5-shaped t2v pipeline (2 blocks, tiny 16x VAE, "
                      "Qwen2.5-VL text model, ByT5) with random weights.",
                      "engine.builtin.tiny_hunyuan_video:build_tiny_hunyuan_video15"),),
-    export_keys="engine.families.image.export:diffusion_model_comfyui_file",
+    export_keys="engine.families.video.hunyuan_video.family:comfyui_name",
 )
 
 __getattr__ = training_code(__name__)
