@@ -179,6 +179,19 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
     return out
 
 
+def frames_fit_the_family(cfg: JobConfig) -> list[Problem]:
+    """A video family's windows are t·k + 1 frames, t its VAE's temporal factor (declared in its package); data.py
+    checks 4k + 1 for every job, this the family's own factor."""
+    family = cfg.model.family
+    t = families()[family].temporal
+    if family not in VIDEO_FAMILIES or t is None:
+        return []
+    if bad := [f for f in cfg.data.frames if f % t != 1 % t]:
+        return [Problem("data.frames", f"data.frames: {', '.join(map(str, bad))} not {t}k + 1, the windows "
+                                       f"model.family {family}'s VAE encodes (temporal factor {t})")]
+    return []
+
+
 def resolutions_have_buckets(cfg: JobConfig) -> list[Problem]:
     """Every bucket side is a multiple of the family's spatial multiple (VAE factor × patch; engine/config/buckets.py):
     a resolution below it has no bucket to train at."""
@@ -315,7 +328,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
     fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, video_jobs_read_what_they_can,
-    edit_jobs_pair_every_image, resolutions_have_buckets,
+    edit_jobs_pair_every_image, resolutions_have_buckets, frames_fit_the_family,
 )
 
 

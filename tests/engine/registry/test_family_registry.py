@@ -17,6 +17,7 @@ from engine.registry.facts import Facts
 from engine.registry.families import families, names, offline_models, resolve, spatial_multiple
 from tests.helpers.images import make_images
 from tests.helpers.processes import REPO, child_env
+from tests.helpers.videos import make_clips
 
 FAMILIES_DIR = REPO / "engine" / "families"
 
@@ -98,6 +99,13 @@ FAMILY = Facts(name="toy", display="Toy 1", kind="image", joined=99, trainer="en
                offline=(Offline("tiny-toy", "A toy.", "engine.families.image.toy.family:build"),))
 __getattr__ = training_code(__name__)
 '''
+TOY_VIDEO_INIT = '''
+"""toyvid: a video family whose VAE compresses time 8x."""
+from engine.registry.facts import Facts, Offline
+
+FAMILY = Facts(name="toyvid", display="Toy Video", kind="video", joined=98, trainer="engine.families.image.toy.family:Toy",
+               temporal=8, offline=(Offline("tiny-toyvid", "A toy video.", "engine.families.image.toy.family:build"),))
+'''
 TOY_CODE = '''
 class Toy:
     pass
@@ -115,10 +123,11 @@ CHILD = textwrap.dedent('''
     cfg = load_job(sys.argv[1])
     assert cfg.model.family == "toy" and BUILTIN_MODELS["tiny-toy"].family == "toy"
     assert type(get_family("toy")).__name__ == "Toy" and FAMILY_NAMES["toy"] == "Toy 1"
-    try:
-        load_job(sys.argv[2])
-    except JobInvalid as e:
-        print(e)
+    for job in sys.argv[2:]:
+        try:
+            load_job(job)
+        except JobInvalid as e:
+            print(e)
 ''')
 
 
@@ -129,15 +138,23 @@ def test_a_new_family_is_its_own_package_and_nothing_else(tmp_path):
     toy.mkdir()
     (toy / "__init__.py").write_text(TOY_INIT)
     (toy / "family.py").write_text(TOY_CODE)
+    (root / "engine" / "families" / "video" / "toyvid").mkdir()
+    (root / "engine" / "families" / "video" / "toyvid" / "__init__.py").write_text(TOY_VIDEO_INIT)
     data = make_images(tmp_path / "data", images=[("a.png", 32, 32, "a toy")])
     job = f"name: toy\nmodel: {{family: toy, path: builtin:tiny-toy}}\ndata: {{path: {data}}}\n"
     (tmp_path / "toy.yaml").write_text(job)
     (tmp_path / "loha.yaml").write_text(job + "lora: {type: loha}\noutput: {formats: [comfyui]}\n")
+    clips = make_clips(tmp_path / "clips", [("a.mp4", 9, 32, 32, 16, "a toy")], still=False)
+    (tmp_path / "vid.yaml").write_text(f"name: toyvid\nmodel: {{family: toyvid, path: builtin:tiny-toyvid}}\n"
+                                       f"data: {{path: {clips}, frames: [5, 9]}}\n")
     env = child_env(PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "toy.yaml"), str(tmp_path / "loha.yaml")],
+    out = subprocess.run([sys.executable, "-c", CHILD, *(str(tmp_path / f) for f in ("toy.yaml", "loha.yaml",
+                                                                                     "vid.yaml"))],
                          capture_output=True, text=True, cwd=root, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "lora.type: loha is not supported for model.family toy (it trains lora, dora): toys bend" in out.stdout
+    # the video family's own temporal factor: 5 is 4k + 1 but not 8k + 1
+    assert "data.frames: 5 not 8k + 1, the windows model.family toyvid's VAE encodes (temporal factor 8)" in out.stdout
 
 
 @pytest.mark.parametrize("name", ["causal_lm", "wan"])
