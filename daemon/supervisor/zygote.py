@@ -35,9 +35,11 @@ from engine.imports import unwalked_imports
 from engine.training.stop import EXIT_INVALID
 
 # What a trainer imports before its first step, whatever its family (tests/helpers/forked.py keeps a like list).
+# A family's training code is its package's family.py (the package itself is plain data: engine/registry/).
 PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engine.families.image.base",
-           "engine.families.image.flux2", "engine.families.image.qwen_image", "engine.families.image.z_image",
-           "engine.families.image.chroma", "engine.families.image.flux", "engine.families.causal_lm", "peft",
+           "engine.families.image.flux2.family", "engine.families.image.qwen_image.family",
+           "engine.families.image.z_image.family", "engine.families.image.chroma.family",
+           "engine.families.image.flux.family", "engine.families.causal_lm.family", "peft",
            "torch.utils.tensorboard", "diffusers.pipelines.flux2.pipeline_flux2_klein",
            "diffusers.pipelines.qwenimage.pipeline_qwenimage", "diffusers.pipelines.z_image.pipeline_z_image",
            "diffusers.pipelines.chroma.pipeline_chroma", "diffusers.models.transformers.transformer_flux",

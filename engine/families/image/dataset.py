@@ -21,6 +21,7 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
     fraction of whole images held out by seed, or the images of its own path)."""
     from engine.data.image_sets import regularisation_items, training_masks
     from engine.data.images import make_items, scan
+    from engine.registry.families import spatial_multiple
     from engine.training.heldout import holdout
 
     records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
@@ -38,9 +39,12 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
         records, held = [records[i] for i in train], [records[i] for i in held_i]
     elif val is not None:  # a folder of its own: no masks (the training masks stay with the training images)
         held, held_masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
-    items = make_items(records, cfg.data.resolution, masks, controls=controls) + regularisation_items(cfg, log)
+    multiple = spatial_multiple(cfg.model.family, cfg.model.path)
+    items = make_items(records, cfg.data.resolution, masks, controls=controls, multiple=multiple)
+    items += regularisation_items(cfg, log)
     n_train = len(items)
-    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls), n_train
+    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls,
+                                       multiple=multiple), n_train
 
 
 def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):
