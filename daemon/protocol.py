@@ -148,6 +148,7 @@ class JobRow(BaseModel):
     retries: int = 0
     wait_bytes: int | None = None  # waiting: the free space it needs
     mirror: MirrorLag | None = None  # a mirrored job's lag
+    memory_plan: str | None = None  # the last attempt's memory plan in words (engine/memory_plan/)
 
 
 class Attempt(BaseModel):

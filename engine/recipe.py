@@ -43,12 +43,19 @@ from engine.distributed.fsdp import (
     load_shards,
     rng_snapshot,
 )
-from engine.errors import ConfigMismatch, DiskError, JobInvalid
+from engine.errors import ConfigMismatch, DiskError, JobInvalid, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
+from engine.frozen_base.blockswap import find_blocks
 from engine.frozen_base.prefetch import Prefetcher
 from engine.frozen_base.speedups import apply_train_speedups
+from engine.memory_plan.apply import checkpoint_blocks
+from engine.memory_plan.attempt import AttemptMemory, attempt_memory
+from engine.memory_plan.budget import vram_budget
+from engine.memory_plan.choose import MemoryPlan, plan_for
+from engine.memory_plan.costs import measure
+from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -56,14 +63,22 @@ from engine.report.tensorboard import TrainingBoard
 from engine.report.tensorboard import available as tensorboard_available
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full
 from engine.training.adapters import compute_autocast, trainable
-from engine.training.dtypes import peak_memory_gib, pick_device
+from engine.training.dtypes import peak_memory_gib, pick_device, torch_dtype
 from engine.training.ema import AdapterEMA
 from engine.training.heldout import due as validation_due
 from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
+from engine.training.stop import (
+    EXIT_INVALID,
+    EXIT_IO,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+    StopFlag,
+    debug_pause,
+)
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -100,6 +115,9 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
         log.error("disk_error", message=str(e))
         say(f"lorad: {e}")
         return EXIT_IO
+    except (OutOfMemory, torch.OutOfMemoryError) as e:
+        return out_of_memory(e if isinstance(e, OutOfMemory) else OutOfMemory("", 0, first_line(e), needed_bytes(e),
+                                                                                None), log)
     except OSError as e:
         if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
             msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
@@ -113,6 +131,20 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
         return EXIT_INVALID
     finally:
         log.close()
+
+
+def out_of_memory(e: OutOfMemory, log: EventLog) -> int:
+    """The GPU ran out of memory: said with the plan it ran under (the daemon re-plans from it), exit 69.
+
+    Nothing of the phase it happened in was committed: a step's half-accumulated gradients, a validation pass or a
+    sample render are dropped, and the last checkpoint stands (a sample render's step was committed before it)."""
+    where = f"{e.phase} at step {e.step}" if e.phase else "outside the training loop"
+    needed = f", needed {e.needed / 2**30:.2f} GiB more" if e.needed else ""
+    message = f"out of GPU memory in {where}{needed} ({e})"
+    log.error("out_of_memory", phase=e.phase or "other", step=e.step, needed_bytes=e.needed, plan=e.plan,
+              message=message)
+    say(f"lorad: {message}")
+    return EXIT_OUT_OF_MEMORY
 
 
 def say(line: str) -> None:
@@ -135,9 +167,13 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     try:
         loop.steps(stop)
         # The final or stop checkpoint, written synchronously by rank 0; no rank exits before it is committed.
+        loop.phase = "final_checkpoint"
         if run.ranks.is_main or loop.saver.collective:
             commit_now(at.step, loop.saver, loop.cadence, loop.checkpoint, log, loop.board, phase="final_checkpoint")
         run.ranks.barrier()
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory(loop.phase, at.step + (loop.phase == "step"), first_line(e), needed_bytes(e),
+                          run.plan.report()) from None
     finally:
         loop.close()
 
@@ -166,12 +202,20 @@ class Run:
     optimizer: torch.optim.Optimizer
     ema: AdapterEMA | None
     store: CheckpointStore
+    plan: MemoryPlan  # this attempt's memory plan (engine/memory_plan/): where bytes live, never the numerics
+    floor: AttemptMemory  # what the daemon asked of this attempt after an out-of-memory
 
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     world = world_from_env()  # torchrun's; one process without it
+    floor, floor_warning = attempt_memory()  # the daemon's, after an out-of-memory; none on a first attempt
+    # A smaller micro-batch from an out-of-memory re-plan keeps the global batch (grad_accum grows); what decides
+    # the weights (the identity, the data order by global sample position) stays the same.
+    micro = floor.micro_batch or cfg.train.batch_size
+    if cfg.global_batch() % (micro * world.size):
+        micro = cfg.train.batch_size
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
-    share = BatchShare(world, cfg.train.batch_size, plan_grad_accum(cfg.global_batch(), cfg.train.batch_size, world.size))
+    share = BatchShare(world, micro, plan_grad_accum(cfg.global_batch(), micro, world.size))
     ranks = Ranks.start(world, cfg.train.sharding)
     ranks.check_same_job(VERSION, cfg.identity_hash())
     ranks.check_shared_dir(workdir)
@@ -181,6 +225,8 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
              steps=cfg.train.steps, config_hash=cfg.identity_hash(), processes=world.size,
              global_batch=share.global_batch, grad_accum=share.grad_accum)
     _warn_at_start(cfg, world, share, log)
+    if floor_warning is not None:
+        log.warning("memory_plan_ignored", message=floor_warning)
 
     # -- data
     log.info("phase", phase="prepare")
@@ -192,8 +238,15 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
 
     # -- model and optimizer
     log.info("phase", phase="load_model")
-    model = family.load_model(cfg, workdir, device, log)
-    apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
+    # The re-plan's swap floor is known before loading: its blocks are placed on the host, never loaded whole.
+    load_cfg = _with_train(cfg, blocks_to_swap=max(cfg.train.blocks_to_swap, floor.swap_at_least))
+    try:
+        model = family.load_model(load_cfg, workdir, device, log)
+    except torch.OutOfMemoryError as e:
+        raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), None) from None
+    plan = _memory_plan(model, cfg, device, floor, share, log)
+    apply_train_speedups(model, _with_train(cfg, blocks_to_swap=plan.swap, compile=plan.compile).train, device,
+                         log)  # blocks_to_swap, compile
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -204,7 +257,25 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
         say(f"lorad: warning: {advice}")
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
-               store)
+               store, plan, floor)
+
+
+def _with_train(cfg: JobConfig, **train: Any) -> JobConfig:
+    """`cfg` with train keys set for this attempt (the plan's); its identity is the job's, computed from `cfg`."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
+
+
+def _memory_plan(model, cfg: JobConfig, device: torch.device, floor: AttemptMemory, share: BatchShare,
+                 log: EventLog) -> MemoryPlan:
+    """This attempt's memory plan for the loaded model, its activation checkpointing applied, logged."""
+    blocks = find_blocks(model)
+    costs = measure(model, blocks, cfg, share.batch_size, torch_dtype(cfg.model.dtype))
+    budget = vram_budget(cfg.resources.vram_gb, device)
+    plan = plan_for(cfg, costs, budget, floor, share.batch_size, share.grad_accum, cuda=device.type == "cuda")
+    if not plan.family_checkpointing:
+        checkpoint_blocks(blocks, plan.activations)
+    log.info("memory_plan", **plan.report(), level=floor.level(), tried=floor.tried)
+    return plan
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:
@@ -263,10 +334,15 @@ class Loop:
         self.bar = make_progress(progress, total=cfg.train.steps, start=at.step)
         # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels
         # run; on the CPU a passthrough.
-        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, cfg.train.batch_size
+        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, run.share.batch_size
         self.batches = Prefetcher(lambda cursor: run.dataset.collate(pick(seed, cursor, micro)), run.device)
         self.step_times: list[float] = []
         self.exports = CheckpointExports(run.family, run.model, cfg, len(run.dataset))  # each save's user files
+        # What the loop is doing, for an out-of-memory's report: step, validation, sample, save, final_checkpoint.
+        self.phase = "step"
+        # Samples skipped by an out-of-memory re-plan: rendered by none of this attempt's steps.
+        self.sample_cfg = (cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"every_steps": None})})
+                           if run.plan.samples == "skip" else cfg)
 
     def checkpoint(self) -> Snapshot:
         run, at = self.run, self.at
@@ -283,8 +359,9 @@ class Loop:
         # samples or save is seen here, before another step.
         while at.step < self.cfg.train.steps and not run.ranks.agree(stop.requested)[0]:
             t0 = time.monotonic()
+            self.phase = "step"
             loss, lr, grad_norm = train_step(run.family, self.model, run.optimizer, run.params, self.batches, at,
-                                             self.cfg, run.share, run.ranks)
+                                             self.cfg, run.share, run.ranks, run.floor.level())
             at.step += 1
             if run.ema is not None:
                 run.ema.update(at.step)
@@ -296,7 +373,9 @@ class Loop:
             if not run.ranks.is_main and not self.saver.collective:  # rank 0 alone renders and writes checkpoints
                 continue
             if not stopping and run.ranks.is_main:
+                self.phase = "sample"
                 self.render_samples()
+            self.phase = "save"
             save_if_due(at.step, urgent, self.saver, self.cadence, self.checkpoint, self.log, self.board)
 
     def report(self, loss: float, lr: float, grad_norm: torch.Tensor | None, seconds: float) -> None:
@@ -315,6 +394,7 @@ class Loop:
 
     def validate(self) -> None:
         run, step = self.run, self.at.step
+        self.phase = "validation"
         with eval_weights(run.optimizer, run.params), run.ema.swapped_in() if run.ema is not None else nullcontext():
             val_loss, n = evaluate(run.family, run.model, run.validation, self.cfg, run.device, run.ranks, self.log,
                                    step)
@@ -325,14 +405,14 @@ class Loop:
     def render_samples(self) -> None:
         """The family's end-of-step work (samples, when due); rendering could outlast the stop grace period."""
         run, step = self.run, self.at.step
-        samples = sample_due(self.cfg, step)
+        samples = sample_due(self.sample_cfg, step)
         if samples:
             # Committed before the samples render: a render that is killed (a hang, an OOM) never costs the step,
             # and the retry goes on past it.
             commit_now(step, self.saver, self.cadence, self.checkpoint, self.log, self.board)
         with eval_weights(run.optimizer, run.params) if samples else nullcontext(), \
                 run.ema.swapped_in() if run.ema is not None and samples else nullcontext():
-            run.family.on_step_end(run.model, step, self.cfg, self.workdir, self.log)
+            run.family.on_step_end(run.model, step, self.sample_cfg, self.workdir, self.log)
         if self.board is not None and samples:
             self.board.images(step, sorted((self.workdir / "samples" / f"step-{step:08d}").glob("*.png")))
 
@@ -345,7 +425,7 @@ class Loop:
 
 
 def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at: Position, cfg: JobConfig,
-               share: BatchShare, ranks: Ranks) -> tuple[float, float, torch.Tensor | None]:
+               share: BatchShare, ranks: Ranks, replan_level: int = 0) -> tuple[float, float, torch.Tensor | None]:
     """One optimizer step over this rank's micro-batches of the global batch at `at.consumed` (advanced past it).
 
     Returns (loss over the whole global batch, lr, grad norm before clipping — None without train.max_grad_norm —
@@ -363,6 +443,8 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at
             with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
                 loss = family.loss(model, batch, seed_micro_batch(train.seed, at.step, pos)) / share.grad_accum
             loss.backward()
+        if k == 0:
+            debug_oom(at.step + 1, replan_level)  # tests: a real torch.OutOfMemoryError, gradients half accumulated
         # The next batch is collated and copied while the GPU works.
         batches.prefetch(mine[k + 1] if k + 1 < len(mine) else share.positions(at.consumed + share.global_batch)[0])
         part = loss.detach().double()  # summed in double, as float() and Python's sum did
