@@ -22,7 +22,7 @@ from engine.checkpoint.cadence import SaveCadence
 from engine.checkpoint.exports import CheckpointExports, export_meta
 from engine.checkpoint.output import export_output, output_step
 from engine.checkpoint.position import Position
-from engine.checkpoint.saving import commit_now, save_if_due
+from engine.checkpoint.saving import commit_now, record_saves, save_if_due
 from engine.checkpoint.state import restore_checkpoint, snapshot
 from engine.checkpoint.store import CheckpointStore, Snapshot
 from engine.checkpoint.writer import AsyncCheckpointer
@@ -172,6 +172,8 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
             commit_now(at.step, loop.saver, loop.cadence, loop.checkpoint, log, loop.board, phase="final_checkpoint")
         run.ranks.barrier()
     except torch.OutOfMemoryError as e:
+        # The save in flight holds a whole earlier step: it lands and is said (the daemon counts its progress).
+        record_saves(loop.saver.wait(), loop.cadence, loop.saver.store, log, loop.board)
         raise OutOfMemory(loop.phase, at.step + (loop.phase == "step"), first_line(e), needed_bytes(e),
                           run.plan.report()) from None
     finally:
@@ -274,7 +276,7 @@ def _memory_plan(model, cfg: JobConfig, device: torch.device, floor: AttemptMemo
     plan = plan_for(cfg, costs, budget, floor, share.batch_size, share.grad_accum, cuda=device.type == "cuda")
     if not plan.family_checkpointing:
         checkpoint_blocks(blocks, plan.activations)
-    log.info("memory_plan", **plan.report(), level=floor.level(), tried=floor.tried)
+    log.info("memory_plan", **plan.report(), replan_level=floor.level(), tried=floor.tried)
     return plan
 
 

@@ -91,7 +91,8 @@ class ReapPath:
 
     def _oom_replanned(self, c: Child, oom: OomReplan) -> None:
         """Said where `lorad status` (the store's events) and `lorad logs` (events.jsonl) show it."""
-        what = dict(step=c.step, phase=(c.oom or {}).get("phase"), needed_bytes=(c.oom or {}).get("needed_bytes"),
+        ev = c.oom or {}
+        what = dict(step=ev.get("step", c.step), phase=ev.get("phase"), needed_bytes=ev.get("needed_bytes"),
                     before=oom.before, lever=oom.lever, after=oom.memory)
         try:
             self.store.event(c.job_id, "oom_replan", **what)
