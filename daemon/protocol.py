@@ -312,6 +312,13 @@ class ExportsReply(_Data):
     state: str
     steps: list[SavedStep]  # newest first
 
+    @classmethod
+    def of(cls, job: str, state: str, saved: list[Any]) -> ExportsReply:
+        """From disk_progress.saved_exports' checkpoints (the daemon's answer and the daemon-less read alike)."""
+        return cls(job=job, state=state, steps=[
+            SavedStep(step=c.step, path=str(c.path), files=[ExportFile(name=f.name, size=f.size, sha256=f.sha256)
+                                                            for f in c.exports]) for c in saved])
+
 
 # Each request type's reply type; `status` answers the queue or one job.
 StatusReply = QueueReply | JobStatusReply

@@ -47,15 +47,13 @@ from engine.errors import ConfigMismatch, DiskError, JobInvalid, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
-from engine.frozen_base.blockswap import find_blocks
 from engine.frozen_base.prefetch import Prefetcher
 from engine.frozen_base.speedups import apply_train_speedups
-from engine.memory_plan.apply import checkpoint_blocks
-from engine.memory_plan.attempt import AttemptMemory, attempt_memory
-from engine.memory_plan.budget import vram_budget
-from engine.memory_plan.choose import MemoryPlan, plan_for
-from engine.memory_plan.costs import measure
-from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
+from engine.memory_plan.attempt import AttemptMemory
+from engine.memory_plan.choose import MemoryPlan
+from engine.memory_plan.oom import debug_oom, first_line, needed_bytes, said
+from engine.memory_plan.setup import micro_batch, plan_attempt, with_train
+from engine.report import internal_error
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -63,7 +61,7 @@ from engine.report.tensorboard import TrainingBoard
 from engine.report.tensorboard import available as tensorboard_available
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, is_disk_full
 from engine.training.adapters import compute_autocast, trainable
-from engine.training.dtypes import peak_memory_gib, pick_device, torch_dtype
+from engine.training.dtypes import peak_memory_gib, pick_device
 from engine.training.ema import AdapterEMA
 from engine.training.heldout import due as validation_due
 from engine.training.heldout import evaluate
@@ -71,6 +69,7 @@ from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
 from engine.training.stop import (
+    EXIT_INTERNAL,
     EXIT_INVALID,
     EXIT_IO,
     EXIT_OK,
@@ -115,9 +114,9 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
         log.error("disk_error", message=str(e))
         say(f"lorad: {e}")
         return EXIT_IO
-    except (OutOfMemory, torch.OutOfMemoryError) as e:
-        return out_of_memory(e if isinstance(e, OutOfMemory) else OutOfMemory("", 0, first_line(e), needed_bytes(e),
-                                                                                None), log)
+    except (OutOfMemory, torch.OutOfMemoryError) as e:  # the daemon re-plans memory from what it says
+        say(f"lorad: {said(e, log)}")
+        return EXIT_OUT_OF_MEMORY
     except OSError as e:
         if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
             msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
@@ -125,26 +124,20 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             say(f"lorad: {msg}")
             return EXIT_IO
         if (why := hub_refusal(e, cfg)) is None:
-            raise
+            return _internal_error(e, log, workdir, progress)
         log.error("invalid_job", message=why)
         say(f"lorad: invalid job: {why}")
         return EXIT_INVALID
+    except Exception as e:
+        return _internal_error(e, log, workdir, progress)
     finally:
         log.close()
 
 
-def out_of_memory(e: OutOfMemory, log: EventLog) -> int:
-    """The GPU ran out of memory: said with the plan it ran under (the daemon re-plans from it), exit 69.
-
-    Nothing of the phase it happened in was committed: a step's half-accumulated gradients, a validation pass or a
-    sample render are dropped, and the last checkpoint stands (a sample render's step was committed before it)."""
-    where = f"{e.phase} at step {e.step}" if e.phase else "outside the training loop"
-    needed = f", needed {e.needed / 2**30:.2f} GiB more" if e.needed else ""
-    message = f"out of GPU memory in {where}{needed} ({e})"
-    log.error("out_of_memory", phase=e.phase or "other", step=e.step, needed_bytes=e.needed, plan=e.plan,
-              message=message)
-    say(f"lorad: {message}")
-    return EXIT_OUT_OF_MEMORY
+def _internal_error(e: Exception, log: EventLog, workdir: Path, progress: str) -> int:
+    """Anything else is ours or a library's: one line here, the traceback in trainer.log, exit 70."""
+    say(internal_error.report(e, log, workdir, stderr_is_log=progress == "json"))
+    return EXIT_INTERNAL
 
 
 def say(line: str) -> None:
@@ -210,12 +203,7 @@ class Run:
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     world = world_from_env()  # torchrun's; one process without it
-    floor, floor_warning = attempt_memory()  # the daemon's, after an out-of-memory; none on a first attempt
-    # A smaller micro-batch from an out-of-memory re-plan keeps the global batch (grad_accum grows); what decides
-    # the weights (the identity, the data order by global sample position) stays the same.
-    micro = floor.micro_batch or cfg.train.batch_size
-    if cfg.global_batch() % (micro * world.size):
-        micro = cfg.train.batch_size
+    floor, floor_warning, micro = micro_batch(cfg, world.size)  # after an out-of-memory, the daemon's floors
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
     share = BatchShare(world, micro, plan_grad_accum(cfg.global_batch(), micro, world.size))
     ranks = Ranks.start(world, cfg.train.sharding)
@@ -241,13 +229,13 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     # -- model and optimizer
     log.info("phase", phase="load_model")
     # The re-plan's swap floor is known before loading: its blocks are placed on the host, never loaded whole.
-    load_cfg = _with_train(cfg, blocks_to_swap=max(cfg.train.blocks_to_swap, floor.swap_at_least))
     try:
-        model = family.load_model(load_cfg, workdir, device, log)
+        model = family.load_model(with_train(cfg, blocks_to_swap=max(cfg.train.blocks_to_swap, floor.swap_at_least)),
+                                  workdir, device, log)
     except torch.OutOfMemoryError as e:
         raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), None) from None
-    plan = _memory_plan(model, cfg, device, floor, share, log)
-    apply_train_speedups(model, _with_train(cfg, blocks_to_swap=plan.swap, compile=plan.compile).train, device,
+    plan = plan_attempt(model, cfg, device, floor, share.batch_size, share.grad_accum, log)
+    apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap, compile=plan.compile).train, device,
                          log)  # blocks_to_swap, compile
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
@@ -260,24 +248,6 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
                store, plan, floor)
-
-
-def _with_train(cfg: JobConfig, **train: Any) -> JobConfig:
-    """`cfg` with train keys set for this attempt (the plan's); its identity is the job's, computed from `cfg`."""
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update=train)})
-
-
-def _memory_plan(model, cfg: JobConfig, device: torch.device, floor: AttemptMemory, share: BatchShare,
-                 log: EventLog) -> MemoryPlan:
-    """This attempt's memory plan for the loaded model, its activation checkpointing applied, logged."""
-    blocks = find_blocks(model)
-    costs = measure(model, blocks, cfg, share.batch_size, torch_dtype(cfg.model.dtype))
-    budget = vram_budget(cfg.resources.vram_gb, device)
-    plan = plan_for(cfg, costs, budget, floor, share.batch_size, share.grad_accum, cuda=device.type == "cuda")
-    if not plan.family_checkpointing:
-        checkpoint_blocks(blocks, plan.activations)
-    log.info("memory_plan", **plan.report(), replan_level=floor.level(), tried=floor.tried)
-    return plan
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:

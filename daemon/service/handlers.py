@@ -23,7 +23,7 @@ from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
-from daemon.supervisor.disk_progress import committed_checkpoints
+from daemon.supervisor.disk_progress import saved_exports
 from daemon.supervisor.scheduling import status_order
 from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at
 from engine.config.reading import YamlProblem, read_yaml
@@ -325,15 +325,11 @@ def exports(ctx: Context, req: p.Exports) -> p.ExportsReply:
     """`lorad export`: the committed checkpoints on disk and their export files, as their manifests list them (the
     client checks each file's sha256 as it copies it)."""
     job = _job(ctx, req.job)
-    saved = [c for c in committed_checkpoints(Path(job["workdir"])) if c.exports]
-    if req.step is not None:
-        steps = ", ".join(str(c.step) for c in saved) or "none yet"
-        saved = [c for c in saved if c.step == req.step]
-        if not saved:
-            raise p.ProtocolError("not_found", f"job {job['id']} has no saved step {req.step} (saved steps: {steps})")
-    return p.ExportsReply(job=job["id"], state=job["state"], steps=[
-        p.SavedStep(step=c.step, path=str(c.path), files=[p.ExportFile(name=f.name, size=f.size, sha256=f.sha256)
-                                                          for f in c.exports]) for c in saved])
+    try:
+        saved = saved_exports(Path(job["workdir"]), req.step)
+    except LookupError as e:
+        raise p.ProtocolError("not_found", f"job {job['id']} {e}") from None
+    return p.ExportsReply.of(job["id"], job["state"], saved)
 
 
 HANDLERS: dict[str, Callable[[Context, Any], Any]] = {

@@ -166,7 +166,8 @@ class Store:
                 plan: Callable[[dict[str, Any]], tuple[list[tuple[str, str, dict[str, Any]]], Any]]) -> Any:
         """Close the open attempt and move a running job on, in one transaction; returns plan's result.
 
-        plan(the job's row as it is now, inside the transaction) → (moves, result), moves being
+        plan(the job's row as it is now, inside the transaction, with `previous_errors`: the errors of its last
+        two closed attempts, newest first) → (moves, result), moves being
         [(dst, reason, fields), ...] walked from RUNNING (e.g. interrupted, then queued). Nothing another
         thread writes (a cancel, say) can land between reading the row and the last move.
         """
@@ -174,7 +175,11 @@ class Store:
             row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 raise UnknownJob(job_id)
-            moves, result = plan(dict(row))
+            job = dict(row)
+            job["previous_errors"] = [r["error"] for r in db.execute(
+                "SELECT error FROM attempts WHERE job_id=? AND ended_at IS NOT NULL ORDER BY n DESC LIMIT 2",
+                (job_id,))]
+            moves, result = plan(job)
             sql.end_attempt(db, job_id, exit_code, end_step, error)
             src = states.RUNNING
             for dst, reason, fields in moves:

@@ -12,7 +12,7 @@ from typing import Any
 
 from daemon.store import states
 from daemon.supervisor import disk_wait
-from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor.exit_policy import decide_exit, describe_exit, same_error_in_a_row
 from daemon.supervisor.notifications import event_of_exit
 from daemon.supervisor.oom_replan import OomReplan, after_oom
 from daemon.supervisor.stuck import StuckTrainer
@@ -55,7 +55,7 @@ class ReapPath:
                 oom = after_oom(job["memory"], c.oom)
                 err = oom.failure or err
             d = decide_exit(code, stop_reason, job["retries"], self.cfg, err, progressed=c.new_checkpoint,
-                            replanned=oom and oom.lever)
+                            repeats=same_error_in_a_row(error, job["previous_errors"]), replanned=oom and oom.lever)
             fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
                                           requested=None, last_error=err if err else job["last_error"])
             if oom is not None and oom.memory is not None and d.state == states.QUEUED:

@@ -252,7 +252,7 @@ class Child:
             # Progress: the crash count starts again (in the store too, for a restart after an outage).
             self.new_checkpoint = True
             return {"last_checkpoint": ev.get("path"), "checkpoint_step": step, "retries": 0}
-        elif kind in ("invalid_job", "disk_error"):
+        elif kind in ("invalid_job", "disk_error", "internal_error"):
             self.last_error = str(ev.get("message", kind))
         elif kind == "memory_plan":
             self.memory_plan = str(ev.get("summary", ""))[:1000] or None

@@ -41,3 +41,18 @@ def debug_oom(step: int, level: int) -> None:
         return
     raise torch.OutOfMemoryError(
         f"CUDA out of memory. Tried to allocate 2.00 GiB. (raised by {OOM_AT_STEP_ENV}={at} at re-plan level {level})")
+
+
+def said(e: BaseException, log) -> str:
+    """The `out_of_memory` event for `e` (an engine.errors.OutOfMemory, or a torch.OutOfMemoryError raised outside
+    the loop's phases), with the plan it ran under for the daemon's re-plan; returns its message.
+
+    Nothing of the phase it happened in was committed: a step's half-accumulated gradients, a validation pass or a
+    sample render are dropped, and the last checkpoint stands (a sample render's step was committed before it)."""
+    phase, step, plan = getattr(e, "phase", ""), getattr(e, "step", 0), getattr(e, "plan", None)
+    needed = getattr(e, "needed", None) if hasattr(e, "plan") else needed_bytes(e)
+    where = f"{phase} at step {step}" if phase else "outside the training loop"
+    more = f", needed {needed / 2**30:.2f} GiB more" if needed else ""
+    message = f"out of GPU memory in {where}{more} ({first_line(e)})"
+    log.error("out_of_memory", phase=phase or "other", step=step, needed_bytes=needed, plan=plan, message=message)
+    return message

@@ -8,7 +8,7 @@ import pytest
 
 from daemon.config.daemon import DaemonConfig
 from daemon.store import states
-from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor.exit_policy import decide_exit, describe_exit, same_error_in_a_row
 
 CFG = DaemonConfig(retry_budget=2, backoff_base_s=10, backoff_max_s=25)
 
@@ -52,6 +52,33 @@ def test_exit_code_and_stop_reason_decide_the_next_state(code, stop, before, pro
     d = decide_exit(code, stop, before, CFG, error, progressed=progressed)
     assert (d.state, d.retry_in, d.reason, d.crashes) == (state, backoff, reason, crashes)
     states.check(states.RUNNING, d.state)  # every outcome is an edge of the table
+
+
+BUG = "exit code 70: lorad: internal error at step 7 (KeyError: 'x'); the traceback is in /j/trainer.log"
+BIG = DaemonConfig(retry_budget=9, backoff_base_s=10, backoff_max_s=25)
+
+
+@pytest.mark.parametrize("code, before, repeats, state, crashes", [
+    (70, 0, 0, states.QUEUED, 1),  # the first time: a crash like any other, retried
+    (70, 1, 1, states.QUEUED, 2),  # the second time
+    (70, 2, 2, states.FAILED, 3),  # the third time in a row at the same step, same message: not retried
+    (70, 0, 2, states.QUEUED, 1),  # repeats from before progress or `lorad retry` (crash count 0) do not count
+    (1, 2, 2, states.QUEUED, 3),  # a crash that is not an internal error is the retry budget's business
+])
+def test_an_internal_error_repeated_at_the_same_step_fails_the_job_on_its_third_time(code, before, repeats, state,
+                                                                                     crashes):
+    d = decide_exit(code, None, before, BIG, BUG, repeats=repeats)
+    assert (d.state, d.crashes) == (state, crashes)
+    if state == states.FAILED:
+        assert d.reason == ("internal error at step 7 (KeyError: 'x'); the traceback is in /j/trainer.log — the "
+                            "same error 3 times in a row, not retried again (lorad retry starts it again)")
+
+
+def test_only_the_same_error_in_the_attempts_just_before_counts_as_a_repeat():
+    assert same_error_in_a_row(BUG, [BUG, BUG]) == 2
+    assert same_error_in_a_row(BUG, [BUG, "exit code 1: boom", BUG]) == 1
+    assert same_error_in_a_row(BUG.replace("step 7", "step 8"), [BUG, BUG]) == 0  # another step: progress
+    assert same_error_in_a_row(None, [None, None]) == 0
 
 
 def test_backoff_is_capped():
