@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.daemon import Daemon, adapter_file, daemon_job, fast_config, job_events, lorad_run, write_yaml
+from tests.helpers.daemon import (
+    Daemon,
+    adapter_file,
+    daemon_job,
+    fast_config,
+    job_events,
+    lorad_run,
+    write_yaml,
+)
 
 pytestmark = pytest.mark.slow
 
