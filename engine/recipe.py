@@ -124,7 +124,9 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             say(f"lorad: {msg}")
             return EXIT_IO
         if (why := hub_refusal(e, cfg)) is None:
-            return _internal_error(e, log, workdir, progress)
+            # The network or the machine (a hub that does not answer, a permission): a crash the daemon retries
+            # within its budget, never the repeat rule of an internal error (an outage repeats its message).
+            raise
         log.error("invalid_job", message=why)
         say(f"lorad: invalid job: {why}")
         return EXIT_INVALID
