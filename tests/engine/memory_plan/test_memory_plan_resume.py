@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine.memory_plan.attempt import AttemptMemory, replan
 from engine.recipe import train
@@ -83,3 +84,25 @@ def test_a_job_resumed_under_other_memory_plans_ends_bit_identical(micro_model, 
     assert hashes == {cfg.identity_hash()}  # the job's identity never saw a plan
     assert adapter_bytes(wd) == reference
     assert json.loads(floors.to_json())["tried"] == ["blocks_to_swap 0→1"]
+
+
+def _out_of_memory(*a, **k):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB. GPU 0 has a total capacity of ...")
+
+
+@pytest.mark.parametrize("phase", ["sample", "validation"])
+def test_out_of_memory_in_a_sample_or_validation_pass_is_exit_69_naming_the_phase(micro_model, tmp_path, monkeypatch,
+                                                                                  phase):
+    from engine.families.causal_lm import CausalLM
+
+    if phase == "sample":
+        monkeypatch.setattr(CausalLM, "on_step_end", lambda self, model, step, *a: step == 2 and _out_of_memory())
+        cfg = tiny_job(micro_model, tmp_path, train={"steps": 4})
+    else:
+        monkeypatch.setattr("engine.recipe.evaluate", _out_of_memory)
+        cfg = tiny_job(micro_model, tmp_path, train={"steps": 4}, data={"validation": {"fraction": 0.2, "every_steps": 2}})
+    assert train(cfg, tmp_path / "w", progress="none") == 69
+    (oom,) = [e for e in read_events(tmp_path / "w") if e["event"] == "out_of_memory"]
+    assert (oom["phase"], oom["step"], oom["needed_bytes"]) == (phase, 2, 512 << 20)
+    assert oom["plan"]["summary"].startswith("swap 0/2 blocks")
+    assert not [e for e in read_events(tmp_path / "w") if e["event"] in ("done", "stopped")]
