@@ -237,8 +237,9 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     except torch.OutOfMemoryError as e:
         raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), None) from None
     plan = plan_attempt(model, cfg, device, floor, share.batch_size, share.grad_accum, log)
-    apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap, compile=plan.compile).train, device,
-                         log)  # blocks_to_swap, compile
+    # blocks_to_swap, compile; a model without blocks keeps the job's swap, refused there as before (JobInvalid)
+    apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap or cfg.train.blocks_to_swap,
+                                           compile=plan.compile).train, device, log)
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
