@@ -43,17 +43,14 @@ from engine.distributed.fsdp import (
     load_shards,
     rng_snapshot,
 )
-from engine.errors import ConfigMismatch, DiskError, JobInvalid, OutOfMemory
+from engine.errors import DiskError, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
 from engine.frozen_base.prefetch import Prefetcher
-from engine.frozen_base.speedups import apply_train_speedups
-from engine.memory_plan.attempt import AttemptMemory
-from engine.memory_plan.choose import MemoryPlan
-from engine.memory_plan.oom import debug_oom, first_line, needed_bytes, said
-from engine.memory_plan.setup import micro_batch, plan_attempt, with_train
-from engine.report import internal_error
+from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
+from engine.memory_plan.setup import AttemptMemory, MemoryPlan, load_planned, micro_batch, samples_config
+from engine.report import failures
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -68,16 +65,7 @@ from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import (
-    EXIT_INTERNAL,
-    EXIT_INVALID,
-    EXIT_IO,
-    EXIT_OK,
-    EXIT_OUT_OF_MEMORY,
-    EXIT_STOPPED,
-    StopFlag,
-    debug_pause,
-)
+from engine.training.stop import EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -106,40 +94,10 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             return _train(cfg, workdir, progress, fs, stop, log)
         with warnings_to_events(log):  # a terminal: lorad's own lines only
             return _train(cfg, workdir, progress, fs, stop, log)
-    except (JobInvalid, ConfigMismatch) as e:
-        log.error("invalid_job", message=str(e))
-        say(f"lorad: invalid job: {e}" if isinstance(e, JobInvalid) else f"lorad: {e}")
-        return EXIT_INVALID
-    except DiskError as e:
-        log.error("disk_error", message=str(e))
-        say(f"lorad: {e}")
-        return EXIT_IO
-    except (OutOfMemory, torch.OutOfMemoryError) as e:  # the daemon re-plans memory from what it says
-        say(f"lorad: {said(e, log)}")
-        return EXIT_OUT_OF_MEMORY
-    except OSError as e:
-        if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
-            msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
-            log.error("disk_error", message=msg)
-            say(f"lorad: {msg}")
-            return EXIT_IO
-        if (why := hub_refusal(e, cfg)) is None:
-            # The network or the machine (a hub that does not answer, a permission): a crash the daemon retries
-            # within its budget, never the repeat rule of an internal error (an outage repeats its message).
-            raise
-        log.error("invalid_job", message=why)
-        say(f"lorad: invalid job: {why}")
-        return EXIT_INVALID
-    except Exception as e:
-        return _internal_error(e, log, workdir, progress)
+    except Exception as e:  # its exit code and one line (engine/report/failures.py); a crash is raised again
+        return failures.exit_code(e, log, workdir, progress == "json", lambda err: hub_refusal(err, cfg))
     finally:
         log.close()
-
-
-def _internal_error(e: Exception, log: EventLog, workdir: Path, progress: str) -> int:
-    """Anything else is ours or a library's: one line here, the traceback in trainer.log, exit 70."""
-    say(internal_error.report(e, log, workdir, stderr_is_log=progress == "json"))
-    return EXIT_INTERNAL
 
 
 def say(line: str) -> None:
@@ -162,13 +120,11 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
     try:
         loop.steps(stop)
         # The final or stop checkpoint, written synchronously by rank 0; no rank exits before it is committed.
-        loop.phase = "final_checkpoint"
         if run.ranks.is_main or loop.saver.collective:
             commit_now(at.step, loop.saver, loop.cadence, loop.checkpoint, log, loop.board, phase="final_checkpoint")
         run.ranks.barrier()
     except torch.OutOfMemoryError as e:
-        # The save in flight holds a whole earlier step: it lands and is said (the daemon counts its progress).
-        record_saves(loop.saver.wait(), loop.cadence, loop.saver.store, log, loop.board)
+        record_saves(loop.saver.wait(), loop.cadence, loop.saver.store, log, loop.board)  # a whole earlier step
         raise OutOfMemory(loop.phase, at.step + (loop.phase == "step"), first_line(e), needed_bytes(e),
                           run.plan.report()) from None
     finally:
@@ -205,7 +161,7 @@ class Run:
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     world = world_from_env()  # torchrun's; one process without it
-    floor, floor_warning, micro = micro_batch(cfg, world.size)  # after an out-of-memory, the daemon's floors
+    floor, micro = micro_batch(cfg, world.size, log)  # after an out-of-memory, the daemon's floors
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
     share = BatchShare(world, micro, plan_grad_accum(cfg.global_batch(), micro, world.size))
     ranks = Ranks.start(world, cfg.train.sharding)
@@ -217,8 +173,6 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
              steps=cfg.train.steps, config_hash=cfg.identity_hash(), processes=world.size,
              global_batch=share.global_batch, grad_accum=share.grad_accum)
     _warn_at_start(cfg, world, share, log)
-    if floor_warning is not None:
-        log.warning("memory_plan_ignored", message=floor_warning)
 
     # -- data
     log.info("phase", phase="prepare")
@@ -230,16 +184,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
 
     # -- model and optimizer
     log.info("phase", phase="load_model")
-    # The re-plan's swap floor is known before loading: its blocks are placed on the host, never loaded whole.
-    try:
-        model = family.load_model(with_train(cfg, blocks_to_swap=max(cfg.train.blocks_to_swap, floor.swap_at_least)),
-                                  workdir, device, log)
-    except torch.OutOfMemoryError as e:
-        raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), None) from None
-    plan = plan_attempt(model, cfg, device, floor, share.batch_size, share.grad_accum, log)
-    # blocks_to_swap, compile; a model without blocks keeps the job's swap, refused there as before (JobInvalid)
-    apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap or cfg.train.blocks_to_swap,
-                                           compile=plan.compile).train, device, log)
+    model, plan = load_planned(family, cfg, workdir, device, floor, share.batch_size, share.grad_accum, log)
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -313,11 +258,9 @@ class Loop:
         self.batches = Prefetcher(lambda cursor: run.dataset.collate(pick(seed, cursor, micro)), run.device)
         self.step_times: list[float] = []
         self.exports = CheckpointExports(run.family, run.model, cfg, len(run.dataset))  # each save's user files
-        # What the loop is doing, for an out-of-memory's report: step, validation, sample, save, final_checkpoint.
+        # What the loop is doing, for an out-of-memory's report: step, validation, sample, save (the final one too).
         self.phase = "step"
-        # Samples skipped by an out-of-memory re-plan: rendered by none of this attempt's steps.
-        self.sample_cfg = (cfg.model_copy(update={"sample": cfg.sample.model_copy(update={"every_steps": None})})
-                           if run.plan.samples == "skip" else cfg)
+        self.sample_cfg = samples_config(cfg, run.plan)  # none due when an out-of-memory re-plan skipped them
 
     def checkpoint(self) -> Snapshot:
         run, at = self.run, self.at

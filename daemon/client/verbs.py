@@ -30,7 +30,7 @@ def fail(as_json: bool, code: str, message: str, status: int) -> int:
     """An error: one line on stderr and, with --json, also {"ok": false, "error", "message", "exit"} on stdout."""
     if as_json:
         print(json.dumps({"ok": False, "error": code, "message": message, "exit": status}))
-    print(f"lorad: {message}", file=sys.stderr)
+    print(f"lorad: {render.term_safe(message)}", file=sys.stderr)
     return status
 
 
@@ -63,7 +63,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             return fail(args.json, "usage", "lorad submit: give a job file, or --from MIRROR_URL/JOB", 64)
         data = call(args, p.Submit(name="from-mirror.yaml", from_mirror=args.from_mirror))
         reply = p.SubmitReply.model_validate(data)
-        return out(args, data, lambda d: print(f"{reply.job} (from the mirror: {reply.restored})"))
+        return out(args, data, lambda d: print(render.term_safe(f"{reply.job} (from the mirror: {reply.restored})")))
     try:
         # The schema locally first (a typo is shown without a daemon), with relative paths resolved against the
         # file's directory. What the paths hold is for the daemon to check, in the same order and with the
@@ -74,11 +74,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     data = call(args, p.Submit(name=Path(args.job).name, text=dump_job(cfg), from_mirror=args.from_mirror or None))
     reply = p.SubmitReply.model_validate(data)
     if reply.same_name and not args.json:
-        others = ", ".join(f"{j.id} ({j.state})" for j in reply.same_name)
+        others = render.term_safe(", ".join(f"{j.id} ({j.state})" for j in reply.same_name))
         print(f"lorad: note: {cfg.name!r} is also the name of {others}; refer to these jobs by id",
               file=sys.stderr)
-    return out(args, data, lambda d: print(reply.job + (f" (from the mirror: {reply.restored})" if reply.restored
-                                                        else "")))
+    return out(args, data, lambda d: print(render.term_safe(
+        reply.job + (f" (from the mirror: {reply.restored})" if reply.restored else ""))))
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -104,7 +104,7 @@ def _action(req_cls):
     def cmd(args: argparse.Namespace) -> int:
         data = call(args, req_cls(job=args.job))
         reply = p.JobActionReply.model_validate(data)
-        return out(args, data, lambda d: print(f"{reply.job}: {reply.message}"))
+        return out(args, data, lambda d: print(render.term_safe(f"{reply.job}: {reply.message}")))
 
     return cmd
 
@@ -118,7 +118,7 @@ cmd_retry = _action(p.Retry)
 def cmd_priority(args: argparse.Namespace) -> int:
     data = call(args, p.SetPriority(job=args.job, priority=args.priority))
     reply = p.PriorityReply.model_validate(data)
-    return out(args, data, lambda d: print(f"{reply.job}: {reply.message}"))
+    return out(args, data, lambda d: print(render.term_safe(f"{reply.job}: {reply.message}")))
 
 
 def cmd_power(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.intake.checks import PENDING, Checks
 from daemon.intake.job_file import read_job_file
 from daemon.store import states
 from daemon.store.db import Store
@@ -34,6 +35,7 @@ from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.system.safe_files import write_durable
+from engine.config.bounded import CheckTimedOut
 from engine.config.job import JobConfig, dump_job, parse_job
 from engine.config.reading import load_yaml_text
 from engine.errors import JobInvalid
@@ -53,6 +55,7 @@ class Outcome:
     rejected_path: Path | None = None
     same_name: list[dict[str, Any]] = field(default_factory=list)  # unfinished jobs that already had this name
     stuck: bool = False  # neither accepted nor rejected (error says why): kept in incoming/, retried later
+    pending: bool = False  # its check still runs (off the loop): kept in incoming/, asked again by poll_pending
 
 
 def ignored(name: str) -> bool:
@@ -74,11 +77,16 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
                          f"got {type(raw).__name__}")
+    policy = cfg.job_policy(home)
     try:
-        cfg.job_policy(home).check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
+        policy.check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
     except JobInvalid as e:
         raise JobInvalid(f"{source}: {e}") from None
     job = parse_job(raw, base_dir, source=source)
+    try:
+        policy.check_parsed(job)  # the switches as the validator read them ('true', 1, ...)
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
     return job
 
@@ -86,6 +94,12 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
 REJECTED_HEADER = "lorad rejected "
 REJECTED_FILE_MODE = 0o640  # rejected/NAME.error.txt: the socket group reads why
 ERROR_SUFFIX = ".error.txt"
+MAX_REASON_CHARS = 4096  # a rejection's reason as stored (rejected/*.error.txt, state.db, the log line)
+
+
+def capped(reason: str, most: int = MAX_REASON_CHARS) -> str:
+    """A reason cut to `most` characters, saying how much was cut (validators cut what they echo already)."""
+    return reason if len(reason) <= most else f"{reason[:most]}… ({len(reason) - most} more characters)"
 
 
 def recent_rejections(rejected: Path, now: float, within_s: float, most: int) -> tuple[list[dict[str, Any]], int]:
@@ -164,6 +178,12 @@ class Intake:
             os.chmod(d, JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
+        # Every job's paths are checked in a worker with a deadline (daemon/intake/checks.py). check_wait_s: how
+        # long the caller of take()/recover() waits for one; None (the default) waits for the verdict, the
+        # service loop sets a short wait and collects the rest with poll_pending() on later ticks.
+        self.checks = Checks(cfg.intake_check_s, log)
+        self.check_wait_s: float | None = None
+        self._pending: dict[Path, tuple[str, str]] = {}  # claimed file → (its name, the text being checked)
 
     # ---------------------------------------------------------------- files that cannot be taken yet
     @property
@@ -256,16 +276,32 @@ class Intake:
         self._unstick(claimed)
         return out
 
+    def poll_pending(self) -> list[Outcome]:
+        """The files whose checks were still running: accepted or rejected once they have a verdict."""
+        return [self._process_claimed(claimed, name) for claimed, (name, _) in list(self._pending.items())]
+
     def _decide(self, claimed: Path, name: str) -> Outcome:
         display = safe_name(name)
         try:
-            if not SAFE_NAME.match(name):
-                raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
-                                 "starting with a letter or digit (no path separators or '..')")
-            if not name.endswith(JOB_SUFFIXES):
-                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
-            text = read_job_file(claimed, name, self.cfg, self.home)
-            job = validate_text(text, name, self.inbox, self.cfg, self.home)
+            if claimed in self._pending:  # asked again: the text read the first time is the one checked
+                text, wait = self._pending[claimed][1], 0.0
+            else:
+                if not SAFE_NAME.match(name):
+                    raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' "
+                                     "only, starting with a letter or digit (no path separators or '..')")
+                if not name.endswith(JOB_SUFFIXES):
+                    raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
+                text, wait = read_job_file(claimed, name, self.cfg, self.home), self.check_wait_s
+            try:
+                job = self.checks.verdict(str(claimed), lambda: validate_text(text, name, self.inbox, self.cfg,
+                                                                              self.home), wait)
+            except CheckTimedOut as e:
+                raise JobInvalid(f"{name}: {e}") from None
+            finally:
+                self._pending.pop(claimed, None)
+            if job is PENDING:
+                self._pending[claimed] = (name, text)
+                return Outcome(name=name, pending=True)
         except JobInvalid as e:
             return self._reject(claimed, display, str(e))
         except Exception as e:  # noqa: BLE001 — a job file must never take the daemon down
@@ -277,6 +313,7 @@ class Intake:
         return Outcome(name=name, job_id=job_id, same_name=same)
 
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
+        reason = capped(reason)
         dest = self.rejected / display
         n = 1
         while os.path.lexists(dest) or os.path.lexists(dest.with_name(dest.name + ERROR_SUFFIX)):
@@ -308,11 +345,19 @@ class Intake:
         job whose checkpoint is still to be downloaded from a mirror (daemon/mirror/fetcher.py)."""
         if not SAFE_NAME.match(name):
             raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
-        job = validate_text(text, name, self.home, self.cfg, self.home)
+        job = self.validate(text, name)
         source = source or f"submit:{name}"
         job_id, same = self._accept(job, source, text, state)
         self.log.info("job_accepted", job=job_id, file=source)
         return Outcome(name=name, job_id=job_id, same_name=same)
+
+    def validate(self, text: str, name: str) -> JobConfig:
+        """validate_text for a job sent over the socket (paths already absolute), in a worker with a deadline:
+        the connection's thread waits at most intake_check_s (daemon/intake/checks.py)."""
+        try:
+            return self.checks.run(lambda: validate_text(text, name, self.home, self.cfg, self.home))
+        except CheckTimedOut as e:
+            raise JobInvalid(f"{name}: {e}") from None
 
     def _accept(self, job: JobConfig, source: str, original: str,
                 state: str = states.QUEUED) -> tuple[str, list[dict[str, Any]]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
-from daemon.intake.accept import recent_rejections, validate_text
+from daemon.intake.accept import recent_rejections
 from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
@@ -84,7 +84,7 @@ def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
                 raise JobInvalid("--from: this daemon has no mirrors")
             out, restored = mirrors.restore(
                 req.from_mirror, lambda text, source, state: ctx.intake.submit_text(req.name, text, source, state=state),
-                lambda text: validate_text(text, req.name, ctx.home, ctx.intake.cfg, ctx.home), req.text or None)
+                lambda text: ctx.intake.validate(text, req.name), req.text or None)
         else:
             if mirrors is not None:
                 mirrors.check_job(_doc(req.text))  # a mirror that cannot work is refused now, when it can be told

@@ -49,6 +49,7 @@ from daemon.system.notify import SystemdNotifier
 from engine.storage.fsio import RealFs, ensure_dir_durable
 from engine.version import lorad_version
 
+CHECK_WAIT_S = 0.2  # how long the loop waits for one job's check before asking again on a later tick
 EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
 
 
@@ -186,6 +187,7 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     """Intake, reconcile what the last run left, then the policy, devices, inbox, notifications and supervisor."""
     notifier = SystemdNotifier()
     intake = Intake(home, cfg, store, log)
+    intake.check_wait_s = CHECK_WAIT_S  # recovery and the loop never wait on one job's files (daemon/intake/checks.py)
     log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
     notifier.status("reconciling")
     try:
@@ -203,7 +205,8 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     mirrors = Mirrors(home, cfg, store, log)
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
                      notifications=notifications, mirrors=mirrors,
-                     prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
+                     prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log,
+                                                    store))
     mirrors.resume(sup.wake.set)  # what the last run left behind: uploads not caught up, downloads cut short
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling

@@ -240,6 +240,14 @@ class Store:
         with self._tx() as db:
             sql.add_event(db, job_id, kind, data)
 
+    def prune_jobless_events(self, before: float, keep: int) -> int:
+        """Events of no job (rejections) older than `before` (time.time()) and all but the newest `keep`: pruned
+        as rejected/ is (daemon/intake/prune.py), so a flood of bad job files cannot grow state.db for ever."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM events WHERE job_id IS NULL AND (ts < ? OR id NOT IN "
+                              "(SELECT id FROM events WHERE job_id IS NULL ORDER BY id DESC LIMIT ?))",
+                              (before, keep)).rowcount
+
     def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         with self._lock:
             rows = self.db.execute("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?",

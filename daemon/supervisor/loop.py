@@ -234,6 +234,7 @@ class Supervisor(ReapPath, StartPath):
                 self._backlog[path] = None
         if self._backlog and time.monotonic() >= self._intake_rest_until:
             self._take_batch()
+        self.intake.poll_pending()  # files whose checks run off the loop (daemon/intake/checks.py)
         # A file that could not be taken (disk full, ...) waits in incoming/ (or in the inbox, for the next
         # rescan); it is tried again every inbox_rescan_s, and `lorad status` says it is stuck and why.
         now = time.monotonic()

@@ -19,6 +19,7 @@ from engine.config.declare import (
     keys_set_but_not_for,
     read_only_by,
 )
+from engine.config.describe import shown
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
 
 if TYPE_CHECKING:
@@ -233,7 +234,7 @@ def optimizer_args_are_known(cfg: JobConfig) -> list[Problem]:
     betas = args.get("betas")
     if betas is not None and (not isinstance(betas, list) or len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
         out.append(Problem("train.optimizer_args.betas",
-                           f"train.optimizer_args.betas: must be two numbers in [0, 1) (got {betas!r})"))
+                           f"train.optimizer_args.betas: must be two numbers in [0, 1) (got {shown(betas)})"))
     return out
 
 
