@@ -11,6 +11,7 @@ This package owns
     attempt.py  what the daemon asks of this attempt after an out-of-memory ($LORAD_MEMORY_PLAN: floors the
                 plan may not go under, a smaller micro-batch) and the ladder of levers it walks (replan)
     apply.py    per-block activation checkpointing, selective (attention outputs kept) or whole
+    setup.py    the plan at an attempt's set-up (engine/recipe.py): floors, micro-batch, load, plan, apply
     oom.py      an out-of-memory in words (what it needed), and the test hook that raises a real one
 
 A plan is an input of the attempt, never of the job: it changes where bytes live and what is recomputed, not the
