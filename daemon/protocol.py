@@ -156,6 +156,7 @@ class JobRow(BaseModel):
     wait_bytes: int | None = None  # waiting: the free space it needs
     gpu_note: str | None = None  # what the daemon decided about its GPU memory (gpu_memory_policy), if anything
     mirror: MirrorLag | None = None  # a mirrored job's lag
+    memory_plan: str | None = None  # the last attempt's memory plan in words (engine/memory_plan/)
 
 
 class Attempt(BaseModel):

@@ -22,7 +22,7 @@ from engine.checkpoint.cadence import SaveCadence
 from engine.checkpoint.exports import CheckpointExports, export_meta
 from engine.checkpoint.output import export_output, output_step
 from engine.checkpoint.position import Position
-from engine.checkpoint.saving import commit_now, save_if_due
+from engine.checkpoint.saving import commit_now, record_saves, save_if_due
 from engine.checkpoint.state import restore_checkpoint, snapshot
 from engine.checkpoint.store import CheckpointStore, Snapshot
 from engine.checkpoint.writer import AsyncCheckpointer
@@ -43,12 +43,13 @@ from engine.distributed.fsdp import (
     load_shards,
     rng_snapshot,
 )
-from engine.errors import DiskError
+from engine.errors import DiskError, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
 from engine.frozen_base.prefetch import Prefetcher
-from engine.frozen_base.speedups import apply_train_speedups
+from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
+from engine.memory_plan.setup import AttemptMemory, MemoryPlan, load_planned, micro_batch, samples_config
 from engine.report import failures
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
@@ -122,6 +123,10 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         if run.ranks.is_main or loop.saver.collective:
             commit_now(at.step, loop.saver, loop.cadence, loop.checkpoint, log, loop.board, phase="final_checkpoint")
         run.ranks.barrier()
+    except torch.OutOfMemoryError as e:
+        record_saves(loop.saver.wait(), loop.cadence, loop.saver.store, log, loop.board)  # a whole earlier step
+        raise OutOfMemory(loop.phase, at.step + (loop.phase == "step"), first_line(e), needed_bytes(e),
+                          run.plan.report()) from None
     finally:
         loop.close()
 
@@ -150,12 +155,15 @@ class Run:
     optimizer: torch.optim.Optimizer
     ema: AdapterEMA | None
     store: CheckpointStore
+    plan: MemoryPlan  # this attempt's memory plan (engine/memory_plan/): where bytes live, never the numerics
+    floor: AttemptMemory  # what the daemon asked of this attempt after an out-of-memory
 
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     world = world_from_env()  # torchrun's; one process without it
+    floor, micro = micro_batch(cfg, world.size, log)  # after an out-of-memory, the daemon's floors
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
-    share = BatchShare(world, cfg.train.batch_size, plan_grad_accum(cfg.global_batch(), cfg.train.batch_size, world.size))
+    share = BatchShare(world, micro, plan_grad_accum(cfg.global_batch(), micro, world.size))
     ranks = Ranks.start(world, cfg.train.sharding)
     ranks.check_same_job(VERSION, cfg.identity_hash())
     ranks.check_shared_dir(workdir)
@@ -176,8 +184,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
 
     # -- model and optimizer
     log.info("phase", phase="load_model")
-    model = family.load_model(cfg, workdir, device, log)
-    apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
+    model, plan = load_planned(family, cfg, workdir, device, floor, share.batch_size, share.grad_accum, log)
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -188,7 +195,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
         say(f"lorad: warning: {advice}")
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
-               store)
+               store, plan, floor)
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:
@@ -247,10 +254,13 @@ class Loop:
         self.bar = make_progress(progress, total=cfg.train.steps, start=at.step)
         # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels
         # run; on the CPU a passthrough.
-        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, cfg.train.batch_size
+        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, run.share.batch_size
         self.batches = Prefetcher(lambda cursor: run.dataset.collate(pick(seed, cursor, micro)), run.device)
         self.step_times: list[float] = []
         self.exports = CheckpointExports(run.family, run.model, cfg, len(run.dataset))  # each save's user files
+        # What the loop is doing, for an out-of-memory's report: step, validation, sample, save (the final one too).
+        self.phase = "step"
+        self.sample_cfg = samples_config(cfg, run.plan)  # none due when an out-of-memory re-plan skipped them
 
     def checkpoint(self) -> Snapshot:
         run, at = self.run, self.at
@@ -267,8 +277,9 @@ class Loop:
         # samples or save is seen here, before another step.
         while at.step < self.cfg.train.steps and not run.ranks.agree(stop.requested)[0]:
             t0 = time.monotonic()
+            self.phase = "step"
             loss, lr, grad_norm = train_step(run.family, self.model, run.optimizer, run.params, self.batches, at,
-                                             self.cfg, run.share, run.ranks)
+                                             self.cfg, run.share, run.ranks, run.floor.level())
             at.step += 1
             if run.ema is not None:
                 run.ema.update(at.step)
@@ -280,7 +291,9 @@ class Loop:
             if not run.ranks.is_main and not self.saver.collective:  # rank 0 alone renders and writes checkpoints
                 continue
             if not stopping and run.ranks.is_main:
+                self.phase = "sample"
                 self.render_samples()
+            self.phase = "save"
             save_if_due(at.step, urgent, self.saver, self.cadence, self.checkpoint, self.log, self.board)
 
     def report(self, loss: float, lr: float, grad_norm: torch.Tensor | None, seconds: float) -> None:
@@ -299,6 +312,7 @@ class Loop:
 
     def validate(self) -> None:
         run, step = self.run, self.at.step
+        self.phase = "validation"
         with eval_weights(run.optimizer, run.params), run.ema.swapped_in() if run.ema is not None else nullcontext():
             val_loss, n = evaluate(run.family, run.model, run.validation, self.cfg, run.device, run.ranks, self.log,
                                    step)
@@ -309,14 +323,14 @@ class Loop:
     def render_samples(self) -> None:
         """The family's end-of-step work (samples, when due); rendering could outlast the stop grace period."""
         run, step = self.run, self.at.step
-        samples = sample_due(self.cfg, step)
+        samples = sample_due(self.sample_cfg, step)
         if samples:
             # Committed before the samples render: a render that is killed (a hang, an OOM) never costs the step,
             # and the retry goes on past it.
             commit_now(step, self.saver, self.cadence, self.checkpoint, self.log, self.board)
         with eval_weights(run.optimizer, run.params) if samples else nullcontext(), \
                 run.ema.swapped_in() if run.ema is not None and samples else nullcontext():
-            run.family.on_step_end(run.model, step, self.cfg, self.workdir, self.log)
+            run.family.on_step_end(run.model, step, self.sample_cfg, self.workdir, self.log)
         if self.board is not None and samples:
             self.board.images(step, sorted((self.workdir / "samples" / f"step-{step:08d}").glob("*.png")))
 
@@ -329,7 +343,7 @@ class Loop:
 
 
 def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at: Position, cfg: JobConfig,
-               share: BatchShare, ranks: Ranks) -> tuple[float, float, torch.Tensor | None]:
+               share: BatchShare, ranks: Ranks, replan_level: int = 0) -> tuple[float, float, torch.Tensor | None]:
     """One optimizer step over this rank's micro-batches of the global batch at `at.consumed` (advanced past it).
 
     Returns (loss over the whole global batch, lr, grad norm before clipping — None without train.max_grad_norm —
@@ -347,6 +361,8 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at
             with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
                 loss = family.loss(model, batch, seed_micro_batch(train.seed, at.step, pos)) / share.grad_accum
             loss.backward()
+        if k == 0:
+            debug_oom(at.step + 1, replan_level)  # tests: a real torch.OutOfMemoryError, gradients half accumulated
         # The next batch is collated and copied while the GPU works.
         batches.prefetch(mine[k + 1] if k + 1 < len(mine) else share.positions(at.consumed + share.global_batch)[0])
         part = loss.detach().double()  # summed in double, as float() and Python's sum did

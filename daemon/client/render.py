@@ -207,6 +207,12 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         rows.append(("requested", j.requested))
     if j.last_error:
         rows.append(("last error", j.last_error))
+    if j.memory_plan:
+        rows.append(("memory plan", j.memory_plan))
+    for ev in (e for e in j.events if e.get("kind") == "oom_replan"):
+        oom = ev.get("data") or {}
+        rows.append(("out-of-memory", f"step {oom.get('step')} ({oom.get('phase')}): {oom.get('before')} → "
+                                      f"{oom.get('lever')}"))
     if j.mirror is not None:
         rows.append(("mirror", mirror_note(j.state, j.mirror, detail=True) or ("caught up" if j.mirror.mirror else "-")))
         if j.mirror.hub_repo:

@@ -11,6 +11,8 @@ no clock: the supervisor and start-up recovery both ask it, and tests walk it as
     stopped (or died) because its GPU
       was quarantined ("gpu: ...")      waiting_for_gpu (queued again once a healthy GPU is there, never counted)
     exit 65                              failed: the job is invalid, never retried
+    exit 69 (out of GPU memory)          queued again at once under a smaller memory plan (oom_replan.py), never
+                                         counted; failed with one line naming what was tried when no lever is left
     exit 74 with a full disk             waiting for free space (retried when it returns, never counted)
     exit 75 nobody here asked for        interrupted (an operator's or the system's SIGTERM)
     exit 70, the same line a third time  failed: an internal error at the same step with the same message,
@@ -29,7 +31,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from daemon.store import states
-from engine.training.stop import EXIT_INTERNAL, EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
+from engine.training.stop import (
+    EXIT_INTERNAL,
+    EXIT_INVALID,
+    EXIT_IO,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_STOPPED,
+)
 
 if TYPE_CHECKING:
     from daemon.config.daemon import DaemonConfig
@@ -65,10 +74,12 @@ def same_error_in_a_row(error: str | None, previous: list[str | None]) -> int:
 
 
 def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, cfg: DaemonConfig,
-                last_error: str | None, progressed: bool = False, repeats: int = 0) -> ExitDecision:
+                last_error: str | None, progressed: bool = False, repeats: int = 0,
+                replanned: str | None = None) -> ExitDecision:
     """Where a job goes when its trainer exits. `crashes_before`: crashes in a row before this attempt;
     `progressed`: this attempt committed a new checkpoint; `repeats`: the attempts just before that ended with
-    this same error (same_error_in_a_row)."""
+    this same error (same_error_in_a_row); `replanned`: after an out-of-memory (exit 69), the lever the re-plan
+    pulled (None: none was left, and `last_error` says what was tried)."""
     before = 0 if progressed else crashes_before
     if code == EXIT_OK:
         return ExitDecision(states.SUCCEEDED, "finished", crashes=0)
@@ -83,6 +94,10 @@ def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, 
         return ExitDecision(states.INTERRUPTED, stop_reason or "stopped", crashes=before)
     if code == EXIT_INVALID:
         return ExitDecision(states.FAILED, f"invalid job: {last_error or 'exit 65'}", crashes=before)
+    if code == EXIT_OUT_OF_MEMORY:
+        if replanned is not None:
+            return ExitDecision(states.QUEUED, f"out of GPU memory; re-planned: {replanned}", crashes=before)
+        return ExitDecision(states.FAILED, last_error or "out of GPU memory; no lever left", crashes=before)
     if disk_full(code, last_error):
         return ExitDecision(states.WAITING, f"disk full; waits for free space ({last_error})", crashes=before)
     if code == EXIT_STOPPED and stop_reason is None:

@@ -25,6 +25,7 @@ from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.lock import write_pid
 from daemon.system.log import job_event
+from engine.memory_plan.attempt import PLAN_ENV
 
 
 def warm_trainer_for(cfg, log) -> WarmTrainer | None:
@@ -145,6 +146,8 @@ class StartPath:
         self.locks.started(job_id)
         env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
         env.update(self.vram_budget_env(job_id, workdir, devs))  # gpu_memory_policy: plan
+        if job.get("memory"):  # floors after an out-of-memory (daemon/supervisor/oom_replan.py): this attempt's input
+            env[PLAN_ENV] = job["memory"]
         shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
         power = trainer.power_section(doc)
         try:

@@ -196,6 +196,8 @@ class Child:
     ranks: RankWatch = field(default_factory=RankWatch)  # its ranks' liveness files, timed on the monotonic clock
     refusals: trainer_output.Refusals = field(default_factory=trainer_output.Refusals)  # stdout lines dropped
     doc: dict[str, Any] = field(default_factory=dict)  # the job as accepted (daemon/supervisor/accepted_job.py)
+    memory_plan: str | None = None  # the attempt's memory plan in words (its `memory_plan` event)
+    oom: dict[str, Any] | None = None  # its `out_of_memory` event: where, what it needed, the plan it ran under
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -262,6 +264,12 @@ class Child:
             return {"last_checkpoint": ev.get("path"), "checkpoint_step": step, "retries": 0}
         elif kind in ("invalid_job", "disk_error", "internal_error"):
             self.last_error = str(ev.get("message", kind))
+        elif kind == "memory_plan":
+            self.memory_plan = str(ev.get("summary", ""))[:1000] or None
+            self.dirty = True
+        elif kind == "out_of_memory":
+            self.oom = ev
+            self.last_error = str(ev.get("message", kind))
         elif kind == "done":
             self.step = int(ev.get("step", self.step))
             self.dirty = True
@@ -272,6 +280,8 @@ class Child:
         out = dict(step=self.step, total=self.total, loss=self.loss, s_per_step=self.s_per_step, eta_s=self.eta_s)
         if self.val_step is not None:  # a resumed attempt keeps the last value until it validates again
             out.update(val_loss=self.val_loss, val_step=self.val_step)
+        if self.memory_plan is not None:
+            out["memory_plan"] = self.memory_plan
         return out
 
     # ------------------------------------------------------------ hang, stop, kill

@@ -102,6 +102,8 @@ def _detect(p: Parsed) -> str | None:
         return simpletuner.NAME
     if diffusion_pipe.detect(d):
         return diffusion_pipe.NAME
+    if p.kind != "toml":  # kohya's configs are TOML only: a lorad job's train.learning_rate is no kohya key
+        return None
     if kohya_dataset.is_dataset_toml(d):
         return kohya.MUSUBI if kohya_dataset.is_musubi_dataset(d) else kohya.NAME
     if kohya.is_config_toml(d):

@@ -3,6 +3,7 @@ lands in trainer.log), an event, and the exit code (engine/training/stop.py; the
 
     JobInvalid, ConfigMismatch, a hub refusal   65: the job can never run as written, never retried
     DiskError, any disk-full OSError            74: the daemon waits for free space
+    OutOfMemory, torch.OutOfMemoryError         69: the daemon re-plans memory (engine/memory_plan/oom.py says it)
     an OSError of the network                   raised: a crash, retried with backoff within the budget
     any other Exception                         70: an internal error, below (an unreadable model file too)
 
@@ -24,10 +25,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.errors import ConfigMismatch, DiskError, JobInvalid
+from engine.errors import ConfigMismatch, DiskError, JobInvalid, OutOfMemory
 from engine.report.events import EventLog
 from engine.storage.fsio import is_disk_full
-from engine.training.stop import EXIT_INTERNAL, EXIT_INVALID, EXIT_IO
+from engine.training.stop import EXIT_INTERNAL, EXIT_INVALID, EXIT_IO, EXIT_OUT_OF_MEMORY
 
 MESSAGE_CHARS = 200  # an exception's message can be a whole tensor's repr
 
@@ -49,6 +50,11 @@ def exit_code(e: Exception, log: EventLog, workdir: Path, stderr_is_log: bool,
                      EXIT_INVALID)
     if isinstance(e, DiskError):
         return _said(log, "disk_error", str(e), str(e), EXIT_IO)
+    if isinstance(e, OutOfMemory) or _torch_out_of_memory(e):
+        from engine.memory_plan.oom import said  # torch is there: it raised
+
+        print(f"lorad: {said(e, log)}", file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY
     if isinstance(e, OSError):
         if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
             msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
@@ -60,6 +66,11 @@ def exit_code(e: Exception, log: EventLog, workdir: Path, stderr_is_log: bool,
             # repeats its message for as long as it lasts.
             raise e
     return internal_error(e, log, workdir, stderr_is_log)
+
+
+def _torch_out_of_memory(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # not imported here: a client without the training stack reads this table
+    return torch is not None and isinstance(e, torch.OutOfMemoryError)
 
 
 NETWORK_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.ENETUNREACH,

@@ -120,3 +120,20 @@ def test_a_job_that_commits_checkpoints_between_crashes_never_fails_one_that_doe
 ])
 def test_an_exit_status_is_described_in_words(code, words):
     assert describe_exit(code) == words
+
+
+@pytest.mark.parametrize("stop, before, replanned, state, reason, crashes", [
+    # Out of GPU memory with a lever left: queued again at once, under the new plan; no crash counted, even with
+    # the budget spent before it.
+    (None, 0, "blocks_to_swap 0→1", states.QUEUED, "out of GPU memory; re-planned: blocks_to_swap 0→1", 0),
+    (None, 2, "samples skipped", states.QUEUED, "out of GPU memory; re-planned: samples skipped", 2),
+    # No lever left: failed with the re-plan's one line, still no crash counted
+    (None, 1, None, states.FAILED, "out of GPU memory ... no lever left; tried: micro-batch 2→1", 1),
+    # the user's stop wins over the re-plan
+    ("pause", 0, "blocks_to_swap 0→1", states.PAUSED, "paused by the user", 0),
+])
+def test_out_of_memory_is_a_replan_that_never_spends_the_budget(stop, before, replanned, state, reason, crashes):
+    error = "out of GPU memory ... no lever left; tried: micro-batch 2→1"
+    d = decide_exit(69, stop, before, CFG, error, replanned=replanned)
+    assert (d.state, d.retry_in, d.reason, d.crashes) == (state, None, reason, crashes)
+    states.check(states.RUNNING, d.state)
