@@ -5,8 +5,14 @@ Storage
 The frozen base weight W (out × in) is stored as float8_e4m3fn with one fp32
 scale per output channel (row of W):
 
-    s_w[o] = max(amax(|W[o, :]|), eps) / 448        (448 = largest finite e4m3 value)
+    s_w[o] = pow2(max(amax(|W[o, :]|), eps))        pow2(a): the smallest power of two s with a / s ≤ 448
     W8[o, k] = e4m3(W[o, k] / s_w[o])                  so  W ≈ diag(s_w) · W8
+
+(448 is the largest finite e4m3 value.) Every scale, weight, activation and gradient, is a power of two:
+dividing by one is exact, so the fused Triton kernels (fp8_triton.py) give the torch reference's bytes, and
+dequantising is exact too (W8 · s_w is a bf16 number), which makes the weight-only path below the same
+numbers as a matmul with the dequantised weight. A row's largest value lands in (224, 448]: e4m3 is a
+floating-point format, so this costs no resolution except at the bottom of its range.
 
 One byte per parameter plus 4 bytes per output channel. The weight never
 receives a gradient: it is a `requires_grad=False` parameter and the autograd
@@ -18,7 +24,7 @@ The activation is quantised per token (per row of the flattened input), with
 its amax clamped away from zero so an all-zero row (padding) gives scale eps,
 not a division by zero:
 
-    s_x[t] = max(amax(|x[t, :]|), eps) / 448,    x8 = e4m3(x / s_x)
+    s_x[t] = pow2(max(amax(|x[t, :]|), eps)),    x8 = e4m3(x / s_x)
     y[t, o] = s_x[t] · s_w[o] · Σ_k x8[t, k] · W8[o, k]
 
 Per-token scales keep one outlier token from crushing the resolution of every
@@ -60,10 +66,25 @@ branch saves its own small ones). Reading the weight from the module at
 backward time (instead of saving the tensor) is also what lets block
 swapping (engine/frozen_base/blockswap.py) move it between host and GPU in between.
 
+Fused quantisation, the size rule, LoRA in the same function
+-------------------------------------------------------------
+On a CUDA GPU with Triton the activation's and the gradient's quantisation is one kernel each
+(fp8_triton.py: one read of bf16, one write of e4m3 and scales; the gradient read once with s_w folded in),
+registered as the torch.library op `lorad::quantize_rows_e4m3`, so eager calls the kernel and
+torch.compile sees one op. `quantize_rows` below is the reference and runs everywhere else.
+The bias goes into `_scaled_mm` and the forward GEMM accumulates fast (`use_fast_accum`, as torchao and
+TransformerEngine do for the forward; the input-gradient GEMM keeps the exact accumulation).
+Linears that read the same input one after the other (Q, K, V; a single block's proj_mlp and Q) quantise
+it once (`quantize_activation`). A call with few rows (`fp8_compute_pays`: the modulation linears, M = the
+batch) takes the weight-only path: FP8 storage, a bf16 matmul on W8 with s_w applied to the result.
+With peft's LoRA on top, engine/frozen_base/fp8_lora.py puts base and adapter into this module's one
+autograd function (`FrozenFP8Function`).
+
 Fallbacks
 ---------
-- `dequant` compute: W is dequantised to the compute dtype (bf16) per call and
-  a normal matmul runs. Used on the CPU and on GPUs without FP8 tensor cores
+- `dequant` compute (the weight-only path): a bf16 matmul on W8 cast to bf16, s_w applied to its
+  result (forward) or folded into dy (input gradient); with power-of-two scales these are the numbers a
+  matmul with the dequantised weight gives. Used on the CPU and on GPUs without FP8 tensor cores
   (before sm_89); same storage, same gradients' maths, bf16 speed.
 - Per layer: a layer whose in/out features are not multiples of 16 cannot be
   fed to `_scaled_mm` on CUDA and uses `dequant` (the choice is made once at
@@ -76,6 +97,9 @@ CPU tests must catch such bugs before a GPU does.
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from typing import Literal
 
 import torch
@@ -164,13 +188,101 @@ def check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, sca
     return kind
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantisation of a 2-D tensor: (x8 row-major, fp32 scales of shape (rows, 1))."""
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with amax / s ≤ 448, elementwise, for fp32 amax > 0.
+
+    amax = m · 2^e with m in [0.5, 1) (frexp), and 448 = 0.875 · 2^9: s = 2^(e - 9), doubled when m > 0.875."""
+    mant, exp = torch.frexp(amax)
+    return torch.ldexp(torch.ones_like(amax), exp - 9 + (mant > 0.875).to(exp.dtype))
+
+
+def prescale_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 values quantize_rows casts to e4m3, and their per-row scales: x (· col_scale) / s, clamped."""
     xf = x.float()
+    if col_scale is not None:
+        xf = xf * col_scale.reshape(1, -1).float()
     amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=AMAX_EPS)
-    scale = amax / E4M3_MAX
-    x8 = (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    return x8.contiguous(), scale.contiguous()
+    scale = pow2_scale(amax)
+    return (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX), scale
+
+
+def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation of a 2-D tensor: (x8 row-major, fp32 power-of-two scales (rows, 1)).
+
+    With `col_scale` (one per column), x · col_scale is quantised: the weight scale folded into a gradient.
+    The readable reference: on a CUDA GPU the op `quantize_rows_e4m3` runs fp8_triton's kernel instead."""
+    pre, scale = prescale_rows(x, col_scale)
+    return pre.to(E4M3).contiguous(), scale.contiguous()
+
+
+def triton_kernels_usable(device: torch.device) -> bool:
+    """fp8_triton's kernels run here: a CUDA (not ROCm) GPU, Triton importable, LORAD_FP8_KERNELS not "torch"."""
+    if torch.device(device).type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("LORAD_FP8_KERNELS", "triton") == "torch":
+        return False
+    if _TRITON_OK[0] is None:
+        try:
+            import engine.frozen_base.fp8_triton  # noqa: F401
+            _TRITON_OK[0] = True
+        except ImportError:
+            _TRITON_OK[0] = False
+    return _TRITON_OK[0]
+
+
+_TRITON_OK: list[bool | None] = [None]
+# Tests set this to run the kernels on CPU tensors under TRITON_INTERPRET=1, through the op like a GPU would.
+KERNELS_ON_CPU = False
+
+
+@torch.library.custom_op("lorad::quantize_rows_e4m3", mutates_args=(),
+                         schema="(Tensor x, Tensor? col_scale) -> (Tensor, Tensor)")
+def quantize_rows_op(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows as one op: fp8_triton's fused kernel on CUDA, the torch reference elsewhere."""
+    if KERNELS_ON_CPU or triton_kernels_usable(x.device):
+        from engine.frozen_base import fp8_triton
+
+        return fp8_triton.quantize_rows(x, col_scale)
+    return quantize_rows(x, col_scale)
+
+
+@quantize_rows_op.register_fake
+def _(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(x.shape, dtype=E4M3, device=x.device),
+            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
+
+
+class _LastQuantised(threading.local):
+    """The last activation quantised, by the module input it came from: Q, K and V read one tensor in turn."""
+    source = None  # weakref to the module input
+    key: tuple = ()
+    result: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+_LAST = _LastQuantised()
+
+
+def quantize_activation(x2d: torch.Tensor, source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_e4m3(x2d); reused when `source` (the module input x2d was read from) was just quantised.
+
+    The reuse needs the same tensor object, unmodified (its version counter) and the same dtype and shape; one
+    slot per thread, so at most one extra e4m3 copy stays alive. Compiled code quantises each time (inductor
+    sees identical pure ops)."""
+    x2d = x2d.detach()
+    if source is None or source.is_inference() or torch.compiler.is_compiling():
+        return quantize_rows_op(x2d, None)
+    key = (source._version, source.data_ptr(), x2d.dtype, tuple(x2d.shape))
+    cached = _LAST.source() if _LAST.source is not None else None
+    if cached is source and _LAST.key == key:
+        return _LAST.result
+    result = quantize_rows_op(x2d, None)
+    _LAST.source, _LAST.key, _LAST.result = weakref.ref(source), key, result
+    return result
+
+
+def forget_quantised() -> None:
+    """Drop the shared slot's activation (tests; the end of a step need not call it: one slot is small)."""
+    _LAST.source, _LAST.key, _LAST.result = None, (), None
 
 
 WEIGHT_CHUNK = 1 << 24  # elements per slice when a weight is quantised: 16M fp32 temporaries, about 200 MB
@@ -190,60 +302,101 @@ def quantize_weight_rows(w: torch.Tensor, chunk: int = WEIGHT_CHUNK) -> tuple[to
 
 
 def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, rowwise: bool) -> torch.Tensor:
-    """(a_scale ⊙ a8) @ (b8 ⊙ b_scale) for per-row a_scale (M,1) and per-column b_scale (1,N).
+              out_dtype: torch.dtype, rowwise: bool, bias: torch.Tensor | None = None,
+              fast_accum: bool = False) -> torch.Tensor:
+    """(a_scale ⊙ a8) @ (b8 ⊙ b_scale) (+ bias) for per-row a_scale (M,1) and per-column b_scale (1,N).
 
-    Row-wise: one `_scaled_mm` call with the scales fused. Otherwise: the
-    tensor-wise kernel with unit scales into fp32, then the scales applied
-    after the GEMM (the fp32 accumulator result loses nothing before scaling).
+    Row-wise: one `_scaled_mm` call with the scales and the bias fused. Otherwise: the tensor-wise kernel
+    with unit scales into fp32, then the scales and bias applied after the GEMM (the fp32 accumulator
+    result loses nothing before scaling). `fast_accum`: cuBLASLt's faster, less exact accumulation.
     """
     if rowwise and out_dtype == torch.bfloat16:
-        check_scaled_mm(a8, b8, a_scale, b_scale, out_dtype)
-        return torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+        bias = bias.to(out_dtype) if bias is not None else None
+        check_scaled_mm(a8, b8, a_scale, b_scale, out_dtype, bias)
+        return torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     one = torch.ones((), dtype=torch.float32, device=a8.device)
     check_scaled_mm(a8, b8, one, one, torch.float32)
-    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)
-    return (out * a_scale * b_scale).to(out_dtype)
+    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum)
+    out = out * a_scale * b_scale
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    """y = x Wᵀ (+ b) on FP8 tensor cores; gradient for x only (W and b are frozen)."""
+FP8_MIN_ROWS = 16
 
-    @staticmethod
-    def forward(ctx, x2d: torch.Tensor, layer: FP8Linear) -> torch.Tensor:
-        ctx.layer = layer  # backward reads the weight from the module: it may have been swapped in between
-        ctx.out_dtype = x2d.dtype
-        x8, sx = quantize_rows(x2d)
-        w8 = layer.weight  # (O, K) row-major; .t() is the column-major (K, O) operand
-        y = scaled_mm(x8, sx, w8.t(), layer.weight_scale.t(), x2d.dtype, layer.rowwise)
-        if layer.bias is not None:
-            y = y + layer.bias.to(y.dtype)
-        return y
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        layer = ctx.layer
-        g8, sg = quantize_rows(dy.float() * layer.weight_scale.t())  # fold s_w[o] into the gradient
+def fp8_compute_pays(rows: int) -> bool:
+    """The size rule: does FP8 compute (quantise x, `_scaled_mm`) run for a call with `rows` rows (tokens)?
+
+    Below FP8_MIN_ROWS the weight-only path runs instead (FP8 storage, a bf16 matmul on W8): the
+    modulation linears (`norm*.linear` at any depth; M = the batch) and the time/text embedders, where the
+    GEMM is a matrix-vector product bound by reading the weight and quantising the activation buys nothing.
+    FP8_MIN_ROWS = 16 is a placeholder that separates "rows = batch" from "rows = tokens", not a
+    measurement: where FP8 compute starts to win (as a function of rows and the layer's size) is to be
+    measured on a GPU (issue 45) and written here.
+    """
+    return rows >= FP8_MIN_ROWS
+
+
+def _base_forward(layer: FP8Linear, x2d: torch.Tensor, path: str, x8: torch.Tensor | None,
+                  sx: torch.Tensor | None) -> torch.Tensor:
+    if path == "fp8":  # W8 is (O, K) row-major; .t() is the column-major (K, O) operand
+        return scaled_mm(x8, sx, layer.weight.t(), layer.weight_scale.t(), x2d.dtype, layer.rowwise,
+                         bias=layer.bias, fast_accum=True)
+    y = x2d @ layer.weight.to(x2d.dtype).t()
+    s_w = layer.weight_scale.t().to(y.dtype)  # powers of two: exact in bf16, and scaling the result is exact
+    return torch.addcmul(layer.bias.to(y.dtype), y, s_w) if layer.bias is not None else y * s_w
+
+
+def _base_backward(layer: FP8Linear, dy: torch.Tensor, path: str, out_dtype: torch.dtype) -> torch.Tensor:
+    if path == "fp8":
+        g8, sg = quantize_rows_op(dy, layer.weight_scale.reshape(-1))  # s_w[o] folded into the gradient
         w_col = layer.weight_colmajor()  # (O, K) column-major
         ones = torch.ones((1, w_col.shape[1]), dtype=torch.float32, device=dy.device)
-        dx = scaled_mm(g8, sg, w_col, ones, ctx.out_dtype, layer.rowwise)
-        return dx, None
+        return scaled_mm(g8, sg, w_col, ones, out_dtype, layer.rowwise)
+    dy = dy.to(out_dtype)
+    return (dy * layer.weight_scale.t().to(dy.dtype)) @ layer.weight.to(dy.dtype)
 
 
-class _DequantLinearFunction(torch.autograd.Function):
-    """The same layer without FP8 tensor cores: W dequantised per call, nothing kept between forward and backward."""
+class FrozenFP8Function(torch.autograd.Function):
+    """y = x Wᵀ (+ b) (+ scaling · (x Aᵀ) Bᵀ): the frozen FP8 base and, if given, its LoRA, in one function.
+
+    Gradients for x and the adapter (A, B) only. `path` is "fp8" (x8, sx: x quantised, maybe shared) or
+    "weight_only". The base saves nothing (the input gradient needs only W, read from the module at backward
+    time: block swapping may move it in between); the adapter saves x and h = x Aᵀ, as peft's layers do.
+    The LoRA scaling is folded into the rank-sized operands, never a pass over the output.
+    """
 
     @staticmethod
-    def forward(ctx, x2d: torch.Tensor, layer: FP8Linear) -> torch.Tensor:
-        ctx.layer = layer
-        y = x2d @ layer.dequantized(x2d.dtype).t()
-        if layer.bias is not None:
-            y = y + layer.bias.to(y.dtype)
+    def forward(ctx, x2d: torch.Tensor, lora_A: torch.Tensor | None, lora_B: torch.Tensor | None,
+                layer: FP8Linear, scaling: float, path: str, x8: torch.Tensor | None,
+                sx: torch.Tensor | None) -> torch.Tensor:
+        ctx.layer, ctx.path, ctx.scaling, ctx.out_dtype = layer, path, scaling, x2d.dtype
+        ctx.lora = lora_A is not None
+        with torch.autocast(x2d.device.type, enabled=False):  # the caller chose the compute dtype
+            y = _base_forward(layer, x2d, path, x8, sx)
+            if ctx.lora:
+                h = x2d @ lora_A.to(x2d.dtype).t()
+                y = torch.addmm(y, h, lora_B.to(y.dtype).t(), alpha=scaling)
+                ctx.save_for_backward(x2d, h, lora_A, lora_B)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        return dy @ ctx.layer.dequantized(dy.dtype), None
+        dx = d_a = d_b = None
+        if ctx.needs_input_grad[0]:
+            dx = _base_backward(ctx.layer, dy, ctx.path, ctx.out_dtype)
+        if ctx.lora:
+            x2d, h, lora_A, lora_B = ctx.saved_tensors
+            dy = dy.to(x2d.dtype)
+            gh = dy @ (lora_B.to(dy.dtype) * ctx.scaling)  # (M, r): dL/dh
+            d_a = (gh.t() @ x2d).to(lora_A.dtype)
+            d_b = ((dy.t() @ h) * ctx.scaling).to(lora_B.dtype)
+            if dx is not None:
+                dx = torch.addmm(dx.to(gh.dtype), gh, lora_A.to(gh.dtype)).to(ctx.out_dtype)
+        return dx, d_a, d_b, None, None, None, None, None
 
 
 def scaled_mm_rowwise_supported(device: torch.device) -> bool:
@@ -344,6 +497,7 @@ class FP8Linear(nn.Linear):
         return out
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """W as `dtype` (exact: the scales are powers of two); the compute paths never build it."""
         return (self.weight.to(torch.float32) * self.weight_scale).to(dtype)
 
     def weight_colmajor(self) -> torch.Tensor:
@@ -355,13 +509,18 @@ class FP8Linear(nn.Linear):
             self._weight_t = wt
         return wt.t()
 
+    def path_for(self, rows: int) -> str:
+        """"fp8" (quantised activation, `_scaled_mm`) or "weight_only" (bf16 matmul on W8) for `rows` rows."""
+        return "fp8" if self.compute == "scaled_mm" and fp8_compute_pays(rows) else "weight_only"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             x2d = x2d.to(self.compute_dtype)
-        fn = _FP8LinearFunction if self.compute == "scaled_mm" else _DequantLinearFunction
-        y = fn.apply(x2d, self)
+        path = self.path_for(x2d.shape[0])
+        x8, sx = quantize_activation(x2d, source=x) if path == "fp8" else (None, None)
+        y = FrozenFP8Function.apply(x2d, None, None, self, 1.0, path, x8, sx)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
