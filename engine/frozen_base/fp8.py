@@ -269,7 +269,7 @@ def quantize_activation(x2d: torch.Tensor, source: torch.Tensor | None = None) -
     slot per thread, so at most one extra e4m3 copy stays alive. Compiled code quantises each time (inductor
     sees identical pure ops)."""
     x2d = x2d.detach()
-    if source is None or source.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or source is None or source.is_inference():
         return quantize_rows_op(x2d, None)
     key = (source._version, source.data_ptr(), x2d.dtype, tuple(x2d.shape))
     cached = _LAST.source() if _LAST.source is not None else None

@@ -225,3 +225,24 @@ def test_the_training_path_registers_the_fused_layer_for_lora_but_not_dora():
 
     assert peft_config(LoraConfig(rank=4), ["to_q"])._custom_modules == {FP8Linear: FP8LoraLinear}
     assert not peft_config(LoraConfig(rank=4, type="dora"), ["to_q"])._custom_modules
+
+
+def test_the_quantisation_op_passes_opcheck_and_the_fused_layer_compiles_whole():
+    """torch.library's checks of the op (schema, fake impl, autograd registration), and torch.compile tracing
+    base + LoRA without a graph break, to the eager numbers."""
+    x = torch.randn(32, 48)
+    torch.library.opcheck(fp8.quantize_rows_op, (x, None))
+    torch.library.opcheck(fp8.quantize_rows_op, (x.bfloat16(), torch.rand(48)))
+    model = wrap(fp8_base("scaled_mm", torch.float32), ["0"], fused=True)
+    dy = torch.randn(32, 32)
+    eager = [t.clone() for t in run(model, x, dy)]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    fp8.forget_quantised()
+    xr = x.clone().requires_grad_(True)
+    y = compiled(xr)
+    y.backward(dy)
+    layer = model.base_model.model[0]
+    got = (y.detach(), xr.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad)
+    for g, e in zip(got, eager, strict=True):
+        assert torch.equal(g, e)
