@@ -71,7 +71,7 @@ Fused quantisation, the size rule, LoRA in the same function
 On a CUDA GPU with Triton the activation's and the gradient's quantisation is one kernel each
 (fp8_triton.py: one read of bf16, one write of e4m3 and scales; the gradient read once with s_w folded in),
 registered as the torch.library op `lorad::quantize_rows_e4m3`, so eager calls the kernel and
-torch.compile sees one op. `quantize_rows` below is the reference and runs everywhere else.
+torch.compile sees one op. `quantize_rows` (fp8_quant.py) is the reference and runs everywhere else.
 The bias goes into `_scaled_mm` and the forward GEMM accumulates fast (`use_fast_accum`, as torchao and
 TransformerEngine do for the forward; the input-gradient GEMM keeps the exact accumulation).
 Linears that read the same input one after the other (Q, K, V; a single block's proj_mlp and Q) quantise
@@ -91,237 +91,38 @@ Fallbacks
   construction, and `FP8Linear.compute` says which).
 
 CUDA's rules for `_scaled_mm` are checked in our own code before every call
-(`check_scaled_mm`), because the CPU kernel accepts layouts CUDA rejects and
+(`check_scaled_mm`, scaled_mm.py), because the CPU kernel accepts layouts CUDA rejects and
 CPU tests must catch such bugs before a GPU does.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import weakref
 from typing import Literal
 
 import torch
 import torch.nn as nn
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
-# amax floor: a zero row quantises to zeros with a tiny finite scale instead of dividing by zero.
-AMAX_EPS = 1e-12
-FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-ALIGN = 16
+from engine.frozen_base.fp8_quant import (  # noqa: F401 - quantize_rows & co. are also this module's names
+    AMAX_EPS,
+    E4M3,
+    E4M3_MAX,
+    WEIGHT_CHUNK,
+    forget_quantised,
+    prescale_rows,
+    quantize_activation,
+    quantize_rows,
+    quantize_rows_op,
+    quantize_weight_rows,
+)
+from engine.frozen_base.scaled_mm import (  # noqa: F401 - the checked _scaled_mm call, also by this module's names
+    ALIGN,
+    ScaledMMRejected,
+    check_scaled_mm,
+    scaled_mm,
+    scaled_mm_rowwise_supported,
+)
 
 Compute = Literal["auto", "scaled_mm", "dequant"]
-
-
-class ScaledMMRejected(ValueError):
-    """The operands break a rule CUDA's `torch._scaled_mm` enforces."""
-
-
-def check_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                    out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> str:
-    """Enforce CUDA's `_scaled_mm(a, b, scale_a, scale_b, out_dtype)` rules; return "tensorwise" or "rowwise".
-
-    The rules (torch's ScaledBlas.cpp and cuBLASLt on sm_89/sm_90):
-    both operands 2-D float8 with matching inner size, not both e5m2; `a`
-    row-major and `b` column-major (the only combination H100 cuBLASLt runs);
-    a's inner dim and both of b's dims multiples of 16; 16-byte aligned
-    storage; scales fp32 and either single-element (tensor-wise) or a
-    contiguous (M, 1) and (1, N) pair (row-wise); row-wise output bf16 (the
-    only dtype every torch release since 2.4 accepts) and second operand e4m3
-    (CUTLASS's row-wise kernel); a bias of the output's dtype (bf16/fp16),
-    never with an fp32 output.
-    """
-    def no(msg: str) -> None:
-        raise ScaledMMRejected(msg)
-
-    if a.dim() != 2 or b.dim() != 2:
-        no(f"_scaled_mm takes 2-D operands, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.dtype not in FP8_TYPES or b.dtype not in FP8_TYPES:
-        no(f"_scaled_mm operands must be float8, got {a.dtype} and {b.dtype}")
-    if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
-        no("_scaled_mm cannot multiply two float8_e5m2 matrices")
-    m, k = a.shape
-    k2, n = b.shape
-    if k != k2:
-        no(f"_scaled_mm shapes cannot be multiplied: {m}x{k} and {k2}x{n}")
-    if k % ALIGN:
-        no(f"_scaled_mm needs the inner dimension of the first operand divisible by 16, got {m}x{k}")
-    if k2 % ALIGN or n % ALIGN:
-        no(f"_scaled_mm needs both dimensions of the second operand divisible by 16, got {k2}x{n}")
-    if not (a.stride(1) == 1 and a.stride(0) >= max(k, 1)):
-        no(f"_scaled_mm needs the first operand row-major, got strides {a.stride()} for shape {tuple(a.shape)}")
-    if not (b.stride(0) == 1 and b.stride(1) >= max(k2, 1)):
-        no(f"_scaled_mm needs the second operand column-major, got strides {b.stride()} for shape {tuple(b.shape)}")
-    for name, t in (("first operand", a), ("second operand", b)):
-        ld = t.stride(0) if t is a else t.stride(1)
-        if ld % ALIGN:
-            no(f"_scaled_mm needs the {name}'s leading dimension a multiple of 16 bytes, got {ld}")
-        if not torch.compiler.is_compiling() and t.data_ptr() % ALIGN:
-            no(f"_scaled_mm needs the {name}'s storage 16-byte aligned")
-    if scale_a.dtype != torch.float32 or scale_b.dtype != torch.float32:
-        no(f"_scaled_mm scales must be float32, got {scale_a.dtype} and {scale_b.dtype}")
-    if scale_a.numel() == 1 and scale_b.numel() == 1:
-        kind = "tensorwise"
-    elif (scale_a.dim() == 2 and tuple(scale_a.shape) == (m, 1) and scale_a.is_contiguous()
-          and scale_b.dim() == 2 and tuple(scale_b.shape) == (1, n) and scale_b.is_contiguous()):
-        kind = "rowwise"
-    else:
-        no(f"_scaled_mm scales must be single-element (tensor-wise) or ({m}, 1) and (1, {n}) contiguous "
-           f"(row-wise); got {tuple(scale_a.shape)} and {tuple(scale_b.shape)}")
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        no(f"_scaled_mm output dtype must be bf16, fp16 or fp32 here, got {out_dtype}")
-    if kind == "rowwise" and out_dtype != torch.bfloat16:
-        no(f"row-wise _scaled_mm needs a bf16 output, got {out_dtype}")
-    if kind == "rowwise" and b.dtype != torch.float8_e4m3fn:
-        no(f"row-wise _scaled_mm needs the second operand float8_e4m3fn, got {b.dtype}")
-    if bias is not None:
-        if out_dtype == torch.float32:
-            no("_scaled_mm cannot add a bias with a float32 output")
-        if bias.dtype != out_dtype or bias.numel() != n:
-            no(f"_scaled_mm bias must be {out_dtype} (the output dtype) of size {n}, "
-               f"got {bias.dtype} of size {bias.numel()}")
-    devs = {t.device for t in (a, b, scale_a, scale_b)}
-    if len(devs) != 1:
-        no(f"_scaled_mm operands and scales must be on one device, got {sorted(map(str, devs))}")
-    return kind
-
-
-def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power of two s with amax / s ≤ 448, elementwise, for fp32 amax > 0.
-
-    amax = m · 2^e with m in [0.5, 1) (frexp), and 448 = 0.875 · 2^9: s = 2^(e - 9), doubled when m > 0.875."""
-    mant, exp = torch.frexp(amax)
-    return torch.ldexp(torch.ones_like(amax), exp - 9 + (mant > 0.875).to(exp.dtype))
-
-
-def prescale_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 values quantize_rows casts to e4m3, and their per-row scales: x (· col_scale) / s, clamped."""
-    xf = x.float()
-    if col_scale is not None:
-        xf = xf * col_scale.reshape(1, -1).float()
-    amax = xf.abs().amax(dim=1, keepdim=True).clamp_(min=AMAX_EPS)
-    scale = pow2_scale(amax)
-    return (xf / scale).clamp_(-E4M3_MAX, E4M3_MAX), scale
-
-
-def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantisation of a 2-D tensor: (x8 row-major, fp32 power-of-two scales (rows, 1)).
-
-    With `col_scale` (one per column), x · col_scale is quantised: the weight scale folded into a gradient.
-    The readable reference: on a CUDA GPU the op `quantize_rows_e4m3` runs fp8_triton's kernel instead."""
-    pre, scale = prescale_rows(x, col_scale)
-    return pre.to(E4M3).contiguous(), scale.contiguous()
-
-
-def triton_kernels_usable(device: torch.device) -> bool:
-    """fp8_triton's kernels run here: a CUDA (not ROCm) GPU, Triton importable, LORAD_FP8_KERNELS not "torch"."""
-    if torch.device(device).type != "cuda" or torch.version.hip is not None:
-        return False
-    if os.environ.get("LORAD_FP8_KERNELS", "triton") == "torch":
-        return False
-    if _TRITON_OK[0] is None:
-        try:
-            import engine.frozen_base.fp8_triton  # noqa: F401
-            _TRITON_OK[0] = True
-        except ImportError:
-            _TRITON_OK[0] = False
-    return _TRITON_OK[0]
-
-
-_TRITON_OK: list[bool | None] = [None]
-# Tests set this to run the kernels on CPU tensors under TRITON_INTERPRET=1, through the op like a GPU would.
-KERNELS_ON_CPU = False
-
-
-@torch.library.custom_op("lorad::quantize_rows_e4m3", mutates_args=(),
-                         schema="(Tensor x, Tensor? col_scale) -> (Tensor, Tensor)")
-def quantize_rows_op(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows as one op: fp8_triton's fused kernel on CUDA, the torch reference elsewhere."""
-    if KERNELS_ON_CPU or triton_kernels_usable(x.device):
-        from engine.frozen_base import fp8_triton
-
-        return fp8_triton.quantize_rows(x, col_scale)
-    return quantize_rows(x, col_scale)
-
-
-@quantize_rows_op.register_fake
-def _(x: torch.Tensor, col_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(x.shape, dtype=E4M3, device=x.device),
-            torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device))
-
-
-class _LastQuantised(threading.local):
-    """The last activation quantised, by the module input it came from: Q, K and V read one tensor in turn."""
-    source = None  # weakref to the module input
-    key: tuple = ()
-    result: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-_LAST = _LastQuantised()
-
-
-def quantize_activation(x2d: torch.Tensor, source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows_e4m3(x2d); reused when `source` (the module input x2d was read from) was just quantised.
-
-    The reuse needs the same tensor object, unmodified (its version counter) and the same dtype and shape; one
-    slot per thread, so at most one extra e4m3 copy stays alive. Compiled code quantises each time (inductor
-    sees identical pure ops)."""
-    x2d = x2d.detach()
-    if torch.compiler.is_compiling() or source is None or source.is_inference():
-        return quantize_rows_op(x2d, None)
-    key = (source._version, source.data_ptr(), x2d.dtype, tuple(x2d.shape))
-    cached = _LAST.source() if _LAST.source is not None else None
-    if cached is source and _LAST.key == key:
-        return _LAST.result
-    result = quantize_rows_op(x2d, None)
-    _LAST.source, _LAST.key, _LAST.result = weakref.ref(source), key, result
-    return result
-
-
-def forget_quantised() -> None:
-    """Drop the shared slot's activation (tests; the end of a step need not call it: one slot is small)."""
-    _LAST.source, _LAST.key, _LAST.result = None, (), None
-
-
-WEIGHT_CHUNK = 1 << 24  # elements per slice when a weight is quantised: 16M fp32 temporaries, about 200 MB
-
-
-def quantize_weight_rows(w: torch.Tensor, chunk: int = WEIGHT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows for a frozen weight, a slice of rows at a time: the same bytes, a bounded transient.
-
-    Whole, quantize_rows holds about 12 bytes per parameter at once (fp32 copy, |x|, x / s, then e4m3), a
-    few GB for one large layer on the GPU while the model loads. Row by row the result is identical."""
-    rows = max(1, chunk // max(1, w.shape[1]))
-    w8 = torch.empty(w.shape, dtype=E4M3, device=w.device)
-    scale = torch.empty((w.shape[0], 1), dtype=torch.float32, device=w.device)
-    for start in range(0, w.shape[0], rows):
-        w8[start:start + rows], scale[start:start + rows] = quantize_rows(w[start:start + rows])
-    return w8, scale
-
-
-def scaled_mm(a8: torch.Tensor, a_scale: torch.Tensor, b8: torch.Tensor, b_scale: torch.Tensor,
-              out_dtype: torch.dtype, rowwise: bool, bias: torch.Tensor | None = None,
-              fast_accum: bool = False) -> torch.Tensor:
-    """(a_scale ⊙ a8) @ (b8 ⊙ b_scale) (+ bias) for per-row a_scale (M,1) and per-column b_scale (1,N).
-
-    Row-wise: one `_scaled_mm` call with the scales and the bias fused. Otherwise: the tensor-wise kernel
-    with unit scales into fp32, then the scales and bias applied after the GEMM (the fp32 accumulator
-    result loses nothing before scaling). `fast_accum`: cuBLASLt's faster, less exact accumulation.
-    """
-    if rowwise and out_dtype == torch.bfloat16:
-        bias = bias.to(out_dtype) if bias is not None else None
-        check_scaled_mm(a8, b8, a_scale, b_scale, out_dtype, bias)
-        return torch._scaled_mm(a8, b8, scale_a=a_scale, scale_b=b_scale, bias=bias, out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    one = torch.ones((), dtype=torch.float32, device=a8.device)
-    check_scaled_mm(a8, b8, one, one, torch.float32)
-    out = torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=fast_accum)
-    out = out * a_scale * b_scale
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
 
 
 FP8_MIN_ROWS = 16
@@ -397,26 +198,6 @@ class FrozenFP8Function(torch.autograd.Function):
             if dx is not None:
                 dx = torch.addmm(dx.to(gh.dtype), gh, lora_A.to(gh.dtype)).to(ctx.out_dtype)
         return dx, d_a, d_b, None, None, None, None, None
-
-
-def scaled_mm_rowwise_supported(device: torch.device) -> bool:
-    """Row-wise `_scaled_mm` runs here (CPU: yes; CUDA: probe once — it depends on the GPU, CUDA and torch build)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return True
-    key = torch.cuda.get_device_capability(device)
-    if key not in _ROWWISE_PROBED:
-        try:
-            a = torch.zeros((16, 16), dtype=E4M3, device=device)
-            s = torch.ones((16, 1), dtype=torch.float32, device=device)
-            torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
-            _ROWWISE_PROBED[key] = True
-        except (RuntimeError, ValueError, NotImplementedError):
-            _ROWWISE_PROBED[key] = False
-    return _ROWWISE_PROBED[key]
-
-
-_ROWWISE_PROBED: dict[tuple[int, int], bool] = {}
 
 
 def fp8_tensor_cores(device: torch.device) -> bool:

@@ -1,12 +1,12 @@
-"""The Triton form of engine/frozen_base/fp8.py's `quantize_rows`: one read of the input, one write of e4m3 and scales.
+"""The Triton form of engine/frozen_base/fp8_quant.py's `quantize_rows`: one read of the input, one write of e4m3 and scales.
 
-`quantize_rows` in fp8.py is the readable torch reference and the fallback (CPU, ROCm, no Triton). Its chain
+`quantize_rows` in fp8_quant.py is the readable torch reference and the fallback (CPU, ROCm, no Triton). Its chain
 (`x.float()`, `abs`, `amax`, `clamp`, the scale, the division, `clamp`, the cast; for a gradient also
 `* weight_scale`) is eight or nine kernels and as many passes over memory; this is one kernel, one program
 per row:
 
     v      = x[row, :] (· col_scale, the weight scale folded into a gradient)     read once, in fp32
-    scale  = the smallest power of two with max|v| / scale ≤ 448                   (fp8.pow2_scale)
+    scale  = the smallest power of two with max|v| / scale ≤ 448                   (fp8_quant.pow2_scale)
     q      = e4m3(clamp(v / scale, ±448))                                         written once
 
 A row that fits one block (`ONE_PASS`, up to MAX_BLOCK columns: every FLUX and Llama width) stays in
@@ -21,7 +21,7 @@ loses the carry when rounding up crosses into an odd exponent (1.9375 becomes 1.
 e4m3's smallest subnormals to zero. Pre-rounded, the bytes equal torch's in the interpreter and on a GPU.
 `precast=True` writes the fp32 values before rounding instead of e4m3, for the tests.
 
-Imported only where it runs: on a CUDA GPU by fp8's op, or by the tests with TRITON_INTERPRET=1 set before
+Imported only where it runs: on a CUDA GPU by fp8_quant's op, or by the tests with TRITON_INTERPRET=1 set before
 the import (triton picks the interpreter when it decorates the kernel).
 """
 
@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.frozen_base.fp8 import AMAX_EPS, E4M3, E4M3_MAX
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448.0
+AMAX_EPS = 1e-12  # fp8_quant.AMAX_EPS (this module imports nothing of lorad's; a test holds the two equal)
 
 MAX_BLOCK = 16384  # columns kept in registers in one pass (FLUX's widest input, 15360, fits)
 
@@ -110,7 +112,7 @@ def _quantize_rows_kernel(x_ptr, col_ptr, q_ptr, s_ptr, n_cols, stride_x, stride
 
 def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, precast: bool = False,
                   block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_rows(x, col_scale) in one kernel: (x8 row-major (or fp32 pre-cast values), scales (rows, 1)).
+    """fp8_quant.quantize_rows(x, col_scale) in one kernel: (x8 row-major (or fp32 pre-cast values), scales (rows, 1)).
 
     `block` (a power of two) forces the column block, so a test can take the two-pass path on a narrow row."""
     if x.dim() != 2:

@@ -308,11 +308,11 @@ def test_validator_rejects_what_cuda_rejects(case, match):
 
 
 def test_every_scaled_mm_call_in_the_layer_goes_through_the_validator(lin, monkeypatch):
-    import engine.frozen_base.fp8 as fp8
+    import engine.frozen_base.scaled_mm as checked
 
     calls = []
-    real = fp8.check_scaled_mm
-    monkeypatch.setattr(fp8, "check_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = checked.check_scaled_mm
+    monkeypatch.setattr(checked, "check_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     real_mm = torch._scaled_mm
     mm_calls = []
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: mm_calls.append(1) or real_mm(*a, **k))

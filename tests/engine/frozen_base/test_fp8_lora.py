@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import engine.frozen_base.fp8 as fp8
+import engine.frozen_base.fp8_quant as fp8_quant
 from engine.frozen_base.fp8 import FP8_MIN_ROWS, FP8Linear, fp8_compute_pays
 from engine.frozen_base.fp8_lora import FP8LoraLinear, lorad_custom_modules
 
@@ -199,8 +200,8 @@ def test_q_k_and_v_share_one_activation_quantisation(lora, monkeypatch):
         setattr(attn, name, FP8Linear.from_linear(getattr(attn, name), compute="scaled_mm"))
     model = wrap(attn, ["to_q", "to_k", "to_v"], fused=True) if lora else attn
     calls = []
-    real = fp8.quantize_rows_op
-    monkeypatch.setattr(fp8, "quantize_rows_op", lambda *a: calls.append(a[1] is None) or real(*a))
+    real = fp8_quant.quantize_rows_op
+    monkeypatch.setattr(fp8_quant, "quantize_rows_op", lambda *a: calls.append(a[1] is None) or real(*a))
     x = torch.randn(2, 16, 32, dtype=torch.bfloat16)
     fp8.forget_quantised()
     y = model(x)

@@ -1,4 +1,4 @@
-"""The fused quantisation kernel (engine/frozen_base/fp8_triton.py) against its torch reference (fp8.quantize_rows).
+"""The fused quantisation kernel (engine/frozen_base/fp8_triton.py) against its torch reference (fp8_quant.py).
 
 Run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set before the kernel module is imported). Held
 equal bit for bit: the power-of-two scales, the fp32 values before the cast, and the e4m3 bytes. The
@@ -15,7 +15,9 @@ import pytest
 import torch
 
 import engine.frozen_base.fp8 as fp8
-from engine.frozen_base.fp8 import E4M3, FP8Linear, prescale_rows, quantize_rows
+import engine.frozen_base.fp8_quant as fp8_quant
+from engine.frozen_base.fp8 import FP8Linear
+from engine.frozen_base.fp8_quant import E4M3, prescale_rows, quantize_rows
 
 pytest.importorskip("triton")
 
@@ -75,7 +77,7 @@ def test_triton_kernel_equals_the_torch_reference_bit_for_bit(kern, dtype, block
     assert torch.equal(bits(pre), bits(pre_ref))
     assert q.dtype == E4M3 and torch.equal(bits(q), bits(q_ref))
     # the cases are really there: a zero row at the floor scale, a negative zero, e4m3 subnormals
-    assert s[1].item() == fp8.pow2_scale(torch.tensor([fp8.AMAX_EPS])).item()
+    assert s[1].item() == fp8_quant.pow2_scale(torch.tensor([fp8_quant.AMAX_EPS])).item()
     assert bits(q)[2, 0].item() == 0x80 and bits(q)[2, 5].item() == 0x00
     assert ((bits(q[4]) & 0x78) == 0).any() and (bits(q[4]) & 0x07).ne(0).logical_and((bits(q[4]) & 0x78) == 0).any()
 
@@ -143,7 +145,7 @@ def test_the_layer_through_the_op_runs_the_kernel_and_gives_the_torch_paths_numb
     real = kern.quantize_rows
     monkeypatch.setattr(kern, "quantize_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on_kernel in (False, True):
-        monkeypatch.setattr(fp8, "KERNELS_ON_CPU", on_kernel)
+        monkeypatch.setattr(fp8_quant, "KERNELS_ON_CPU", on_kernel)
         fp8.forget_quantised()
         xr = x.clone().requires_grad_(True)
         y = layer(xr)
@@ -152,3 +154,7 @@ def test_the_layer_through_the_op_runs_the_kernel_and_gives_the_torch_paths_numb
         assert len(calls) == (2 if on_kernel else 0)  # forward x and backward dy, both by the kernel, only when routed there
     assert torch.equal(bits(results[0][0]), bits(results[1][0]))
     assert torch.equal(bits(results[0][1]), bits(results[1][1]))
+
+
+def test_the_kernel_modules_constants_are_the_references(kern):
+    assert (kern.AMAX_EPS, kern.E4M3_MAX, kern.E4M3) == (fp8_quant.AMAX_EPS, fp8_quant.E4M3_MAX, fp8_quant.E4M3)
