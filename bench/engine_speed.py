@@ -23,6 +23,8 @@ Configurations (see CONFIGS; `--configs a,b,c` picks some):
     fp8-8bit-dequant   FP8 storage, dequantising bf16 matmul (what FP8-as-storage trainers do)
     fp8-8bit-unfused   FP8 as before issue 39: peft's own LoRA layer over the FP8 base and the torch
                        quantisation (LORAD_FP8_KERNELS=torch), against fp8-8bit's fused function and kernels
+    fp8-8bit-rows1     FP8 compute at every size: the size rule off (fp8.FP8_MIN_ROWS = 1), so the modulation
+                       linears run _scaled_mm too; against fp8-8bit, this measures the rule
     bf16-8bit-eager    eager attention instead of SDPA (causal LM only)
 
 Columns: s/step is the median of --steps timed steps after --warmup steps
@@ -140,6 +142,7 @@ class Config:
     fp8_compute: str = "auto"
     transposed_copy: bool = False
     fused: bool = True  # fp8: lorad's one-function LoRA layer and fused quantisation (False: peft's and torch's)
+    min_rows: int | None = None  # fp8: FP8_MIN_ROWS while the config runs (None: the engine's)
 
 
 CONFIGS = {c.name: c for c in [
@@ -155,6 +158,7 @@ CONFIGS = {c.name: c for c in [
     Config("fp8-8bit-dequant", base="fp8", fp8_compute="dequant"),
     Config("bf16-8bit-eager", attn="eager"),
     Config("fp8-8bit-unfused", base="fp8", fused=False),
+    Config("fp8-8bit-rows1", base="fp8", min_rows=1),
     # CPU smoke only: the CPU runs _scaled_mm, so the FP8 tensor-core code path can be exercised there
     Config("fp8-8bit-scaledmm", base="fp8", fp8_compute="scaled_mm"),
 ]}
@@ -423,13 +427,19 @@ def profile_steps(step_fn, first: int, device: torch.device, label: str, top: in
 
 @contextlib.contextmanager
 def quantisation_kernels(cfg: Config):
-    """An unfused config quantises with the torch reference (LORAD_FP8_KERNELS=torch) while it runs."""
-    saved = os.environ.get("LORAD_FP8_KERNELS")
+    """An unfused config quantises with the torch reference (LORAD_FP8_KERNELS=torch) while it runs; a
+    `min_rows` config sets the size rule's threshold (engine/frozen_base/fp8.py: fp8_compute_pays)."""
+    import engine.frozen_base.fp8 as fp8
+
+    saved, saved_rows = os.environ.get("LORAD_FP8_KERNELS"), fp8.FP8_MIN_ROWS
     if not cfg.fused:
         os.environ["LORAD_FP8_KERNELS"] = "torch"
+    if cfg.min_rows is not None:
+        fp8.FP8_MIN_ROWS = cfg.min_rows
     try:
         yield
     finally:
+        fp8.FP8_MIN_ROWS = saved_rows
         if saved is None:
             os.environ.pop("LORAD_FP8_KERNELS", None)
         else:
@@ -541,7 +551,8 @@ def table(rows: list[Row], device_name: str, header: str) -> str:
         joules = (f"{r.joules_per_step / b.joules_per_step:.2f}×"
                   if b and r.joules_per_step is not None and b.joules_per_step else "-")
         base_str = c.base if c.base == "bf16" else (
-            f"fp8 ({c.fp8_compute}{', wT' if c.transposed_copy else ''}{'' if c.fused else ', unfused'})")
+            f"fp8 ({c.fp8_compute}{', wT' if c.transposed_copy else ''}{'' if c.fused else ', unfused'}"
+            f"{'' if c.min_rows is None else f', rows≥{c.min_rows}'})")
         lines.append(
             f"| {r.shape} | {r.rank} | {c.name} | {base_str} | {'fp32' if c.lora_fp32 else 'bf16'} | {c.optimizer} "
             f"| {r.swapped} | {'on' if r.checkpointing else 'off'} | {c.attn} | {'yes' if c.compile else 'no'} "

@@ -14,7 +14,8 @@
 #   loss-bf16  FLUX.1-dev r16, 200 steps: bf16-8bit (the loss@200 reference)
 #   loss-fp8   FLUX.1-dev r16, 200 steps: fp8-8bit
 #   fast       issue 39, FLUX.1-dev r16 at 1024²: baseline, bf16-8bit, fp8-8bit, bf16-8bit-compile, fp8-8bit-compile,
-#              fp8-8bit-unfused (the FP8 path before the fused kernels, for attribution), each with a J/step column
+#              fp8-8bit-unfused (the FP8 path before the fused kernels, for attribution), fp8-8bit-rows1 (the
+#              size rule off: FP8 compute for the modulation linears too), each with a J/step column
 #              (NVML's energy counter, read only) and the top 15 kernels of two profiled steps; then issue 39's
 #              targets printed as met or missed (bench/fast_targets.py). The memory planner's 24 GB pick joins
 #              the rows once the planner is in the tree (it is not yet: the stage says so).
@@ -67,7 +68,7 @@ case $stage in
       echo "# no memory planner in this tree (issue 39 item 4): no 24 GB plan row" | tee -a "$OUT/$stage.log"
     fi
     speed flux-r16-fast "${FLUX[@]}" --rank 16 --profile 15 \
-      --configs baseline,bf16-8bit,fp8-8bit,bf16-8bit-compile,fp8-8bit-compile,fp8-8bit-unfused
+      --configs baseline,bf16-8bit,fp8-8bit,bf16-8bit-compile,fp8-8bit-compile,fp8-8bit-unfused,fp8-8bit-rows1
     $PY bench/fast_targets.py "$OUT/flux-r16-fast.md" 2>&1 | tee -a "$OUT/$stage.log" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
