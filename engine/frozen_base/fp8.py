@@ -76,7 +76,8 @@ The bias goes into `_scaled_mm` and the forward GEMM accumulates fast (`use_fast
 TransformerEngine do for the forward; the input-gradient GEMM keeps the exact accumulation).
 Linears that read the same input one after the other (Q, K, V; a single block's proj_mlp and Q) quantise
 it once (`quantize_activation`). A call with few rows (`fp8_compute_pays`: the modulation linears, M = the
-batch) takes the weight-only path: FP8 storage, a bf16 matmul on W8 with s_w applied to the result.
+batch) takes the weight-only path: no activation quantisation; on CUDA fp8_triton's few-row kernel reads
+W8 once as e4m3 (`lorad::w8_matmul`), elsewhere a bf16 matmul on W8 with s_w applied to the result.
 With peft's LoRA on top, engine/frozen_base/fp8_lora.py puts base and adapter into this module's one
 autograd function (`FrozenFP8Function`).
 
@@ -113,6 +114,7 @@ from engine.frozen_base.fp8_quant import (  # noqa: F401 - quantize_rows & co. a
     quantize_rows,
     quantize_rows_op,
     quantize_weight_rows,
+    w8_matmul_op,
 )
 from engine.frozen_base.scaled_mm import (  # noqa: F401 - the checked _scaled_mm call, also by this module's names
     ALIGN,
@@ -146,9 +148,8 @@ def _base_forward(layer: FP8Linear, x2d: torch.Tensor, path: str, x8: torch.Tens
     if path == "fp8":  # W8 is (O, K) row-major; .t() is the column-major (K, O) operand
         return scaled_mm(x8, sx, layer.weight.t(), layer.weight_scale.t(), x2d.dtype, layer.rowwise,
                          bias=layer.bias, fast_accum=True)
-    y = x2d @ layer.weight.to(x2d.dtype).t()
-    s_w = layer.weight_scale.t().to(y.dtype)  # powers of two: exact in bf16, and scaling the result is exact
-    return torch.addcmul(layer.bias.to(y.dtype), y, s_w) if layer.bias is not None else y * s_w
+    bias = layer.bias.to(x2d.dtype) if layer.bias is not None else None
+    return w8_matmul_op(x2d, layer.weight, layer.weight_scale, bias)  # s_w, powers of two, applied to the result
 
 
 def _base_backward(layer: FP8Linear, dy: torch.Tensor, path: str, out_dtype: torch.dtype) -> torch.Tensor:

@@ -1,9 +1,10 @@
-"""Row-wise e4m3 quantisation with power-of-two scales: the torch reference, the op, the shared activation.
+"""Row-wise e4m3 quantisation with power-of-two scales and the weight-only matmul: torch references and their ops.
 
 `quantize_rows` is the readable reference (and the fallback on the CPU, ROCm, or without Triton) for the
 fused kernel in fp8_triton.py; `quantize_rows_op` (`lorad::quantize_rows_e4m3`) picks between them, so eager
 code calls one op and torch.compile sees one. `quantize_activation` lets linears that read the same input
-(Q, K, V) quantise it once. engine/frozen_base/fp8.py's docstring has the maths.
+(Q, K, V) quantise it once. `w8_matmul_op` (`lorad::w8_matmul`) is the weight-only path's forward, likewise
+fp8_triton's kernel or `w8_matmul`. engine/frozen_base/fp8.py's docstring has the maths.
 """
 
 from __future__ import annotations
@@ -131,3 +132,29 @@ def quantize_weight_rows(w: torch.Tensor, chunk: int = WEIGHT_CHUNK) -> tuple[to
     for start in range(0, w.shape[0], rows):
         w8[start:start + rows], scale[start:start + rows] = quantize_rows(w[start:start + rows])
     return w8, scale
+
+
+def w8_matmul(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ (diag(w_scale) · W8)ᵀ (+ bias) as a matmul on W8 cast to x's dtype, the scale applied to the result.
+
+    With power-of-two scales these are the numbers a matmul on the dequantised weight gives."""
+    y = x @ w8.to(x.dtype).t()
+    s_w = w_scale.t().to(y.dtype)
+    return torch.addcmul(bias.to(y.dtype), y, s_w) if bias is not None else y * s_w
+
+
+@torch.library.custom_op("lorad::w8_matmul", mutates_args=(),
+                         schema="(Tensor x, Tensor w8, Tensor w_scale, Tensor? bias) -> Tensor")
+def w8_matmul_op(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The weight-only forward: fp8_triton's kernel (W8 read once, as e4m3) for a few rows on CUDA, else w8_matmul."""
+    if KERNELS_ON_CPU or triton_kernels_usable(x.device):
+        from engine.frozen_base import fp8_triton
+
+        if x.shape[0] <= fp8_triton.W8_MAX_ROWS:
+            return fp8_triton.w8_matmul(x, w8, w_scale, bias)
+    return w8_matmul(x, w8, w_scale, bias)
+
+
+@w8_matmul_op.register_fake
+def _(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w8.shape[0]))

@@ -1,4 +1,7 @@
-"""The Triton form of engine/frozen_base/fp8_quant.py's `quantize_rows`: one read of the input, one write of e4m3 and scales.
+"""Triton kernels for the FP8 base, beside their torch forms in engine/frozen_base/fp8_quant.py.
+
+`quantize_rows`: one read of the input, one write of e4m3 and scales (below). `w8_matmul`: the weight-only
+path's few-row matmul, W8 read once as e4m3 and never widened to a bf16 copy (at the end of this file).
 
 `quantize_rows` in fp8_quant.py is the readable torch reference and the fallback (CPU, ROCm, no Triton). Its chain
 (`x.float()`, `abs`, `amax`, `clamp`, the scale, the division, `clamp`, the cast; for a gradient also
@@ -133,3 +136,52 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None, precas
                                    HAS_COL=col_scale is not None, PRECAST=precast, BLOCK=blk,
                                    ONE_PASS=blk >= cols, num_warps=warps)
     return q, scale
+
+
+# ----------------------------------------------------------------------------- the weight-only path's matmul
+W8_MAX_ROWS = 16  # rows one program holds (padded to a power of two): the few-row calls fp8.fp8_compute_pays sends here
+
+
+@triton.jit
+def _w8_matmul_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                      HAS_BIAS: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    y = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def w8_matmul(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M ≤ W8_MAX_ROWS, K) @ (diag(w_scale) · W8)ᵀ (+ bias), W8 read as e4m3 once: a bf16 weight never exists.
+
+    The weight-only path of a few-row call (fp8.py's size rule): a matrix-vector product bound by reading the
+    weight, here 1 byte a parameter instead of the cast (1 read, 2 written) and the bf16 matmul (2 read)."""
+    rows, k = x.shape
+    if rows > W8_MAX_ROWS:
+        raise ValueError(f"w8_matmul takes at most {W8_MAX_ROWS} rows, got {rows}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = w8.shape[0]
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    scale = w_scale.reshape(-1).to(torch.float32).contiguous()
+    m_pad = max(triton.next_power_of_2(rows), 2)
+    block_n, block_k = 32, 256 // m_pad  # m_pad · block_n · block_k products in flight per program: 8192
+    _w8_matmul_kernel[(triton.cdiv(n, block_n),)](
+        x, w8, scale, bias if bias is not None else scale, y, rows, n, k, x.stride(0), w8.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return y

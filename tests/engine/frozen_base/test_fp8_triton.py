@@ -1,4 +1,5 @@
-"""The fused quantisation kernel (engine/frozen_base/fp8_triton.py) against its torch reference (fp8_quant.py).
+"""The Triton kernels (engine/frozen_base/fp8_triton.py) against their torch forms (fp8_quant.py): the fused
+quantisation bit for bit, the weight-only path's few-row matmul within fp32 summation's bound.
 
 Run on the CPU by Triton's interpreter (TRITON_INTERPRET=1, set before the kernel module is imported). Held
 equal bit for bit: the power-of-two scales, the fp32 values before the cast, and the e4m3 bytes. The
@@ -158,3 +159,46 @@ def test_the_layer_through_the_op_runs_the_kernel_and_gives_the_torch_paths_numb
 
 def test_the_kernel_modules_constants_are_the_references(kern):
     assert (kern.AMAX_EPS, kern.E4M3_MAX, kern.E4M3) == (fp8_quant.AMAX_EPS, fp8_quant.E4M3_MAX, fp8_quant.E4M3)
+
+
+@pytest.mark.parametrize("rows,bias", [(1, True), (3, False), (16, True)])
+def test_triton_weight_only_matmul_reads_e4m3_and_equals_the_exact_product(kern, rows, bias):
+    """The few-row weight-only path's kernel: x @ (s_w · W8)ᵀ + b with an fp32 accumulator, rounded once.
+
+    Held to the float64 product within fp32 summation's error bound (K terms, in any order) plus one step of
+    the output dtype: a whole bf16 step, not half, because Triton's interpreter truncates fp32 to bf16 (another
+    of its casts that is not the GPU's, which rounds to nearest). 48 outputs and 40 inputs: the last output block
+    and every input block are masked."""
+    torch.manual_seed(3)
+    w8, s_w = quantize_rows(torch.randn(48, 40))
+    wd = w8.double() * s_w.double()
+    b = torch.randn(48) if bias else None
+    x = torch.randn(rows, 40)
+    x[rows // 2] = 0.0
+    for dtype, out_eps in ((torch.float32, 2.0 ** -23), (torch.bfloat16, 2.0 ** -7)):
+        xq, bq = x.to(dtype), (b.to(dtype) if bias else None)
+        want = xq.double() @ wd.t() + (bq.double() if bias else 0.0)
+        bound = (xq.double().abs() @ wd.abs().t()) * 41 * 2.0 ** -24 + want.abs() * out_eps
+        dev = kern.device
+        got = kern.w8_matmul(xq.to(dev), w8.to(dev), s_w.to(dev), bq.to(dev) if bias else None).cpu()
+        assert got.dtype == dtype and got.shape == (rows, 48)
+        assert ((got.double() - want).abs() <= bound).all(), dtype
+        assert (got[rows // 2] == (bq if bias else 0.0)).all()  # the zero row: the bias alone
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        kern.w8_matmul(torch.zeros(17, 40, device=kern.device), w8.to(kern.device), s_w.to(kern.device), None)
+
+
+def test_a_modulation_call_through_the_op_runs_the_weight_only_kernel(kern, monkeypatch):
+    if kern.device.type != "cpu":
+        pytest.skip("routes CPU tensors to the interpreted kernel")
+    torch.manual_seed(4)
+    layer = FP8Linear.from_linear(torch.nn.Linear(32, 96), compute="scaled_mm", compute_dtype=torch.float32)
+    temb = torch.randn(1, 32)
+    calls = []
+    real = kern.w8_matmul
+    monkeypatch.setattr(kern, "w8_matmul", lambda *a: calls.append(1) or real(*a))
+    want = layer(temb)
+    monkeypatch.setattr(fp8_quant, "KERNELS_ON_CPU", True)
+    got = layer(temb)
+    assert calls == [1]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
