@@ -49,8 +49,10 @@ def quantize_rows(x: torch.Tensor, col_scale: torch.Tensor | None = None) -> tup
 
 
 def triton_kernels_usable(device: torch.device) -> bool:
-    """fp8_triton's kernels run here: a CUDA (not ROCm) GPU, Triton importable, LORAD_FP8_KERNELS not "torch"."""
-    if torch.device(device).type != "cuda" or torch.version.hip is not None:
+    """fp8_triton's kernels run here: an NVIDIA GPU of sm_89+ (Triton's e4m3 needs it), Triton importable,
+    LORAD_FP8_KERNELS not "torch"."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (8, 9):
         return False
     if os.environ.get("LORAD_FP8_KERNELS", "triton") == "torch":
         return False

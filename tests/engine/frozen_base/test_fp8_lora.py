@@ -251,3 +251,20 @@ def test_the_quantisation_op_passes_opcheck_and_the_fused_layer_compiles_whole()
     got = (y.detach(), xr.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad)
     for g, e in zip(got, eager, strict=True):
         assert torch.equal(g, e)
+
+
+def test_the_kernels_run_only_on_gpus_with_e4m3_and_can_be_turned_off(monkeypatch):
+    from engine.frozen_base.fp8_quant import triton_kernels_usable
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100: no e4m3
+    assert not triton_kernels_usable(cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert triton_kernels_usable(cuda)  # an H100 with Triton (installed here: the train extra)
+    monkeypatch.setenv("LORAD_FP8_KERNELS", "torch")
+    assert not triton_kernels_usable(cuda)
+    monkeypatch.delenv("LORAD_FP8_KERNELS")
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert not triton_kernels_usable(cuda)
+    assert not triton_kernels_usable(torch.device("cpu"))
