@@ -2,6 +2,7 @@
 
     daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url gpu
     daemon/client/export.py           export
+    daemon/client/captions.py         captions (no daemon: the job directory's captions.json)
     daemon/client/foreground.py       run cache
     daemon/client/importing.py        import check
     daemon/service/serve.py          serve
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon.client.captions import add_parser as add_captions_parser
 from daemon.client.export import cmd_export
 from daemon.client.verbs import (
     cmd_cancel,
@@ -284,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--to", metavar="DIR", help="where to copy the files (default: ./ID-step-N/)")
     p_.add_argument("--force", action="store_true", help="overwrite files already in DIR")
     p_.set_defaults(fn=cmd_export)
+    add_captions_parser(sub, common)
     p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
     p_.set_defaults(fn=cmd_web_url)
     p_ = sub.add_parser("gpu", parents=[common], help="each GPU's health; `gpu clear N` takes back a GPU held out")

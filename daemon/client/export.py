@@ -70,7 +70,10 @@ def _listing(args: argparse.Namespace) -> p.ExportsReply:
         if getattr(args, "socket", None) or os.environ.get("LORAD_SOCKET"):
             raise  # a socket named on purpose: that daemon was wanted, not the files of some home
         home = Path(args.home) if getattr(args, "home", None) else default_home()
-        job, workdir = _local_job(home, args.job)
+        try:
+            job, workdir = local_job(home, args.job)
+        except p.ProtocolError as e:
+            raise p.ProtocolError(e.code, f"the daemon is not running, and {e.message}") from None
         try:
             saved = saved_exports(workdir, args.step)
         except LookupError as e:
@@ -78,7 +81,7 @@ def _listing(args: argparse.Namespace) -> p.ExportsReply:
         return p.ExportsReply.of(job, ON_DISK, saved)
 
 
-def _local_job(home: Path, ref: str) -> tuple[str, Path]:
+def local_job(home: Path, ref: str) -> tuple[str, Path]:
     """HOME/jobs/REF, or the one job directory whose name starts with REF; never through a symlink."""
     jobs = home / "jobs"
     try:
@@ -88,7 +91,7 @@ def _local_job(home: Path, ref: str) -> tuple[str, Path]:
     match = [ref] if ref in names else [n for n in names if n.startswith(ref)]
     if len(match) != 1:
         which = "no job" if not match else f"{len(match)} jobs ({', '.join(match[:6])})"
-        raise p.ProtocolError("not_found", f"the daemon is not running, and {jobs} holds {which} named {ref!r}")
+        raise p.ProtocolError("not_found", f"{jobs} holds {which} named {ref!r}")
     return match[0], jobs / match[0]  # open_export reaches its files by descriptor, never through a symlink
 
 

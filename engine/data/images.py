@@ -39,13 +39,19 @@ from engine.config.sources import list_images
 from engine.errors import JobInvalid
 
 
-def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
-    """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
+def load_upright(path: Path):
+    """The image as RGB, its EXIF orientation applied."""
     from PIL import Image, ImageOps
 
     with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im).convert("RGB")
-    im = cover_crop(im, bucket)
+        return ImageOps.exif_transpose(im).convert("RGB")
+
+
+def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
+    """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
+    from PIL import Image
+
+    im = cover_crop(load_upright(path), bucket)
     return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im
 
 

@@ -81,7 +81,7 @@ class ImageFamily(ImageData):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         pipeline = check_edit_model(cfg, path)
-        self.records, self.items, self.n_train = scan_images(cfg, log)
+        self.records, self.items, self.n_train = scan_images(cfg, log, workdir)
         check_edit_items(pipeline, self.items)
         enc = PipelineEncoder(self.model, path, cfg)
         self.cache, self.plan, self.report = fill_cache(
