@@ -13,7 +13,6 @@ import argparse
 import json
 from pathlib import Path, PurePosixPath
 
-
 from daemon.client.export import local_job
 from daemon.client.verbs import fail
 from daemon.system.paths import default_home

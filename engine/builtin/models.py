@@ -90,20 +90,6 @@ BUILTIN_MODELS = {
 }
 
 
-def _build_tiny_captioner(dest: Path) -> None:
-    from engine.builtin.tiny_captioner import build_tiny_captioner
-
-    build_tiny_captioner(dest)
-
-
-# Not training bases: the vision-language models data.captioner.model may name (engine/captioning/).
-BUILTIN_CAPTIONERS = {
-    "tiny-captioner": BuiltinModel(
-        "captioner", "A LLaVA-shaped vision-language model (2-layer CLIP tower, 2-layer Llama) with random weights.",
-        "config.json", _build_tiny_captioner),
-}
-
-
 def materialise(name: str, cache_dir: Path, registry: dict[str, BuiltinModel] = BUILTIN_MODELS) -> Path:
     """Build builtin model `name` (of `registry`) under cache_dir once (atomically) and return its directory."""
     model = registry[name]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.builtin.models import BuiltinModel, byte_level_tokenizer
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% for c in m['content'] %}"
     "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}\n{% endif %}{% endfor %}"
@@ -17,10 +19,14 @@ PATCH = 8
 
 def build_tiny_captioner(dest: Path, seed: int = 4321) -> None:
     import torch
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from engine.builtin.models import byte_level_tokenizer
 
     tok = byte_level_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
@@ -41,3 +47,11 @@ def build_tiny_captioner(dest: Path, seed: int = 4321) -> None:
         num_additional_image_tokens=1)  # CLIP's CLS: one feature more than patches, which "default" drops
     model.save_pretrained(dest)
     processor.save_pretrained(dest)
+
+
+# Not training bases (BUILTIN_MODELS): the vision-language models data.captioner.model may name (engine/captioning/).
+BUILTIN_CAPTIONERS = {
+    "tiny-captioner": BuiltinModel(
+        "captioner", "A LLaVA-shaped vision-language model (2-layer CLIP tower, 2-layer Llama) with random weights.",
+        "config.json", build_tiny_captioner),
+}

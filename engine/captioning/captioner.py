@@ -19,7 +19,8 @@ KEY = "data.captioner.model"
 def resolve(model: str, revision: str | None, workdir: Path) -> Path:
     """The captioner's local directory: builtin:NAME built once, a directory as is, a hub id downloaded (or found
     in the hub cache offline)."""
-    from engine.builtin.models import BUILTIN_CAPTIONERS, BUILTIN_PREFIX, materialise
+    from engine.builtin.models import BUILTIN_PREFIX, materialise
+    from engine.builtin.tiny_captioner import BUILTIN_CAPTIONERS
 
     if model.startswith(BUILTIN_PREFIX):
         name = model[len(BUILTIN_PREFIX):]

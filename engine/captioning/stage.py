@@ -37,7 +37,7 @@ def needs_caption(mode: str, record: ImageRecord) -> bool:
 def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, log) -> list[ImageRecord]:
     """The records with their captions from the captioner where data.captions asks for them (generated now, or
     read back from the store)."""
-    mode = cfg.data.captions
+    mode = cfg.data.caption_mode
     need = [r for r in records if needs_caption(mode, r)]
     if not need:
         return records

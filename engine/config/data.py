@@ -77,13 +77,14 @@ class DataConfig(Strict):
     caption_dropout: float = key(0.0, ge=0.0, le=1.0, families=IMAGE_FAMILIES)
     # Captions written by a vision-language model as the job's first stage (engine/captioning/): `auto` for every
     # image, `files-else-auto` for those without a caption file; kept in the home's cache, never in data.path.
-    captions: Literal["files", "auto", "files-else-auto"] = key("files", families=IMAGE_FAMILIES,
-                                                                 read_by=STILL_FAMILIES, dump_default=False)
+    # (None is `files`, as None is `off` for dedupe: a key some families do not read yet is unset there, not set)
+    captions: Literal["files", "auto", "files-else-auto"] | None = key(None, families=IMAGE_FAMILIES,
+                                                                        read_by=STILL_FAMILIES, dump_default=False)
     captioner: CaptionerConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
                                             dump_default=False)
     # Near-duplicate images (perceptual hashes, engine/captioning/dedupe.py): listed (warn), or one kept (skip).
-    dedupe: Literal["off", "warn", "skip"] = key("off", families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
-                                                 dump_default=False)
+    dedupe: Literal["off", "warn", "skip"] | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
+                                                        dump_default=False)
     flip: bool = key(False, families=IMAGE_FAMILIES)
     repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
     # the image families' quality features (engine/data/image_sets.py)
@@ -99,12 +100,20 @@ class DataConfig(Strict):
         None, families=IMAGE_FAMILIES, read_by=EDIT_FAMILIES, dump_default=False)
     validation: ValidationConfig | None = key(None, identity=PARTS)
 
+    @property
+    def caption_mode(self) -> str:
+        return self.captions or "files"
+
+    @property
+    def dedupe_mode(self) -> str:
+        return self.dedupe or "off"
+
     def captioner_or_default(self) -> CaptionerConfig:
         return self.captioner if self.captioner is not None else CaptionerConfig()
 
     @model_validator(mode="after")
     def _captioner_with_auto_captions(self):
-        if self.captioner is not None and self.captions == "files":
+        if self.captioner is not None and self.caption_mode == "files":
             raise ValueError("captioner: set data.captions to auto or files-else-auto to use it (it is files, "
                              "which reads caption files only)")
         return self

@@ -30,7 +30,7 @@ def scan_images(cfg: JobConfig, log, workdir: Path | None = None) -> tuple[list,
         from engine.captioning.dedupe import dedupe_records
         from engine.captioning.stage import caption_records
 
-        records = caption_records(cfg, dedupe_records(cfg.data.dedupe, records, log), workdir, log)
+        records = caption_records(cfg, dedupe_records(cfg.data.dedupe_mode, records, log), workdir, log)
     masks = training_masks(cfg, records, log)
     controls = None
     if cfg.data.control_path is not None:  # edit pairs, checked again here as at submit (before anything is cached)
