@@ -31,6 +31,7 @@ from tests.helpers.daemon import (
     adapter_file,
     daemon_job,
     fast_config,
+    held_until_sigterm,
     job_events,
     last_step,
     wait_until,
@@ -184,7 +185,11 @@ def test_sigkill_of_daemon_and_trainer_loses_nothing_and_changes_no_bit(tmp_path
     wait_until(lambda: last_step(workdir) >= at, 240, f"step {at}")
     orphan = d.trainers()
     kill(d, trainer_too=False)
-    d = daemons(home, env=env)
+    # The orphan is held still until the next daemon has asked it to stop: on a loaded machine it could otherwise
+    # finish the job by itself while that daemon starts, and there would be nothing left to stop.
+    with held_until_sigterm([t.pid for t in orphan]):
+        d = daemons(home, wait=False, env=env)
+    d.wait_ready()
     counter.d = d
     final = d.wait_state(jid, {"succeeded", "failed"}, 300)
     counter.stop.set()

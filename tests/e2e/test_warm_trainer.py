@@ -19,7 +19,7 @@ import yaml
 from daemon import protocol as p
 from daemon.system import proc
 from tests.helpers import daemon as helpers_daemon
-from tests.helpers.daemon import Daemon, adapter_file, fast_config, wait_until, write_yaml
+from tests.helpers.daemon import Daemon, adapter_file, fast_config, held_until_sigterm, wait_until, write_yaml
 from tests.helpers.processes import REPO
 
 pytestmark = pytest.mark.slow
@@ -99,7 +99,9 @@ def test_warm_trainers_train_bit_identical_survive_kills_are_never_stale_and_nev
     marker.touch()
     d = Daemon(tmp_path / "home", cfg, LORAD_TEST_ZYGOTE_DIES_AFTER_FORK=str(marker))
     d.log_from = len(d.log())
-    d.start()
+    with held_until_sigterm([t.pid]):  # the orphan must still be there when this daemon looks
+        d.start(wait=False)
+    d.wait_ready()
     try:
         assert [e["pid"] for e in log_events(d, "orphan_trainer")] == [t.pid]
         forked = tmp_path / "zygote-dies.pid"

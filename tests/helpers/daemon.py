@@ -76,6 +76,28 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str, poll: float =
         time.sleep(poll)
 
 
+def sigterm_pending(pid: int) -> bool:
+    """A stopped process's SIGTERM, sent and not yet handled (the process-wide pending set in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+@contextlib.contextmanager
+def held_until_sigterm(pids: list[int], timeout: float = 120):
+    """Orphaned trainers held still (SIGSTOP) while the body starts the next daemon, until it has sent each one
+    SIGTERM: on a loaded machine an orphan could otherwise finish its job alone while that daemon starts."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+        wait_until(lambda: all(sigterm_pending(pid) for pid in pids), timeout, "the new daemon's SIGTERM to the orphan")
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+
+
 class Daemon:
     """`python -m daemon.client.cli serve --home HOME --config CFG` as a child of the test."""
 
