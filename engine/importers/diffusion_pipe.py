@@ -17,6 +17,7 @@ from engine.importers.table import (
     Key,
     NotCarried,
     apply,
+    carried_in,
     flatten,
     not_applicable,
     other_way,
@@ -93,6 +94,11 @@ def _timesteps(v: Any, ctx: Context) -> str:
     return c.timestep_sampling(v, ctx)
 
 
+def _steps(v: Any, ctx: Context) -> int:
+    n = c.steps_from_epochs(c.integer(v, ctx), ctx, "epochs")
+    return min(n, c.integer(ctx.source["max_steps"], ctx)) if "max_steps" in ctx.source else n  # stops there
+
+
 def _examples(v: Any, ctx: Context) -> int | None:
     train = ctx.job.get("train", {})
     batch = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1))
@@ -145,6 +151,9 @@ TABLE: list[Key] = [
     Key("dataset.directory[].path", "data.path", c.local_path, doc="the first folder"),
     Key("dataset.directory[].num_repeats", "data.repeats", c.positive_int),
     Key("dataset.directory[].resolutions", "data.resolution", c.resolutions),
+    Key("dataset.directory[].mask_path", "data.masks.path", c.local_path),
+    Key("dataset.directory[].ar_buckets", None, why=BUCKETS),
+    Key("dataset.directory[].frame_buckets", None, why=other_way("data.frames")),
     Key("dataset.resolutions", "data.resolution", c.resolutions, doc="each size, [w, h] as a square's side"),
     Key("dataset.enable_ar_bucket", None, why=BUCKETS), Key("dataset.min_ar", None, why=BUCKETS),
     Key("dataset.max_ar", None, why=BUCKETS), Key("dataset.num_ar_buckets", None, why=BUCKETS),
@@ -162,8 +171,9 @@ TABLE: list[Key] = [
     Key("gradient_clipping", "train.max_grad_norm", c.number),
     Key("activation_checkpointing", "train.gradient_checkpointing", lambda v, ctx: bool(v)),
     Key("blocks_to_swap", "train.blocks_to_swap", c.integer),
-    Key("epochs", "train.steps", lambda v, ctx: c.steps_from_epochs(c.integer(v, ctx), ctx, "epochs"),
-        doc="epochs × ceil(images × repeats × resolutions ÷ batch)"),
+    Key("epochs", "train.steps", _steps, doc="epochs × ceil(images × repeats × resolutions ÷ batch), at most "
+        "max_steps"),
+    Key("max_steps", None, carried_in("train.steps")),
     Key("save_every_n_epochs", "checkpoint.every_steps", _epochs_every),
     Key("save_every_n_steps", "checkpoint.every_steps", c.positive_int),
     Key("save_every_n_examples", "checkpoint.every_steps", _examples, doc="÷ the global batch, as there"),

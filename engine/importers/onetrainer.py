@@ -148,13 +148,23 @@ def _concept_type(v: Any, ctx: Context) -> None:
     return None
 
 
+SAMPLE_KEYS = {"height": "sample.height", "width": "sample.width", "diffusion_steps": "sample.steps",
+               "cfg_scale": "sample.guidance"}
+
+
 def _samples(v: Any, ctx: Context) -> list:
     out = []
     # FLUX.1's guidance is distilled: it samples without a negative prompt (lorad refuses one there)
     negatives = ctx.job.get("model", {}).get("family") != "flux"
     for i, s in enumerate(v if isinstance(v, list) else []):
         if not isinstance(s, dict) or not s.get("enabled", True) or not s.get("prompt"):
+            ctx.dropped.append((f"samples[{i}]", s.get("prompt") if isinstance(s, dict) else s,
+                                not_applicable("a sample that is disabled there, or has no prompt")))
             continue
+        for k, val in s.items():  # SampleConfig's other settings: lorad's are one for every prompt (sample.*)
+            if k not in ("enabled", "prompt", "negative_prompt", "seed", "random_seed"):
+                ctx.dropped.append((f"samples[{i}].{k}", val, other_way(SAMPLE_KEYS.get(k, "sample"),
+                                                                       "one value for every prompt")))
         e: dict[str, Any] = {"prompt": str(s["prompt"])}
         if s.get("negative_prompt") and negatives:
             e["negative"] = str(s["negative_prompt"])

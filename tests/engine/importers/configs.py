@@ -382,7 +382,8 @@ ONETRAINER_CONCEPTS = """\
 """
 
 ONETRAINER_SAMPLES = """\
-[{{"enabled": true, "prompt": "a dog on a beach", "negative_prompt": "blurry", "seed": 7, "random_seed": false}},
+[{{"enabled": true, "prompt": "a dog on a beach", "negative_prompt": "blurry", "height": 768, "width": 768,
+  "seed": 7, "random_seed": false, "diffusion_steps": 20, "cfg_scale": 3.5}},
  {{"enabled": false, "prompt": "not this one"}}]
 """
 
@@ -551,6 +552,7 @@ path = '{root}/data'
 DIFFUSION_PIPE_WAN22 = """\
 dataset = 'wan-data.toml'
 epochs = 1
+max_steps = 4
 micro_batch_size_per_gpu = 1
 save_every_n_epochs = 1
 blocks_to_swap = 8
@@ -697,7 +699,8 @@ CASES = [
       "text_encoder.train", "text_encoder.weight_dtype", "text_encoder_2.train", "text_encoder_2.weight_dtype",
       "vae.weight_dtype", "dynamic_timestep_shifting", "concepts[0].name", "concepts[0].enabled", "concepts[0].seed",
       "concepts[0].include_subdirectories", "concepts[0].balancing_strategy",
-      "concepts[0].text.enable_tag_shuffling", "samples[0].negative_prompt"}),
+      "concepts[0].text.enable_tag_shuffling", "samples[0].negative_prompt", "samples[0].height",
+      "samples[0].width", "samples[0].diffusion_steps", "samples[0].cfg_scale", "samples[1]"}),
     ("onetrainer-chroma-loha", "chroma.json", ONETRAINER_CHROMA, None,
      {"model.family": "chroma", "lora.type": "loha", "lora.rank": 8, "train.lr": 1e-4, "train.steps": 2 * 3,
       "lora.alpha": 8.0, "data.trigger": None, "train.gradient_checkpointing": False,
@@ -763,7 +766,9 @@ CASES = [
      {"dataset", "model.diffusers_path", "adapter.alpha", "optimizer.type", "dataset.frame_buckets"}),
     ("diffusion-pipe-wan22-low", "wan.toml", DIFFUSION_PIPE_WAN22, [("+wan-data.toml", DIFFUSION_PIPE_WAN22_DATASET)],
      {"model.family": "wan", "model.path": "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "model.expert": "low",
-      "lora.rank": 32, "lora.alpha": 32.0, "train.lr": 5e-5, "train.steps": 3 * 2, "train.batch_size": 1,
+      "lora.rank": 32, "lora.alpha": 32.0, "train.lr": 5e-5,
+      "train.steps": 4,  # one epoch is 3 × 2 steps; max_steps stops it at 4
+      "train.batch_size": 1,
       "data.resolution": [512], "train.optimizer": "adamw", "checkpoint.every_steps": 6, "data.path": "{root}/data",
       "data.trigger": None, "train.blocks_to_swap": 8, "model.base_precision": "fp8"},
      {"dataset", "model.ckpt_path", "model.llm_path", "dataset.frame_buckets"}),
