@@ -94,6 +94,14 @@ def _unit(key: str, unit_key: str, what: str):
     return conv
 
 
+def _warmup(v: Any, ctx: Context) -> int | None:
+    w = c.number(v, ctx)
+    accum = c.integer(ctx.source.get("gradient_accumulation_steps", 1), ctx)
+    total = c.steps_from_epochs(c.integer(ctx.source.get("epochs", 100), ctx), ctx, "epochs") if ctx.images else None
+    n = int(w / accum) if w > 1 else int(w * total) if 0 < w <= 1 and total else 0
+    return min(n, total) if total else n
+
+
 def _timesteps(v: Any, ctx: Context) -> str:
     return c.timestep_sampling({"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal", "SIGMOID": "sigmoid"}
                                .get(str(v).upper(), v), ctx)
@@ -210,7 +218,8 @@ TABLE: list[Key] = [
     Key("optimizer.weight_decay", "train.weight_decay", c.number),
     Key("optimizer.eps", "train.optimizer_args.eps", c.number),
     Key("learning_rate_scheduler", "train.schedule", c.schedule),
-    Key("learning_rate_warmup_steps", "train.warmup_steps", c.integer),
+    Key("learning_rate_warmup_steps", "train.warmup_steps", _warmup, doc="above 1: micro-batches ÷ "
+        "gradient_accumulation_steps; 0 to 1: a fraction of the run (as OneTrainer's create.py); at most the run"),
     Key("clip_grad_norm", "train.max_grad_norm", c.number),
     Key("seed", "train.seed", c.integer),
     Key("train_dtype", "model.dtype", lambda v, ctx: c.dtype(DTYPES.get(str(v).upper(), v), ctx)),

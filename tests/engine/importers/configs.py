@@ -390,7 +390,7 @@ ONETRAINER_SAMPLES = """\
 ONETRAINER_CHROMA = """\
 {{"__version": 11, "training_method": "LORA", "model_type": "CHROMA_1", "base_model_name": "lodestones/Chroma1-HD",
  "peft_type": "LOHA", "lora_rank": 8, "lora_alpha": 8.0, "learning_rate": 0.0001, "batch_size": 1,
- "learning_rate_warmup_steps": 0, "train_dtype": "BFLOAT_16",
+ "learning_rate_warmup_steps": 0.5, "train_dtype": "BFLOAT_16",
  "epochs": 2, "resolution": "512", "optimizer": {{"optimizer": "PRODIGY"}}, "timestep_distribution": "UNIFORM",
  "ema": "OFF", "ema_decay": 0.999, "save_every": 30, "save_every_unit": "STEP", "sample_after": 0,
  "sample_after_unit": "NEVER", "transformer": {{"train": true, "gradient_checkpointing": false}},
@@ -704,6 +704,7 @@ CASES = [
     ("onetrainer-chroma-loha", "chroma.json", ONETRAINER_CHROMA, None,
      {"model.family": "chroma", "lora.type": "loha", "lora.rank": 8, "train.lr": 1e-4, "train.steps": 2 * 3,
       "lora.alpha": 8.0, "data.trigger": None, "train.gradient_checkpointing": False,
+      "train.warmup_steps": 3,  # OneTrainer's 0.5: half of the run's 6 steps
       "train.batch_size": 1, "data.resolution": [512], "train.optimizer": "prodigy", "checkpoint.every_steps": 30,
       "data.path": "{root}/data", "data.repeats": None, "train.timestep_sampling": "linear", "train.ema": None,
       "sample.every_steps": None, "train.schedule": "constant"},
