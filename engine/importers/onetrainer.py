@@ -133,6 +133,15 @@ def _repeats(v: Any, ctx: Context) -> int | None:
     return int(n)
 
 
+def _weight_dtype(v: Any, ctx: Context) -> str | None:
+    t = str(v).upper()
+    if t in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[t]
+    if t in ("FLOAT_32", "FLOAT_16", "BFLOAT_16", "TFLOAT_32", "NONE"):
+        return None  # not quantized: lorad's auto
+    raise NotCarried(f"{NO_FEATURE} (weight_dtype {v}; model.base_precision: fp8, int8, nf4)")
+
+
 def _transformer_train(v: Any, ctx: Context) -> None:
     if not v:
         raise Problem("false: the transformer does not train, and lorad trains the transformer's LoRA")
@@ -223,10 +232,9 @@ TABLE: list[Key] = [
     Key("clip_grad_norm", "train.max_grad_norm", c.number),
     Key("seed", "train.seed", c.integer),
     Key("train_dtype", "model.dtype", lambda v, ctx: c.dtype(DTYPES.get(str(v).upper(), v), ctx)),
-    Key("transformer.weight_dtype", "model.base_precision", lambda v, ctx: WEIGHT_DTYPES.get(str(v).upper()),
-        doc="FLOAT_8 → fp8, INT_8 → int8, NFLOAT_4 → nf4"),
-    Key("weight_dtype", "model.base_precision", lambda v, ctx: WEIGHT_DTYPES.get(str(v).upper()),
-        doc="before config version 9: one dtype for every part"),
+    Key("transformer.weight_dtype", "model.base_precision", _weight_dtype, doc="FLOAT_8 → fp8, INT_8 → int8, "
+        "NFLOAT_4 → nf4; unquantized → lorad's auto; GGUF and others not carried"),
+    Key("weight_dtype", "model.base_precision", _weight_dtype, doc="before config version 9: one dtype for every part"),
     Key("transformer.gradient_checkpointing", "train.gradient_checkpointing", _on_off),
     Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off, doc="before config version 10: ON, "
         "CPU_OFFLOADED → true"),

@@ -117,6 +117,16 @@ def _lycoris(v: Any, ctx: Context) -> str:
     return "lora" if algo == "locon" else algo
 
 
+def _precision(v: Any, ctx: Context) -> str | None:
+    s = str(v).lower()
+    for needle in ("fp8", "int8", "nf4"):
+        if needle in s:
+            return needle
+    if s == "no_change":
+        return None
+    raise NotCarried(f"{NO_FEATURE} (base_model_precision {v}; model.base_precision: fp8, int8, nf4)")
+
+
 def _dora(v: Any, ctx: Context) -> str | None:
     return "dora" if v else None
 
@@ -179,9 +189,8 @@ TABLE: list[Key] = [
     Key("lora_rank", "lora.rank", c.integer),
     Key("lora_alpha", "lora.alpha", c.number),
     Key("lora_dropout", "lora.dropout", c.number),
-    Key("base_model_precision", "model.base_precision",
-        lambda v, ctx: "fp8" if "fp8" in str(v) else "int8" if "int8" in str(v) else "nf4" if "nf4" in str(v)
-        else None, doc="*fp8* → fp8, *int8* → int8, *nf4* → nf4"),
+    Key("base_model_precision", "model.base_precision", _precision, doc="*fp8* → fp8, *int8* → int8, *nf4* → nf4; "
+        "no_change → lorad's auto; others not carried"),
     Key("mixed_precision", "model.dtype", c.dtype),
     Key("data_backend_config", None, why=other_way("data.path", "the backend file is read with the config")),
     Key("backends[].instance_data_dir", "data.path", c.local_path, doc="the first image backend"),
