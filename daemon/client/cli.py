@@ -205,6 +205,7 @@ def _local_verbs(sub) -> None:
     p_.add_argument("--dataset", metavar="FILE", help="its dataset file (kohya/musubi or diffusion-pipe dataset "
                                                       "TOML, SimpleTuner backends JSON, OneTrainer concepts JSON)")
     p_.add_argument("--to", metavar="JOB.yaml", help="write the job here (default: print it)")
+    p_.add_argument("--json", action="store_true", help="the result as JSON: tool, job, origins, not carried over")
     p_.set_defaults(fn=cmd_import)
 
     p_ = sub.add_parser("check", help="validate a job and say what it will do (no daemon needed)")

@@ -34,9 +34,20 @@ def cmd_import(args: argparse.Namespace) -> int:
         # lorad's own validation of what was written, paths and all, resolved as the file will be read
         parse_job(read_yaml(result.text), src.parent.resolve(), source=src.name)
     except JobInvalid as e:
-        print(f"lorad: cannot import: {' '.join(str(e).split())}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"ok": False, "problems": _problem_lines(" ".join(str(e).split()))}))
+        else:
+            print(f"lorad: cannot import: {' '.join(str(e).split())}", file=sys.stderr)
         return EXIT_INVALID
     dest = Path(args.to) if args.to else None
+    if getattr(args, "json", False):
+        if dest is not None:
+            dest.write_text(result.text)
+        imp = result.imported
+        print(json.dumps({"ok": True, "tool": imp.tool, "source": imp.source, "job": imp.job, "origin": imp.origin,
+                          "not_carried": [{"key": k, "value": v, "why": why} for k, v, why in imp.dropped],
+                          "notes": imp.notes, "written": str(dest) if dest else None}, default=str))
+        return 0
     if dest is None:
         sys.stdout.write(result.text)
     else:

@@ -18,16 +18,20 @@ from engine.importers.table import (
     NotCarried,
     Problem,
     apply,
+    carried_in,
     flatten,
     not_applicable,
     other_way,
 )
 
 NAME = "ai-toolkit"
-ARCH = {"flux": "flux", "flux_kontext": "flux", "flex1": "flux", "flex2": "flux", "flux2": "flux2",
-        "chroma": "chroma", "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image",
-        "qwen_image_edit_plus": "qwen_image", "zimage": "z_image", "z_image": "z_image", "wan22_5b": "wan",
-        "wan22_14b": "wan", "wan22_14b_i2v": "wan"}
+# model.arch (the `arch` of each model class under extensions_built_in/diffusion_models/ and toolkit/; a
+# `NAME:variant` suffix is dropped as ai-toolkit drops it) → family. flex1 is ai-toolkit's alias of flux; flex2,
+# wan21_i2v and wan22_14b_i2v take an image input of their own that lorad's families do not.
+ARCH = {"flux": "flux", "flux_kontext": "flux", "flex1": "flux", "flux2": "flux2", "flux2_klein_4b": "flux2",
+        "flux2_klein_9b": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image",
+        "qwen_image_edit_plus": "qwen_image", "zimage": "z_image", "wan22_5b": "wan", "wan22_14b": "wan",
+        "wan21": "wan", "krea2": "krea2"}
 
 
 def detect(doc: Any) -> bool:
@@ -36,7 +40,7 @@ def detect(doc: Any) -> bool:
 
 
 def _family(v: Any, ctx: Context) -> str | None:
-    arch = str(v).lower()
+    arch = str(v).lower().split(":")[0]
     if arch in ARCH:
         return ARCH[arch]
     raise c.unsupported("model.arch", arch)
@@ -48,8 +52,29 @@ def _is_flux(v: Any, ctx: Context) -> str | None:
     return "flux"
 
 
+QTYPES = {"qfloat8": "fp8", "float8": "fp8", "qint8": "int8", "uint8": "int8"}
+
+
 def _quantize(v: Any, ctx: Context) -> str | None:
-    return "fp8" if v else None  # ai-toolkit quantizes the transformer to 8-bit float (qfloat8)
+    """quantize: true quantizes the transformer to model.qtype (ai-toolkit's default qfloat8 → fp8, qint8 → int8);
+    other qtypes (uint4 with an accuracy-recovery adapter, ...) have no lorad twin."""
+    if not v:
+        return None
+    qtype = str(ctx.source.get("model.qtype", "qfloat8")).split("|")[0].lower()
+    if qtype not in QTYPES:
+        raise NotCarried(f"{NO_FEATURE} (qtype {qtype}; model.base_precision: fp8, int8, nf4)")
+    return QTYPES[qtype]
+
+
+def _experts(v: Any, ctx: Context) -> str | None:
+    """wan22_14b's model_kwargs.train_high_noise / train_low_noise → model.expert (high, low or both)."""
+    high = bool(ctx.source.get("model.model_kwargs.train_high_noise", True))
+    low = bool(ctx.source.get("model.model_kwargs.train_low_noise", True))
+    if high and low:
+        return "both"
+    if high or low:
+        return "high" if high else "low"
+    raise Problem("both experts are off: nothing would train")
 
 
 def _network_type(v: Any, ctx: Context) -> str:
@@ -146,19 +171,26 @@ TABLE: list[Key] = [
     Key("sqlite_db_path", None, why=OUTPUT),
     Key("performance_log_every", None, why=OUTPUT),
     Key("device", None, why=other_way("resources.gpus", "the daemon gives the job its GPU")),
-    Key("model.arch", "model.family", _family, doc="flux, flux_kontext → flux; flux2; chroma; qwen_image*; "
-        "zimage; wan22_* → wan; others refused"),
+    Key("model.arch", "model.family", _family, doc="flux, flux_kontext, flex1 → flux; flux2, flux2_klein_* → flux2; "
+        "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; others refused"),
     Key("model.is_flux", "model.family", _is_flux, doc="true → flux"),
     Key("model.name_or_path", "model.path", c.model_path, doc="hub id as is, a local path made absolute"),
     Key("model.quantize", "model.base_precision", _quantize, doc="true → fp8"),
-    Key("model.qtype", None, why=other_way("model.base_precision")),
+    Key("model.qtype", None, carried_in("model.base_precision")),
+    Key("model.qtype_te", None, why=CACHE),
+    Key("_experts", "model.expert", _experts, doc="wan22_14b's experts (model_kwargs.train_high_noise, "
+        "train_low_noise, both on by default)"),
+    Key("model.model_kwargs.train_high_noise", None, carried_in("model.expert")),
+    Key("model.model_kwargs.train_low_noise", None, carried_in("model.expert")),
     Key("model.quantize_te", None, why=CACHE),
     Key("model.low_vram", None, why=other_way("train.blocks_to_swap", "and the memory plan")),
     Key("model.assistant_lora_path", None, why=NO_FEATURE),
     Key("trigger_word", "data.trigger"),
     Key("network.type", "lora.type", _network_type, doc="lora, locon → lora; lokr, loha, dora"),
     Key("network.linear", "lora.rank", c.integer),
+    Key("network.rank", "lora.rank", c.integer, doc="the older spelling of linear"),
     Key("network.linear_alpha", "lora.alpha", c.number),
+    Key("network.alpha", "lora.alpha", c.number, doc="linear_alpha's default"),
     Key("network.dropout", "lora.dropout", c.number),
     Key("network.lokr_factor", "lora.factor", c.integer),
     Key("network.conv", None, why=f"{NO_FEATURE} (conv layers: lorad's transformers have none)"),
@@ -184,6 +216,7 @@ TABLE: list[Key] = [
     Key("datasets[].cache_latents", None, why=CACHE),
     Key("datasets[].cache_latents_to_disk", None, why=CACHE),
     Key("datasets[].is_reg", None, why=other_way("data.regularisation")),
+    Key("datasets[].num_frames", None, why=other_way("data.frames")),
     Key("train.batch_size", "train.batch_size", c.integer),
     Key("train.gradient_accumulation_steps", "train.grad_accum", c.positive_int),
     Key("train.gradient_accumulation", "train.grad_accum", c.positive_int),
@@ -201,6 +234,8 @@ TABLE: list[Key] = [
     Key("train.gradient_checkpointing", "train.gradient_checkpointing"),
     Key("train.timestep_type", "train.timestep_sampling", c.timestep_sampling),
     Key("train.content_or_style", None, why=other_way("train.timestep_bias")),
+    Key("train.switch_boundary_every", None, why=other_way("model.expert", "each sample goes to the expert "
+        "owning its σ; no switching by steps")),
     Key("train.noise_scheduler", None, why=not_applicable("each family has its own flow-matching scheduler")),
     Key("train.train_unet", None, why=not_applicable("lorad always trains the transformer's LoRA")),
     Key("train.train_text_encoder", None, _on_only(f"{NO_FEATURE} (a text-encoder LoRA)")),
@@ -224,14 +259,20 @@ TABLE: list[Key] = [
     Key("sample.guidance_scale", "sample.guidance", c.number),
     Key("sample.sample_steps", "sample.steps", c.integer),
     Key("sample.sampler", None, why=not_applicable("each family samples with its own scheduler")),
+    Key("sample.sample_start_step", None, why=other_way("sample.every_steps")),
+    Key("sample.num_frames", None, why=other_way("data.frames", "samples are as long as the clips trained")),
+    Key("sample.fps", None, why=not_applicable("the sample video's frame rate")),
     Key("logging.log_every", None, why=OUTPUT),
     Key("logging.use_wandb", None, why=OUTPUT),
     Key("logging.verbose", None, why=OUTPUT),
     Key("meta.name", None, why=not_applicable("ai-toolkit's metadata")),
     Key("meta.version", None, why=not_applicable("ai-toolkit's metadata")),
 ]
-# ai-toolkit's defaults where lorad's differ and the run would change: written out as if the file said them.
-DEFAULTS = {"train.lr_scheduler": "constant", "train.optimizer": "adamw"}
+# ai-toolkit's defaults (toolkit/config_modules.py: TrainConfig, NetworkConfig) where lorad's differ and the run
+# would change: written out as if the file said them. The network's are written only where neither spelling is set.
+DEFAULTS = {"train.lr_scheduler": "constant", "train.optimizer": "adamw", "train.lr": 1e-6, "train.dtype": "fp32",
+            "train.gradient_checkpointing": True}
+NETWORK_DEFAULTS = (("network.linear", "network.rank", 4), ("network.linear_alpha", "network.alpha", 1.0))
 
 
 def read(doc: dict[str, Any], ctx: Context, out: Imported) -> None:
@@ -260,9 +301,12 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported) -> None:
     if first:
         body["datasets"] = first
     flat = {**flatten(top), **flatten(body)}
-    for k, v in DEFAULTS.items():
+    net = [(k, v) for k, alias, v in NETWORK_DEFAULTS if k not in flat and alias not in flat]
+    for k, v in [*DEFAULTS.items(), *net]:
         if k not in flat:
             flat[k] = v
             out.notes.append(f"{k} not set there: ai-toolkit's default {v} written")
+    if str(flat.get("model.arch", "")).lower().split(":")[0] == "wan22_14b":
+        flat["_experts"] = True
     ctx.source = flat
     apply(TABLE, flat, ctx, out)

@@ -58,7 +58,8 @@ OPTIMIZERS = {
     "adamw8bit": "adamw8bit", "adamw_8bit": "adamw8bit", "bnb_adamw8bit": "adamw8bit", "bnbadamw8bit": "adamw8bit",
     "pagedadamw8bit": "paged_adamw8bit", "paged_adamw8bit": "paged_adamw8bit",
     "adamw": "adamw", "torch_adamw": "adamw", "adamw_optimi": "adamw", "optimiadamw": "adamw", "optimi_adamw": "adamw",
-    "adamw_bf16": "adamw", "adamwbf16": "adamw",
+    "adamw_bf16": "adamw", "adamwbf16": "adamw", "bnb_adamw": "adamw", "ao_adamw8bit": "adamw8bit",
+    "bnb_adamw8bit_paged": "paged_adamw8bit", "bnb_adamw_paged": None,
     "prodigy": "prodigy", "prodigyopt": "prodigy", "prodigy_8bit": None,
     "adamwschedulefree": "adamw_schedulefree", "adamw_schedulefree": "adamw_schedulefree",
     "adamw_schedule_free": "adamw_schedulefree", "schedulefreeadamw": "adamw_schedulefree",
@@ -174,7 +175,11 @@ def local_path(v: Any, ctx: Context) -> str:
 # diffusers layout lorad loads.
 SINGLE_FILES = (("flux1-dev", "black-forest-labs/FLUX.1-dev"), ("flux1-schnell", "black-forest-labs/FLUX.1-schnell"),
                 ("qwen_image_edit", "Qwen/Qwen-Image-Edit"), ("qwen_image", "Qwen/Qwen-Image"),
-                ("wan2.2_ti2v_5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), ("chroma", "lodestones/Chroma"))
+                ("wan2.2_ti2v_5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), ("chroma", "lodestones/Chroma"),
+                # the ComfyUI files musubi-tuner's and diffusion-pipe's docs train from
+                ("wan2.2_t2v_low_noise_14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
+                ("wan2.2_t2v_high_noise_14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
+                ("z_image_turbo", "Tongyi-MAI/Z-Image-Turbo"), ("krea2_raw", "krea/Krea-2-Raw"))
 
 
 def model_path(v: Any, ctx: Context) -> str:

@@ -15,7 +15,8 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "coming-from.md"
 TOOLS = (("ai-toolkit", ai_toolkit), ("kohya sd-scripts and musubi-tuner", kohya), ("OneTrainer", onetrainer),
          ("SimpleTuner", simpletuner), ("diffusion-pipe", diffusion_pipe))
 PRIVATE = {"_script": "(the training script's name)", "_folder_repeats": "(N of an `N_name` folder)",
-           "_folder_caption": "(name of an `N_name` folder)"}
+           "_folder_caption": "(name of an `N_name` folder)", "_dit_expert": "(`dit`'s file, with `task`)",
+           "_experts": "(`arch: wan22_14b`)", "_alpha": "(`adapter.rank`)"}
 
 
 # What the shared converters (engine/importers/common.py) do, in the table's words.

@@ -11,11 +11,19 @@ the images that have no caption file.
 from __future__ import annotations
 
 import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 from engine.importers import common as c
+from engine.importers.kohya_args import (  # noqa: F401 — re-exported: the importers' entry reads them here
+    MODULES,
+    MUSUBI_SCRIPTS,
+    SCRIPTS,
+    _kv_list,
+    config_flat,
+    is_config_toml,
+    parse_command_line,
+)
 from engine.importers.kohya_dataset import (
     count_images,
     read_dataset,
@@ -31,81 +39,16 @@ from engine.importers.table import (
     NotCarried,
     Problem,
     apply,
+    carried_in,
     not_applicable,
     other_way,
 )
 
 NAME = "kohya"
 MUSUBI = "musubi-tuner"
-# The training script → family (None: a model lorad does not train). sd-scripts' first, then musubi-tuner's.
-SCRIPTS = {"flux_train_network": "flux", "train_network": None, "sdxl_train_network": None, "sd3_train_network": None,
-           "lumina_train_network": None,
-           "wan_train_network": "wan", "qwen_image_train_network": "qwen_image", "flux_kontext_train_network": "flux",
-           "zimage_train_network": "z_image", "hv_1_5_train_network": "hunyuan_video", "hv_train_network": None,
-           "fpack_train_network": None, "flux_2_train_network": "flux2"}
-MUSUBI_SCRIPTS = ("wan_train_network", "qwen_image_train_network", "flux_kontext_train_network", "hv_train_network",
-                  "zimage_train_network", "hv_1_5_train_network", "fpack_train_network", "flux_2_train_network")
-MODULES = {"networks.lora_flux": "flux", "networks.lora_wan": "wan", "networks.lora_qwen_image": "qwen_image",
-           "networks.lora_zimage": "z_image", "networks.lora_flux_2": "flux2", "networks.lora": None,
-           "networks.lora_sd3": None, "networks.lora_lumina": None, "networks.lora_framepack": None}
-TRAINING_KEYS = ("pretrained_model_name_or_path", "network_module", "network_dim", "dit", "max_train_steps",
-                 "learning_rate", "output_dir", "dataset_config")
-
-
-def is_config_toml(doc: Any) -> bool:
-    flat = config_flat(doc) if isinstance(doc, dict) else {}
-    return any(k in flat for k in TRAINING_KEYS)
-
-
-def config_flat(doc: dict) -> dict[str, Any]:
-    """sd-scripts reads a config TOML's sections as if their keys were at the top."""
-    out: dict[str, Any] = {}
-    for k, v in doc.items():
-        if isinstance(v, dict):
-            out.update(v)
-        else:
-            out[k] = v
-    return out
-
-
-def parse_command_line(text: str) -> tuple[str | None, dict[str, Any]]:
-    """(the script's name, {argument: value}) of a saved `accelerate launch ... X_train_network.py --a 1 --b` line.
-
-    Continuations (`\\`, `^`, a backtick) join lines; a flag without a value is true; several values are a list."""
-    joined = re.sub(r"[\\^`]\s*\n", " ", text)
-    try:
-        tokens = shlex.split(joined, comments=True)
-    except ValueError as e:
-        raise Problem(f"the command line does not parse: {e}") from None
-    script, args, key = None, {}, None
-    for t in tokens:
-        if script is None:
-            if t.endswith(".py"):
-                script = Path(t).stem
-            continue
-        if t.startswith("--"):
-            name, eq, val = t[2:].partition("=")
-            key = name.replace("-", "_")
-            args[key] = val if eq else True
-            continue
-        if key is None:
-            continue
-        cur = args[key]
-        args[key] = t if cur is True else ([*cur, t] if isinstance(cur, list) else [cur, t])
-    return script, args
-
-
-def _kv_list(v: Any) -> dict[str, str]:
-    items = v if isinstance(v, list) else [v] if v not in (None, True) else []
-    out = {}
-    for it in items:
-        k, eq, val = str(it).partition("=")
-        if eq:
-            out[k.strip()] = val.strip()
-    return out
-
-
 def _module(v: Any, ctx: Context) -> None:
+    if ctx.origin.get("model.family", "").startswith("network_module"):
+        return None  # the family's own origin names it already
     if str(v).startswith("lycoris"):
         raise CarriedIn("lora.type")
     raise CarriedIn("model.family")
@@ -175,6 +118,39 @@ def _resolution(v: Any, ctx: Context) -> list[int]:
     return c.resolutions(v, ctx)
 
 
+def _timesteps(v: Any, ctx: Context) -> str:
+    """kohya's timestep_sampling: sigma draws t uniformly, then the scheduler's discrete_flow_shift moves it (sd-scripts'
+    default shift 3.0: toward high noise, as lorad's shift; musubi-tuner's 1.0: not moved, lorad's linear)."""
+    name = str(v).lower()
+    if name == "sigma":
+        return "shift" if c.number(ctx.source.get("discrete_flow_shift", 1.0), ctx) > 1.0 else "linear"
+    if name in ("flux2_shift", "qwen_shift", "krea2_shift", "ideogram4_shift"):
+        return "shift"  # the model's own resolution-dependent shift, as lorad's shift
+    return c.timestep_sampling(v, ctx)
+
+
+def _task(v: Any, ctx: Context) -> str:
+    """musubi-tuner's Wan --task (wan/configs: t2v-1.3B, t2v-14B, t2v-A14B, i2v-A14B, ...): t2v-* → t2v."""
+    t = str(v)
+    if t.startswith("t2v-") and not t.endswith("-FC"):
+        return "t2v"
+    if t == "i2v-A14B":
+        raise Problem(f"{t}: Wan 2.2 I2V-A14B (an image input of its own) is not among lorad's Wan models "
+                      "(TI2V-5B, T2V-A14B)")
+    raise NotCarried(f"{NO_FEATURE} (Wan task {t}; model.task: t2v, i2v as Wan 2.2 trains it)")
+
+
+def _expert(v: Any, ctx: Context) -> str | None:
+    """Wan 2.2 A14B: --dit the low-noise expert and --dit_high_noise the high-noise one → both; --dit alone names
+    one expert by its file (…_high_noise_… / …_low_noise_…)."""
+    if not str(ctx.source.get("task", "")).endswith("A14B"):
+        return None  # one transformer: no expert to pick
+    if ctx.source.get("dit_high_noise"):
+        return "both"
+    name = Path(str(v)).name.lower()
+    return "high" if "high_noise" in name else "low" if "low_noise" in name else None
+
+
 def _class_tokens(v: Any, ctx: Context) -> str:
     if ctx.images is not None and ctx.source.get("_every_image_captioned"):
         raise NotCarried(other_way("data.trigger", "there, class_tokens only captions images without a caption "
@@ -219,7 +195,17 @@ TABLE: list[Key] = [
         "takes the adapter from network_args"),
     Key("pretrained_model_name_or_path", "model.path", c.model_path, doc="a hub id or a diffusers folder; the "
         "official FLUX.1 single files become their hub id"),
-    Key("dit", "model.path", c.model_path, doc="musubi-tuner's DiT weights"),
+    Key("dit", "model.path", c.model_path, doc="musubi-tuner's DiT weights (Wan 2.2 A14B: the low-noise expert)"),
+    Key("task", "model.task", _task, doc="musubi-tuner's Wan task: t2v-* → t2v; i2v-A14B refused"),
+    Key("_dit_expert", "model.expert", _expert, doc="Wan 2.2 A14B: dit + dit_high_noise → both; a dit file named "
+        "*high_noise* / *low_noise* → that expert"),
+    Key("dit_high_noise", None, carried_in("model.expert")),
+    Key("timestep_boundary", None, why=other_way("model.expert", "the boundary is the model's own boundary_ratio")),
+    Key("offload_inactive_dit", None, why=not_applicable("lorad plans memory itself")),
+    Key("min_timestep", None, why=other_way("model.expert, train.timestep_bias")),
+    Key("max_timestep", None, why=other_way("model.expert, train.timestep_bias")),
+    Key("preserve_distribution_shape", None, why=other_way("model.expert", "an expert's σ is drawn from its side "
+        "of the boundary")),
     Key("ae", None, why=PARTS), Key("vae", None, why=PARTS), Key("clip_l", None, why=PARTS),
     Key("t5xxl", None, why=PARTS), Key("t5", None, why=PARTS), Key("text_encoder", None, why=PARTS),
     Key("text_encoder1", None, why=PARTS), Key("text_encoder2", None, why=PARTS), Key("clip", None, why=PARTS),
@@ -289,10 +275,10 @@ TABLE: list[Key] = [
     Key("seed", "train.seed", c.integer),
     Key("gradient_checkpointing", "train.gradient_checkpointing"),
     Key("blocks_to_swap", "train.blocks_to_swap", c.integer),
-    Key("timestep_sampling", "train.timestep_sampling", c.timestep_sampling, doc="sigma, uniform → linear; "
-        "sigmoid; shift, flux_shift → shift"),
+    Key("timestep_sampling", "train.timestep_sampling", _timesteps, doc="sigma → shift when discrete_flow_shift "
+        "> 1 (sd-scripts' 3.0), else linear; uniform → linear; sigmoid; shift and the models' own *_shift → shift"),
     Key("guidance_scale", "train.guidance", c.number),
-    Key("discrete_flow_shift", None, why=other_way("train.timestep_sampling", "shift uses the model's own shift")),
+    Key("discrete_flow_shift", None, carried_in("train.timestep_sampling")),
     Key("model_prediction_type", None, why=not_applicable("each family predicts what its model was trained to")),
     Key("sigmoid_scale", None, why=NO_FEATURE), Key("weighting_scheme", None, why=NO_FEATURE),
     Key("max_train_epochs", "train.steps", _epochs("max_train_epochs"), doc="epochs × ceil(images × repeats × "
@@ -322,10 +308,33 @@ TABLE: list[Key] = [
     Key("lowram", None, why=not_applicable("lorad plans memory itself")),
     Key("apply_t5_attn_mask", None, why=not_applicable("each family masks its text encoder as its model does")),
 ]
-# sd-scripts' defaults (train_util.py, train_network.py) where lorad's differ and the run would change: written as
-# if the file said them (the header says which). Not for a dataset TOML given alone (it trains nothing).
+# The defaults both tools share (sd-scripts library/train_util.py, train_network.py and networks/lora*.py;
+# musubi-tuner src/musubi_tuner/training/parser_common.py and networks/lora.py) where lorad's differ and the run
+# would change: written as if the file said them (the header says which). Not for a dataset TOML given alone.
 DEFAULTS = {"lr_scheduler": "constant", "max_train_steps": 1600, "network_dim": 4, "network_alpha": 1,
-            "learning_rate": 2e-6}
+            "learning_rate": 2e-6, "optimizer_type": "AdamW", "timestep_sampling": "sigma"}
+# sd-scripts' own: its --caption_extension (also the dataset TOML's fallback), --mixed_precision (accelerate's
+# "no": float32) and flux_train_network's --discrete_flow_shift and --guidance_scale (library/flux_train_utils.py).
+SD_SCRIPTS_DEFAULTS = {"caption_extension": ".caption", "mixed_precision": "no", "discrete_flow_shift": 3.0}
+FLUX_DEFAULTS = {"guidance_scale": 3.5}
+# musubi-tuner's own: --discrete_flow_shift 1.0; a dataset's resolution (960, 544) (dataset/config_utils.py).
+MUSUBI_DEFAULTS = {"discrete_flow_shift": 1.0}
+MUSUBI_RESOLUTION = [960, 544]
+
+
+def _defaults(flat: dict[str, Any], musubi: bool, family: str | None, out: Imported) -> None:
+    """The tool's defaults for what the config leaves unset (see DEFAULTS), each said in the header."""
+    more = MUSUBI_DEFAULTS if musubi else {**SD_SCRIPTS_DEFAULTS, **(FLUX_DEFAULTS if family == "flux" else {})}
+    skip = {"max_train_steps": "max_train_epochs" in flat, "learning_rate": "unet_lr" in flat,
+            "optimizer_type": bool(flat.get("use_8bit_adam")),
+            "caption_extension": any(k.endswith("caption_extension") for k in flat)}
+    for k, v in {**DEFAULTS, **more}.items():
+        if k not in flat and not skip.get(k):
+            flat[k] = v
+            out.notes.append(f"{k} not set there: its default {v} written")
+    if musubi and any(k.startswith("datasets[") for k in flat) and not any(k.endswith("resolution") for k in flat):
+        flat["general.resolution"] = MUSUBI_RESOLUTION
+        out.notes.append(f"resolution not set in the dataset: musubi-tuner's default {MUSUBI_RESOLUTION} written")
 
 
 def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] | None, ctx: Context,
@@ -358,14 +367,10 @@ def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] |
     if "train_data_dir" in flat:
         repeat_folders(Path(c.local_path(flat["train_data_dir"], ctx)), flat, ctx, out)
     if cfg_args:
-        for k, v in DEFAULTS.items():
-            if k == "max_train_steps" and "max_train_epochs" in flat:
-                continue
-            if k == "learning_rate" and "unet_lr" in flat:
-                continue
-            if k not in flat:
-                flat[k] = v
-                out.notes.append(f"{k} not set there: its default {v} written")
+        family = out.get("model.family") or c.family_of_name(str(flat.get("pretrained_model_name_or_path", "")))
+        _defaults(flat, out.tool == MUSUBI, family, out)
+    if "dit" in flat:
+        flat["_dit_expert"] = flat["dit"]
     count_images(flat, ctx)
     ctx.source = flat
     apply(TABLE, flat, ctx, out)

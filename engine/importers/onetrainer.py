@@ -26,8 +26,11 @@ from engine.importers.table import (
 )
 
 NAME = "onetrainer"
-MODEL_TYPES = {"FLUX_DEV_1": "flux", "FLUX_FILL_DEV_1": "flux", "FLUX_2": "flux2", "CHROMA_1": "chroma",
-               "QWEN": "qwen_image", "Z_IMAGE": "z_image"}
+# modules/util/enum/ModelType.py's names → family. FLUX_FILL_DEV_1 (an inpainting input of its own) is not one.
+MODEL_TYPES = {"FLUX_DEV_1": "flux", "FLUX_2": "flux2", "CHROMA_1": "chroma", "QWEN": "qwen_image",
+               "Z_IMAGE": "z_image", "KREA_2": "krea2"}
+# a model part's weight_dtype (modules/util/enum/DataType.py) → model.base_precision; the others: lorad's auto.
+WEIGHT_DTYPES = {"FLOAT_8": "fp8", "FLOAT_W8A8": "fp8", "INT_8": "int8", "INT_W8A8": "int8", "NFLOAT_4": "nf4"}
 
 
 DTYPES = {"BFLOAT_16": "bf16", "FLOAT_16": "fp16", "FLOAT_32": "fp32"}
@@ -91,6 +94,14 @@ def _unit(key: str, unit_key: str, what: str):
     return conv
 
 
+def _warmup(v: Any, ctx: Context) -> int | None:
+    w = c.number(v, ctx)
+    accum = c.integer(ctx.source.get("gradient_accumulation_steps", 1), ctx)
+    total = c.steps_from_epochs(c.integer(ctx.source.get("epochs", 100), ctx), ctx, "epochs") if ctx.images else None
+    n = int(w / accum) if w > 1 else int(w * total) if 0 < w <= 1 and total else 0
+    return min(n, total) if total else n
+
+
 def _timesteps(v: Any, ctx: Context) -> str:
     return c.timestep_sampling({"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal", "SIGMOID": "sigmoid"}
                                .get(str(v).upper(), v), ctx)
@@ -101,6 +112,8 @@ def _concept_path(v: Any, ctx: Context) -> str:
 
 
 def _concept_trigger(v: Any, ctx: Context) -> str | None:
+    if not v:
+        return None  # no prompt file: nothing to carry
     # a concept's prompt_source "concept": its one prompt file for every image, not a trigger word
     raise NotCarried(other_way("data.trigger", "a caption for all images is data.trigger with no caption files"))
 
@@ -120,13 +133,55 @@ def _repeats(v: Any, ctx: Context) -> int | None:
     return int(n)
 
 
+def _weight_dtype(v: Any, ctx: Context) -> str | None:
+    t = str(v).upper()
+    if t in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[t]
+    if t in ("FLOAT_32", "FLOAT_16", "BFLOAT_16", "TFLOAT_32", "NONE"):
+        return None  # not quantized: lorad's auto
+    raise NotCarried(f"{NO_FEATURE} (weight_dtype {v}; model.base_precision: fp8, int8, nf4)")
+
+
+def _transformer_train(v: Any, ctx: Context) -> None:
+    if not v:
+        raise Problem("false: the transformer does not train, and lorad trains the transformer's LoRA")
+    raise CarriedIn("lora.type")
+
+
+PARTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4", "vae", "unet", "prior")
+
+
+def _dynamic_shift(v: Any, ctx: Context) -> str | None:
+    if not v:
+        return None
+    if str(ctx.source.get("timestep_distribution", "UNIFORM")).upper() == "UNIFORM":
+        return "shift"  # U(0,1) moved by the resolution-dependent shift: lorad's shift
+    raise NotCarried(f"{NO_FEATURE} (a resolution-dependent shift on {ctx.source.get('timestep_distribution')})")
+
+
+def _concept_type(v: Any, ctx: Context) -> None:
+    if str(v).upper() != "STANDARD":
+        raise NotCarried(f"{NO_FEATURE} (concept type {v})")
+    return None
+
+
+SAMPLE_KEYS = {"height": "sample.height", "width": "sample.width", "diffusion_steps": "sample.steps",
+               "cfg_scale": "sample.guidance"}
+
+
 def _samples(v: Any, ctx: Context) -> list:
     out = []
     # FLUX.1's guidance is distilled: it samples without a negative prompt (lorad refuses one there)
     negatives = ctx.job.get("model", {}).get("family") != "flux"
     for i, s in enumerate(v if isinstance(v, list) else []):
         if not isinstance(s, dict) or not s.get("enabled", True) or not s.get("prompt"):
+            ctx.dropped.append((f"samples[{i}]", s.get("prompt") if isinstance(s, dict) else s,
+                                not_applicable("a sample that is disabled there, or has no prompt")))
             continue
+        for k, val in s.items():  # SampleConfig's other settings: lorad's are one for every prompt (sample.*)
+            if k not in ("enabled", "prompt", "negative_prompt", "seed", "random_seed"):
+                ctx.dropped.append((f"samples[{i}].{k}", val, other_way(SAMPLE_KEYS.get(k, "sample"),
+                                                                       "one value for every prompt")))
         e: dict[str, Any] = {"prompt": str(s["prompt"])}
         if s.get("negative_prompt") and negatives:
             e["negative"] = str(s["negative_prompt"])
@@ -157,6 +212,7 @@ TABLE: list[Key] = [
     Key("concepts[].text.prompt_source", None, _prompt_source, doc="sample (IMAGE.txt) as lorad"),
     Key("concepts[].text.prompt_path", None, _concept_trigger),
     Key("concepts[].balancing_strategy", None, why=other_way("data.repeats")),
+    Key("concepts[].type", None, _concept_type),
     Key("concepts[].name", None, why=not_applicable("a concept's display name")),
     Key("concepts[].enabled", None, why=not_applicable("only enabled concepts are read")),
     Key("concepts[].include_subdirectories", None, why=other_way("data.path", "sub-folders are always read")),
@@ -171,12 +227,23 @@ TABLE: list[Key] = [
     Key("optimizer.weight_decay", "train.weight_decay", c.number),
     Key("optimizer.eps", "train.optimizer_args.eps", c.number),
     Key("learning_rate_scheduler", "train.schedule", c.schedule),
-    Key("learning_rate_warmup_steps", "train.warmup_steps", c.integer),
+    Key("learning_rate_warmup_steps", "train.warmup_steps", _warmup, doc="above 1: micro-batches ÷ "
+        "gradient_accumulation_steps; 0 to 1: a fraction of the run (as OneTrainer's create.py); at most the run"),
     Key("clip_grad_norm", "train.max_grad_norm", c.number),
     Key("seed", "train.seed", c.integer),
     Key("train_dtype", "model.dtype", lambda v, ctx: c.dtype(DTYPES.get(str(v).upper(), v), ctx)),
-    Key("weight_dtype", "model.base_precision", lambda v, ctx: "fp8" if "8" in str(v) else None),
-    Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off),
+    Key("transformer.weight_dtype", "model.base_precision", _weight_dtype, doc="FLOAT_8 → fp8, INT_8 → int8, "
+        "NFLOAT_4 → nf4; unquantized → lorad's auto; GGUF and others not carried"),
+    Key("weight_dtype", "model.base_precision", _weight_dtype, doc="before config version 9: one dtype for every part"),
+    Key("transformer.gradient_checkpointing", "train.gradient_checkpointing", _on_off),
+    Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off, doc="before config version 10: ON, "
+        "CPU_OFFLOADED → true"),
+    Key("transformer.train", None, _transformer_train),
+    Key("dynamic_timestep_shifting", "train.timestep_sampling", _dynamic_shift, doc="true → shift (uniform) or "
+        "not carried (with another distribution)"),
+    Key("timestep_shift", None, why=NO_FEATURE),
+    Key("backup_after", None, why=other_way("checkpoint.every_seconds", "every checkpoint is a backup")),
+    Key("backup_after_unit", None, why=other_way("checkpoint.every_seconds")),
     Key("timestep_distribution", "train.timestep_sampling", _timesteps),
     Key("ema", "train.ema", _ema, doc="GPU or CPU → on"),
     Key("ema_decay", "train.ema.decay", _ema_part),
@@ -200,9 +267,13 @@ TABLE: list[Key] = [
     Key("device", None, why=not_applicable("the daemon gives the job its GPU")),
     Key("train_device", None, why=not_applicable("the daemon gives the job its GPU")),
 ]
-# OneTrainer's defaults (its TrainConfig) where lorad's differ and the run would change: a preset holds only the
-# keys that differ from them, so these are written as if it said them (the header says which).
-DEFAULTS = {"learning_rate_scheduler": "CONSTANT", "lora_rank": 16, "lora_alpha": 1.0, "optimizer.optimizer": "ADAMW"}
+# OneTrainer's defaults (modules/util/config/TrainConfig.py default_values; the optimizer's in
+# modules/util/optimizer_util.py) where lorad's differ and the run would change: a preset holds only the keys that
+# differ from them, so these are written as if it said them (the header says which).
+DEFAULTS = {"learning_rate_scheduler": "CONSTANT", "lora_alpha": 1.0, "optimizer.optimizer": "ADAMW",
+            "learning_rate": 3e-6, "learning_rate_warmup_steps": 200, "epochs": 100, "train_dtype": "FLOAT_16",
+            "timestep_distribution": "UNIFORM", "transformer.gradient_checkpointing": True}
+ADAMW_WEIGHT_DECAY = 1e-2  # ADAMW's and ADAMW_8BIT's weight_decay when the preset leaves it unset
 
 
 def _side_json(name: Any, ctx: Context) -> Any:
@@ -234,7 +305,17 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported, concepts: Any = None,
         flat.update({f"concepts[0].{k}": v for k, v in flatten(conc[0]).items()})
     if samp is not None:
         flat["samples"] = samp
-    for k, v in DEFAULTS.items():
+    for part in PARTS:  # the frozen parts: lorad reads them from the model's folder, in its own precision
+        for k in [k for k in flat if k.startswith(part + ".")]:
+            out.drop(k, flat.pop(k), not_applicable("a frozen model part; lorad trains the transformer's LoRA"))
+    defaults = dict(DEFAULTS)
+    if "gradient_checkpointing" in flat:  # a config from before version 10 says it at the top
+        defaults.pop("transformer.gradient_checkpointing")
+    if str(flat.get("optimizer.optimizer", "ADAMW")).upper() in ("ADAMW", "ADAMW_8BIT") and \
+            flat.get("optimizer.weight_decay") is None:
+        flat.pop("optimizer.weight_decay", None)
+        defaults["optimizer.weight_decay"] = ADAMW_WEIGHT_DECAY
+    for k, v in defaults.items():
         if k not in flat:
             flat[k] = v
             out.notes.append(f"{k} not set there: OneTrainer's default {v} written")

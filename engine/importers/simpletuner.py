@@ -26,8 +26,9 @@ from engine.importers.table import (
 )
 
 NAME = "simpletuner"
+# model_family (simpletuner/helpers/models/model_metadata.json; hunyuanvideo is HunyuanVideo 1.5 there) → family.
 FAMILIES = {"flux": "flux", "flux2": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image",
-            "wan": "wan", "hunyuanvideo": "hunyuan_video"}
+            "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2"}
 
 
 def detect(doc: Any) -> bool:
@@ -41,10 +42,30 @@ def _family(v: Any, ctx: Context) -> str:
     return fam
 
 
-# SimpleTuner's flavours → the hub repository it loads for them (only used when the config names no model path).
-FLAVOURS = {("flux", "dev"): "black-forest-labs/FLUX.1-dev", ("flux", "schnell"): "black-forest-labs/FLUX.1-schnell",
-            ("flux", "krea"): "black-forest-labs/FLUX.1-Krea-dev", ("qwen_image", "v1.0"): "Qwen/Qwen-Image",
-            ("chroma", "base"): "lodestones/Chroma1-Base", ("chroma", "hd"): "lodestones/Chroma1-HD"}
+# SimpleTuner's flavours → the hub repository it loads for them (each model.py's HUGGINGFACE_PATHS; only used when
+# the config names no model path), and each family's DEFAULT_MODEL_FLAVOUR. Flavours lorad's families do not train
+# (Wan 2.1's image-to-video, Wan 2.2 I2V-A14B, VACE, ...) are refused.
+FLAVOURS = {
+    ("flux", "dev"): "black-forest-labs/FLUX.1-dev", ("flux", "schnell"): "black-forest-labs/FLUX.1-schnell",
+    ("flux", "krea"): "black-forest-labs/FLUX.1-Krea-dev", ("flux", "kontext"): "black-forest-labs/FLUX.1-Kontext-dev",
+    ("flux2", "dev"): "black-forest-labs/FLUX.2-dev", ("flux2", "klein-4b"): "black-forest-labs/FLUX.2-klein-base-4B",
+    ("flux2", "klein-9b"): "black-forest-labs/FLUX.2-klein-base-9B",
+    ("chroma", "base"): "lodestones/Chroma1-Base", ("chroma", "hd"): "lodestones/Chroma1-HD",
+    ("chroma", "flash"): "lodestones/Chroma1-Flash",
+    ("qwen_image", "v1.0"): "Qwen/Qwen-Image", ("qwen_image", "v2.0"): "Qwen/Qwen-Image-2512",
+    ("qwen_image", "edit-v1"): "Qwen/Qwen-Image-Edit", ("qwen_image", "edit-v2"): "Qwen/Qwen-Image-Edit-2509",
+    ("qwen_image", "edit-v2+"): "Qwen/Qwen-Image-Edit-2509", ("qwen_image", "edit-v3"): "Qwen/Qwen-Image-Edit-2511",
+    ("z_image", "base"): "Tongyi-MAI/Z-Image", ("z_image", "turbo"): "Tongyi-MAI/Z-Image-Turbo",
+    ("wan", "t2v-480p-1.3b-2.1"): "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+    ("wan", "t2v-480p-14b-2.1"): "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+    ("wan", "ti2v-5b-2.2"): "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    ("hunyuanvideo", "t2v-480p"): "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+    ("hunyuanvideo", "t2v-720p"): "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
+    ("krea2", "raw"): "krea/Krea-2-Raw", ("krea2", "turbo"): "krea/Krea-2-Turbo",
+}
+DEFAULT_FLAVOURS = {"flux": "krea", "flux2": "klein-9b", "chroma": "base", "qwen_image": "v2.0",
+                    "z_image": "turbo-ostris-v2", "wan": "t2v-480p-1.3b-2.1", "hunyuanvideo": "t2v-480p",
+                    "krea2": "raw"}
 
 
 def _flavour(v: Any, ctx: Context) -> str:
@@ -52,7 +73,8 @@ def _flavour(v: Any, ctx: Context) -> str:
         raise CarriedIn("model.path")
     repo = FLAVOURS.get((str(ctx.source.get("model_family", "")).lower(), str(v).lower()))
     if repo is None:
-        raise Problem(f"{v}: a flavour whose model this importer does not know; set pretrained_model_name_or_path")
+        raise Problem(f"{v}: a flavour lorad does not train or whose model it does not know; set "
+                      "pretrained_model_name_or_path")
     return repo
 
 
@@ -95,6 +117,16 @@ def _lycoris(v: Any, ctx: Context) -> str:
     return "lora" if algo == "locon" else algo
 
 
+def _precision(v: Any, ctx: Context) -> str | None:
+    s = str(v).lower()
+    for needle in ("fp8", "int8", "nf4"):
+        if needle in s:
+            return needle
+    if s == "no_change":
+        return None
+    raise NotCarried(f"{NO_FEATURE} (base_model_precision {v}; model.base_precision: fp8, int8, nf4)")
+
+
 def _dora(v: Any, ctx: Context) -> str | None:
     return "dora" if v else None
 
@@ -129,8 +161,10 @@ def _validation_prompt(v: Any, ctx: Context) -> list:
 
 
 def _res(v: Any, ctx: Context) -> list[int]:
-    rtype = str(ctx.source.get("backends[].resolution_type", ctx.source.get("resolution_type", "pixel"))).lower()
-    if rtype == "area":  # megapixels: the side of a square of that area
+    """area: megapixels, the side of a square of that area; pixel_area (the default): that square's side in pixels,
+    as lorad's; pixel: the shorter edge, taken as the side (lorad's buckets keep the area, not the edge)."""
+    rtype = str(ctx.source.get("backends[].resolution_type", ctx.source.get("resolution_type", "pixel_area"))).lower()
+    if rtype == "area":
         return [int(round((float(v) * 1e6) ** 0.5))]
     return c.resolutions(v, ctx)
 
@@ -155,9 +189,8 @@ TABLE: list[Key] = [
     Key("lora_rank", "lora.rank", c.integer),
     Key("lora_alpha", "lora.alpha", c.number),
     Key("lora_dropout", "lora.dropout", c.number),
-    Key("base_model_precision", "model.base_precision",
-        lambda v, ctx: "fp8" if "fp8" in str(v) else "int8" if "int8" in str(v) else "nf4" if "nf4" in str(v)
-        else None, doc="*fp8* → fp8, *int8* → int8, *nf4* → nf4"),
+    Key("base_model_precision", "model.base_precision", _precision, doc="*fp8* → fp8, *int8* → int8, *nf4* → nf4; "
+        "no_change → lorad's auto; others not carried"),
     Key("mixed_precision", "model.dtype", c.dtype),
     Key("data_backend_config", None, why=other_way("data.path", "the backend file is read with the config")),
     Key("backends[].instance_data_dir", "data.path", c.local_path, doc="the first image backend"),
@@ -218,7 +251,11 @@ TABLE: list[Key] = [
     Key("attention_mechanism", None, why=not_applicable("lorad picks the attention kernel")),
     Key("disable_benchmark", None, why=not_applicable("SimpleTuner's own start-up benchmark")),
 ]
-DEFAULTS = {"lr_scheduler": "constant"}  # not SimpleTuner's own polynomial (lorad has none): said in the header
+# SimpleTuner's defaults (simpletuner/simpletuner_sdk/server/services/field_registry/sections/*.py, which its
+# argument parser is built from) where lorad's differ and the run would change: written as if the file said them.
+DEFAULTS = {"lr_scheduler": "constant_with_warmup", "learning_rate": 4e-7, "optimizer": "adamw_bf16",
+            "train_batch_size": 4, "max_grad_norm": 2.0, "caption_dropout_probability": 0.1,
+            "gradient_checkpointing": True}
 
 
 def backends_path(doc: dict[str, Any]) -> str | None:
@@ -250,9 +287,19 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported, backends: Any = None)
     if images:
         flat.update({f"backends[0].{k}": v for k, v in flatten(images[0]).items()})
         ctx.images = len(c.images_in(Path(c.local_path(images[0]["instance_data_dir"], ctx)))) or None
-    if "lr_scheduler" not in flat:
-        flat["lr_scheduler"] = DEFAULTS["lr_scheduler"]
-        out.notes.append("lr_scheduler not set there: SimpleTuner's polynomial decay has no lorad twin; constant "
-                         "written")
+    defaults = dict(DEFAULTS)
+    if "lora_rank" in flat and "lora_alpha" not in flat:
+        defaults["lora_alpha"] = flat["lora_rank"]  # SimpleTuner's alpha is the rank when unset
+    if not any(k.endswith("resolution") for k in flat):
+        defaults["resolution"] = 1024
+    if images and "backends[0].caption_strategy" not in flat:
+        defaults["backends[0].caption_strategy"] = "filename"
+    fam = str(flat.get("model_family", "")).lower()
+    if "pretrained_model_name_or_path" not in flat and "model_flavour" not in flat and fam in DEFAULT_FLAVOURS:
+        defaults["model_flavour"] = DEFAULT_FLAVOURS[fam]
+    for k, v in defaults.items():
+        if k not in flat:
+            flat[k] = v
+            out.notes.append(f"{k} not set there: SimpleTuner's default {v} written")
     ctx.source = {**flat, **{k.replace("[0]", "[]"): v for k, v in flat.items() if "[0]" in k}}
     apply(TABLE, flat, ctx, out)

@@ -25,7 +25,7 @@ config:
       network: {type: lora, linear: 4, linear_alpha: 8}
       save: {save_every: 2, max_step_saves_to_keep: 2}
       datasets: [{folder_path: data, caption_ext: txt, resolution: [32]}]
-      train: {batch_size: 1, steps: 6, lr: 2e-3, optimizer: adamw, dtype: fp32, seed: 3}
+      train: {batch_size: 1, steps: 6, lr: 2e-3, optimizer: adamw, dtype: fp32, seed: 3, gradient_checkpointing: false}
       model: {name_or_path: "builtin:tiny-flux", is_flux: true}
 """
 

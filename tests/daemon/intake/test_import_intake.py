@@ -144,3 +144,18 @@ def test_bad_input_is_one_line_and_exit_65_for_import_submit_and_check(verb, nam
                        "got list"]
         return
     assert len(err) == 1 and says in err[0] and name in err[0], err
+
+
+def test_import_json_gives_the_job_its_origins_and_what_was_not_carried(tmp_path, capsys):
+    make_images(tmp_path / "data", [("a.png", 40, 32, "a dog")])
+    (tmp_path / "main.toml").write_text(fill(DIFFUSION_PIPE_FLUX, tmp_path))
+    (tmp_path / "dataset.toml").write_text(fill(DIFFUSION_PIPE_DATASET, tmp_path))
+    assert cli.main(["import", str(tmp_path / "main.toml"), "--json", "--to", str(tmp_path / "job.yaml")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["tool"] == "diffusion-pipe" and out["written"] == str(tmp_path / "job.yaml")
+    assert out["job"]["lora"]["rank"] == 32 and out["origin"]["lora.rank"] == "adapter.rank = 32"
+    assert {"key": "pipeline_stages", "value": 1} in [{k: d[k] for k in ("key", "value")} for d in out["not_carried"]]
+    assert (tmp_path / "job.yaml").read_text().startswith("# lorad import: from diffusion-pipe (main.toml)")
+    assert cli.main(["import", str(tmp_path / "dataset.toml"), "--json"]) == 65  # a dataset alone: no model
+    bad = json.loads(capsys.readouterr().out)
+    assert bad["ok"] is False and bad["problems"]
