@@ -72,6 +72,16 @@ class JobConfig(Strict):
             d.setdefault("train", {})["global_batch"] = g
         return d
 
+    def identity_at(self, workdir) -> dict[str, Any]:
+        """CheckpointStore's config_hash and identity: the job's, with the caption edits its caption stage applies
+        (engine/captioning/edits.py); without edits, exactly identity_hash()."""
+        if self.data.caption_mode == "files":
+            return {"config_hash": self.identity_hash(), "identity": self.identity()}
+        from engine.captioning.edits import identity_hash, with_edits
+
+        identity = with_edits(self.identity(), workdir)
+        return {"config_hash": identity_hash(identity), "identity": identity}
+
     def processes(self) -> int:
         """The world size the job is written for: resources.gpus × resources.nodes."""
         return self.resources.gpus * self.resources.nodes
