@@ -81,9 +81,10 @@ def section(j: dict[str, Any], csrf: str) -> str:
         else:
             cell = (f"<form method=post action='{base}/caption'><input type=hidden name=csrf value='{e(csrf)}'>"
                     f"<input type=hidden name=image value='{e(rel)}'>"
-                    f"<textarea name=caption id=caption-{i} rows=3 cols=60 maxlength=4000>{e(shown)}</textarea>"
-                    f"<button id=save-caption-{i}>Save</button></form>")
-        rows.append(f"<tr data-image='{e(rel)}'><td>{img}</td><td>{e(rel)}{tag}</td><td>{cell}</td></tr>")
+                    f"<textarea name=caption id=caption-{i} maxlength=4000 style='height:4.5em;box-sizing:border-box;"
+                    f"font:13px sans-serif'>{e(shown)}</textarea><br><button id=save-caption-{i}>Save</button></form>")
+        rows.append(f"<tr data-image='{e(rel)}'><td>{img}</td><td>{e(rel)}{tag}</td>"
+                    f"<td style='width:60%'>{cell}</td></tr>")
     more = f"<p>… and {len(captions) - MOST_SHOWN} more</p>" if len(captions) > MOST_SHOWN else ""
     return (f"<section id=captions><h2>Captions ({len(captions)} images)</h2>{note}<table><thead><tr><th>image</th>"
             f"<th>file</th><th>caption</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>")

@@ -153,6 +153,7 @@ def test_a_caption_is_edited_on_the_job_page_and_refused_without_the_token_in_ch
     from engine.captioning.edits import read_edits
     from tests.helpers.images import flux_job_dict, make_images
 
+    SHOTS.mkdir(parents=True, exist_ok=True)
     d = Daemon(tmp_path / "home", fast_config(tmp_path, web={"listen": "127.0.0.1:0", "poll_s": 0.5}))
     browser = None
     try:
@@ -171,16 +172,24 @@ def test_a_caption_is_edited_on_the_job_page_and_refused_without_the_token_in_ch
         browser.get(f"{page}?{url.query}")  # the token once (it signs the browser in), then the page
         assert browser.current_url == page
         assert f"Captions ({len(names)} images)" in browser.find_element(By.ID, "captions").text
-        loaded = browser.execute_script("return Array.from(document.querySelectorAll('#captions img'))"
-                                        ".every(function (i) { return i.complete && i.naturalWidth > 0; })")
-        assert loaded, "an image of the captions did not load"
+        browser.execute_script("document.getElementById('captions').scrollIntoView()")  # lazy images load in view
+        wait_until(lambda: browser.execute_script(
+            "return Array.from(document.querySelectorAll('#captions img'))"
+            ".every(function (i) { return i.complete && i.naturalWidth > 0; })"), 20, "the images beside the captions")
         box = browser.find_element(By.ID, "caption-0")
         box.clear()
         box.send_keys("sks, a square my way")
         browser.find_element(By.ID, "save-caption-0").click()
         wait_until(lambda: "edited" in browser.find_element(By.CSS_SELECTOR, ".said").text, 20, "the answer")
         assert read_edits(workdir) == {names[0]: "sks, a square my way"}
-        browser.save_screenshot(str(SHOTS.parent / "lorad-caption-edit.png"))
+        browser.execute_script("document.getElementById('captions').scrollIntoView()")
+        browser.save_screenshot(str(SHOTS / "5-caption-edited.png"))
+        too_wide = browser.execute_script(
+            "var w = document.documentElement.clientWidth, out = [];"
+            "document.querySelectorAll('#captions *').forEach(function (e) {"
+            "  if (e.getBoundingClientRect().right > w + 1) out.push(e.tagName + '#' + e.id); });"
+            "return out.slice(0, 8)")
+        assert too_wide == [], f"wider than the window: {too_wide}"
 
         browser.delete_all_cookies()  # a browser without the token
         browser.get(page)
