@@ -20,10 +20,10 @@ from typing import Any
 from daemon import protocol as p
 from daemon.intake.rejections import recent_rejections
 from daemon.mirror.remote import MirrorError
-from daemon.service import caption_edits
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
+from daemon.supervisor import caption_edits
 from daemon.supervisor.disk_progress import saved_exports
 from daemon.supervisor.scheduling import status_order
 from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at

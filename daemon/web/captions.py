@@ -3,7 +3,7 @@ edit a caption until training starts.
 
 What is shown: WORKDIR/captions.json (the caption stage's, edits applied) overlaid with WORKDIR/caption_edits.json
 (the edits made since), both read by descriptor and size-capped (the trainer user may replace either). An edit is
-the `caption` verb (daemon/service/caption_edits.py), posted to /jobs/ID/caption with the session's CSRF token as
+the `caption` verb (daemon/supervisor/caption_edits.py), posted to /jobs/ID/caption with the session's CSRF token as
 every other action. An image is served only under a name captions.json lists, from the accepted job's data.path
 (state.db, never the job.yaml the trainer user may rewrite), and only if it stays inside that folder.
 
@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from daemon.service.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, why_not
+from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, why_not
 from daemon.system.safe_files import read_bytes
 from daemon.web.pages import e
-from engine.captioning.edits import EDITS_FILE, MAX_EDITS_BYTES
+from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES
 from engine.config.reading import YamlProblem, read_yaml
 
 MOST_SHOWN = 500  # images on the page; the rest are named by `lorad captions ID --to DIR`

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from engine.captioning.captioner import Captioner, check, resolve
-from engine.captioning.edits import read_edits
 from engine.captioning.store import CaptionStore, captioner_identity
+from engine.config.caption_edits import read_edits
 from engine.config.job import JobConfig
 from engine.data.images import ImageRecord, make_caption
 from engine.storage.fsio import RealFs, write_file_durable

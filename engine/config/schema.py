@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from engine.config.caption_edits import identity_hash, with_edits
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.data import DataConfig
 from engine.config.declare import IMAGE_FAMILIES, Strict, identity_part, key
@@ -74,11 +75,9 @@ class JobConfig(Strict):
 
     def identity_at(self, workdir) -> dict[str, Any]:
         """CheckpointStore's config_hash and identity: the job's, with the caption edits its caption stage applies
-        (engine/captioning/edits.py); without edits, exactly identity_hash()."""
+        (engine/config/caption_edits.py); without edits, exactly identity_hash()."""
         if self.data.caption_mode == "files":
             return {"config_hash": self.identity_hash(), "identity": self.identity()}
-        from engine.captioning.edits import identity_hash, with_edits
-
         identity = with_edits(self.identity(), workdir)
         return {"config_hash": identity_hash(identity), "identity": identity}
 

@@ -150,7 +150,7 @@ def test_a_caption_is_edited_on_the_job_page_and_refused_without_the_token_in_ch
 
     from selenium.webdriver.common.by import By
 
-    from engine.captioning.edits import read_edits
+    from engine.config.caption_edits import read_edits
     from tests.helpers.images import flux_job_dict, make_images
 
     SHOTS.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The job page shows each image beside its caption and edits a caption before training starts (the `caption`
-verb, daemon/service/caption_edits.py): with the session's CSRF token as every action, written to
+verb, daemon/supervisor/caption_edits.py): with the session's CSRF token as every action, written to
 WORKDIR/caption_edits.json for the trainer, refused once training has begun, naming why."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from starlette.testclient import TestClient
 from daemon import protocol as p
 from daemon.service import handlers
 from daemon.store import states
-from engine.captioning.edits import EDITS_FILE, read_edits
+from engine.config.caption_edits import EDITS_FILE, read_edits
 from tests.helpers.images import make_images
 from tests.helpers.web import BASE, Site, signed_in
 

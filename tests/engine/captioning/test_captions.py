@@ -109,7 +109,7 @@ def test_files_else_auto_captions_only_the_images_without_a_caption_file(referen
 
 def test_an_edit_made_before_training_wins_enters_the_identity_and_is_never_trained_half_and_half(
         reference, tiny_flux, tmp_path):
-    from engine.captioning.edits import EDITS_FILE
+    from engine.config.caption_edits import EDITS_FILE
 
     ref_root, data = reference
     ref = ref_root / "home" / "jobs" / "ref"

@@ -1,7 +1,8 @@
 """Caption edits: a person's corrections to a job's captions, made on the dashboard before training starts.
+They are part of the job's identity, which is why they live here beside the job's settings.
 
 The daemon writes them to WORKDIR/caption_edits.json ({image path: caption}, written aside, fsynced and renamed:
-daemon/service/caption_edits.py); the trainer only reads it. The caption stage applies them over the captions it
+daemon/supervisor/caption_edits.py); the trainer only reads it. The caption stage applies them over the captions it
 generated or read (an edit wins), and they enter the job's identity (`with_edits`): a checkpoint written with
 other edits is not resumed as if it were this job's. The daemon refuses an edit once training has begun.
 """
@@ -10,14 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from pathlib import Path
 from typing import Any
-
-from engine.captioning.captioner import clean
 
 EDITS_FILE = "caption_edits.json"
 MAX_EDITS_BYTES = 4 << 20
 MAX_CAPTION_CHARS = 4000
+
+
+def clean(text: str) -> str:
+    """One line of printable text (as engine/captioning/captioner.py cleans a model's caption)."""
+    return " ".join("".join(ch if unicodedata.category(ch)[0] != "C" else " " for ch in text).split())
 
 
 def read_edits(workdir: Path) -> dict[str, str]:

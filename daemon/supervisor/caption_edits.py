@@ -1,5 +1,5 @@
 """The `caption` verb (the dashboard's caption edit): a person's caption for one image of a job's caption stage,
-written to WORKDIR/caption_edits.json before training starts (engine/captioning/edits.py reads and applies it).
+written to WORKDIR/caption_edits.json before training starts (engine/config/caption_edits.py reads and applies it).
 
 Refused, naming why: a job that has ended; a job whose training has begun (a step reported or a checkpoint
 committed: an edit then would train part of the job on one caption and the rest on another, and the checkpoint's
@@ -22,8 +22,7 @@ from daemon import protocol as p
 from daemon.store import states
 from daemon.system.paths import JOB_FILE_MODE
 from daemon.system.safe_files import read_bytes, write_durable
-from engine.captioning.captioner import clean
-from engine.captioning.edits import EDITS_FILE, MAX_EDITS_BYTES
+from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES, clean
 
 CAPTIONS_FILE = "captions.json"  # engine/captioning/stage.py's
 MAX_CAPTIONS_BYTES = 64 << 20
