@@ -14,6 +14,7 @@ the edits, so two at once both land.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ def why_not(job: dict[str, Any]) -> str | None:
     if job.get("checkpoint_step") is not None or (job.get("step") or 0) > 0:
         return (f"job {jid} has begun training (step {job.get('step') or job.get('checkpoint_step')}): an edit now "
                 f"would train part of it on one caption and the rest on another; submit it again to change a caption")
-    if st == states.RUNNING and not (job.get("stage") or "").startswith("captioning"):
+    stage = re.fullmatch(r"captioning (\d+)/(\d+)", job.get("stage") or "")
+    if st == states.RUNNING and not (stage and int(stage[1]) < int(stage[2])):  # the stage reads edits at its end
         return (f"job {jid}'s trainer has read its captions and is preparing to train; pause the job, edit, then "
                 f"resume it (captions can be edited until its first step)")
     return None

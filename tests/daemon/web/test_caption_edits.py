@@ -87,6 +87,8 @@ def test_an_edit_is_refused_once_training_has_begun_or_for_what_the_captions_do_
     assert "has read its captions" in edit()["message"]
     site.store.update(jid, stage="captioning 1/2")  # a resumed attempt still captioning
     assert edit()["ok"]
+    site.store.update(jid, stage="captioning 2/2")  # its last batch: the stage is reading the edits now
+    assert "has read its captions" in edit()["message"]
     site.store.update(jid, step=1, stage=None)
     reply = edit()
     assert reply["error"] == "refused" and "has begun training (step 1)" in reply["message"]
