@@ -110,10 +110,18 @@ class Gpu(_Msg):
     clear: int | None = Field(None, ge=0, le=63)
 
 
+class EditCaption(_Msg):
+    """The dashboard's caption edit: IMAGE's caption in a job's caption stage, before training starts."""
+    verb: Literal["caption"] = "caption"
+    job: str = JOB_REF
+    image: str = Field(min_length=1, max_length=1000)  # its path under data.path, as captions.json names it
+    caption: str = Field(min_length=1, max_length=4000)
+
+
 # A new verb: a request class above, added here, its reply model in REPLY_TYPES below, and a handler in
 # daemon/service/handlers.py.
 REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, Retry, SetPriority, Drain, Power,
-                                   WebUrl, Exports, Gpu]
+                                   WebUrl, Exports, Gpu, EditCaption]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
@@ -157,6 +165,7 @@ class JobRow(BaseModel):
     gpu_note: str | None = None  # what the daemon decided about its GPU memory (gpu_memory_policy), if anything
     mirror: MirrorLag | None = None  # a mirrored job's lag
     memory_plan: str | None = None  # the last attempt's memory plan in words (engine/memory_plan/)
+    stage: str | None = None  # a stage before training in words ("captioning 12/40": images; eta_s its ETA)
 
 
 class Attempt(BaseModel):
@@ -343,6 +352,7 @@ REPLY_TYPES: dict[type[_Msg], Any] = {
     Ping: PingReply, Submit: SubmitReply, Status: StatusReply, Logs: LogsReply, Pause: JobActionReply,
     Resume: JobActionReply, Cancel: JobActionReply, Retry: JobActionReply, SetPriority: PriorityReply,
     Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply, Exports: ExportsReply, Gpu: GpuReply,
+    EditCaption: JobActionReply,
 }
 _REPLY_ADAPTERS = {req: TypeAdapter(reply) for req, reply in REPLY_TYPES.items()}
 

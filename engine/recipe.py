@@ -193,7 +193,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     if (advice := optimizer_advice(cfg.train)) is not None:
         log.warning("optimizer_advice", message=advice)
         say(f"lorad: warning: {advice}")
-    store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
+    store = CheckpointStore(workdir / "checkpoints", keep=cfg.checkpoint.keep, fs=fs, **cfg.identity_at(workdir))
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
                store, plan, floor)
 

@@ -13,8 +13,10 @@ import argparse
 import json
 from pathlib import Path, PurePosixPath
 
+from daemon import protocol as p
+from daemon.client import render
 from daemon.client.export import local_job
-from daemon.client.verbs import fail
+from daemon.client.verbs import call, fail, out
 from daemon.system.paths import default_home
 from daemon.system.safe_files import open_at, opened_dir
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
@@ -54,12 +56,24 @@ def cmd_captions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_caption(args: argparse.Namespace) -> int:
+    """`lorad caption JOB IMAGE TEXT`: the dashboard's caption edit, through the daemon (before training starts)."""
+    data = call(args, p.EditCaption(job=args.job, image=args.image, caption=args.text))
+    reply = p.JobActionReply.model_validate(data)
+    return out(args, data, lambda d: print(render.term_safe(f"{reply.job}: {reply.message}")))
+
+
 def add_parser(sub, common) -> None:
     p_ = sub.add_parser("captions", parents=[common], help="write a job's generated captions out as .txt files")
     p_.add_argument("job", type=str)
     p_.add_argument("--to", metavar="DIR", required=True, help="where to write IMAGE.txt for each image")
     p_.add_argument("--force", action="store_true", help="overwrite caption files already in DIR")
     p_.set_defaults(fn=cmd_captions)
+    p_ = sub.add_parser("caption", parents=[common], help="edit one image's caption before the job trains")
+    p_.add_argument("job", type=str)
+    p_.add_argument("image", type=str, help="the image's path under data.path, as `lorad captions` names it")
+    p_.add_argument("text", type=str, help="its caption (the trigger word is not added: write it)")
+    p_.set_defaults(fn=cmd_caption)
 
 
 

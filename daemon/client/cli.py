@@ -2,7 +2,7 @@
 
     daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url gpu
     daemon/client/export.py           export
-    daemon/client/captions.py         captions (no daemon: the job directory's captions.json)
+    daemon/client/captions.py         captions (no daemon: the job directory's captions.json), caption
     daemon/client/foreground.py       run cache
     daemon/client/importing.py        import check
     daemon/service/serve.py          serve

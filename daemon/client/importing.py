@@ -82,10 +82,41 @@ def dataset_summary(cfg) -> dict[str, Any]:
                 bw, bh = assign_bucket(*size, res)
                 buckets[f"{bw}x{bh}"] += 1
     items = len(files) * (1 if video else len(cfg.data.resolution))
-    return {"path": cfg.data.path, "files": len(files), "items": items, "repeats": cfg.data.repeats,
+    counts = {} if video else caption_counts(cfg, folder, files, set(missing))
+    return {**counts, "path": cfg.data.path, "files": len(files), "items": items, "repeats": cfg.data.repeats,
             "samples_per_epoch": items * cfg.data.repeats, "buckets": dict(sorted(buckets.items())),
             "captions_missing": len(missing), "captions_missing_files": missing[:20],
             "trigger": cfg.data.trigger, "caption_ext": cfg.data.caption_ext}
+
+
+def caption_counts(cfg, folder: Path, files: list[Path], missing: set[str]) -> dict[str, Any]:
+    """The caption stage's counts (docs/captions.md): images, captioned (by their files), to caption (by the
+    captioner), and with data.dedupe the near-duplicate groups by name (the perceptual hashes computed here)."""
+    names = [str(p.relative_to(folder)) for p in files]
+    out: dict[str, Any] = {"images": len(names), "caption_mode": cfg.data.caption_mode}
+    dropped: set[str] = set()
+    if cfg.data.dedupe_mode != "off":
+        try:
+            from engine.captioning.dedupe import near_duplicate_groups
+
+            groups = near_duplicate_groups(list(zip(names, files, strict=True)))
+        except ImportError as e:  # the thin client: no Pillow or numpy
+            groups = None
+            out["duplicates_note"] = f"not computed here ({e.name} is not installed)"
+        except OSError as e:
+            groups = None
+            out["duplicates_note"] = f"not computed: {e}"
+        out["duplicate_groups"] = groups
+        if groups is not None:
+            dropped = {n for g in groups for n in g[1:]} if cfg.data.dedupe_mode == "skip" else set()
+            out["duplicates"] = sum(len(g) for g in groups)
+            out["skipped"] = sorted(dropped)
+    kept = [n for n in names if n not in dropped]
+    mode = cfg.data.caption_mode
+    generated = kept if mode == "auto" else [n for n in kept if n in missing] if mode == "files-else-auto" else []
+    out["to_caption"] = len(generated)
+    out["captioned"] = sum(n not in missing for n in kept) if mode != "auto" else 0
+    return out
 
 
 def _sizes(files: list[Path]) -> list[tuple[int, int]]:
@@ -140,6 +171,19 @@ def check_report(cfg, header) -> dict[str, Any]:
     }
 
 
+def _caption_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
+    if "images" not in d:
+        return []
+    rows = [("captions", f"{d['images']} images: {d['captioned']} captioned (files), {d['to_caption']} to caption "
+                         f"(data.captions: {d['caption_mode']})")]
+    if "duplicate_groups" in d:
+        groups = d["duplicate_groups"]
+        rows.append(("duplicates", d.get("duplicates_note") if groups is None else "none" if not groups else
+                     f"{d['duplicates']} images in {len(groups)} group(s): " + "; ".join(", ".join(g) for g in groups)
+                     + (f" ({len(d['skipped'])} left out: data.dedupe skip)" if d["skipped"] else "")))
+    return rows
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from engine.config.job import dump_job, parse_job
     from engine.config.reading import MAX_JOB_FILE_BYTES, decode_job_bytes, read_yaml
@@ -181,6 +225,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                  ("buckets", ", ".join(f"{k} ({v})" for k, v in d["buckets"].items()) or "-"),
                  ("captions missing", f"{d['captions_missing']}" + (f" (their caption: the trigger {d['trigger']!r})"
                                                                     if d["captions_missing"] and d["trigger"] else ""))]
+        rows += _caption_rows(d)
     else:
         rows.append(("dataset", d["path"]))
     rows += [("steps", f"{rep['steps']} steps of {rep['global_batch']} samples each" + (f" (≈ {rep['epochs']} epochs)"

@@ -90,7 +90,8 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
         if j.mirror is not None and (m := mirror_note(j.state, j.mirror)):
             note = f"{note}; {m}" if note else m
         rows.append([j.id, j.name, "done, mirror behind" if j.state == "succeeded" and j.mirror is not None
-                     and j.mirror.mirror is not None and not j.mirror.caught_up else j.state, str(j.priority), f"{j.step}/{j.total}",
+                     and j.mirror.mirror is not None and not j.mirror.caught_up else j.state, str(j.priority),
+                     j.stage if j.stage and j.state == "running" else f"{j.step}/{j.total}",  # the caption stage's
                      f"{j.loss:.4f}" if j.loss is not None else "-",
                      f"{j.val_loss:.4f}" if j.val_loss is not None else "-",
                      f"{j.s_per_step:.3f}" if j.s_per_step else "-",
@@ -185,7 +186,8 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
     d = data if isinstance(data, p.JobStatusReply) else p.JobStatusReply.model_validate(data)
     j = d.job
     rows = [("id", j.id), ("name", j.name), ("state", j.state), ("priority", j.priority),
-            ("step", f"{j.step}/{j.total}"), ("loss", num(j.loss, "{:.4f}")),
+            ("step", f"{j.step}/{j.total}" + (f" ({j.stage} images)" if j.stage and j.state == "running" else "")),
+            ("loss", num(j.loss, "{:.4f}")),
             ("validation loss", f"{j.val_loss:.4f} (step {j.val_step})" if j.val_loss is not None else "-"),
             ("s/step", num(j.s_per_step, "{:.3f}")),
             ("ETA", fmt_eta(j.eta_s) if j.state == "running" else "-"),

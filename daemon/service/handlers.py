@@ -23,6 +23,7 @@ from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
+from daemon.supervisor import caption_edits
 from daemon.supervisor.disk_progress import saved_exports
 from daemon.supervisor.scheduling import status_order
 from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at
@@ -367,10 +368,14 @@ def gpu_health(ctx: Context) -> list[dict[str, Any]]:
     return out if isinstance(out, list) else []
 
 
+def caption(ctx: Context, req: p.EditCaption) -> p.JobActionReply:
+    return caption_edits.edit(_job(ctx, req.job), req)  # refused once training has begun
+
+
 HANDLERS: dict[str, Callable[[Context, Any], Any]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
     "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
-    "export": exports, "gpu": gpu,
+    "export": exports, "gpu": gpu, "caption": caption,
 }
 
 

@@ -68,12 +68,14 @@ ADDED_COLUMNS = (("wait_bytes", "INTEGER"),  # a job waiting for disk space: how
                  ("val_loss", "REAL"), ("val_step", "INTEGER"),  # the last validation loss (data.validation)
                  # after an out-of-memory: the floors each attempt is given (engine/memory_plan/attempt.py, JSON),
                  # and the plan the last attempt ran under, in words
-                 ("memory", "TEXT"), ("memory_plan", "TEXT"))
+                 ("memory", "TEXT"), ("memory_plan", "TEXT"),
+                 ("stage", "TEXT"))  # a stage before training, in words (the caption stage's progress)
 
 # Progress columns a heartbeat may update without a state change.
 PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
                     "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
-                    "priority", "wait_bytes", "val_loss", "val_step", "memory", "memory_plan"}
+                    "priority", "wait_bytes", "val_loss", "val_step", "memory", "memory_plan",
+                    "stage"}
 
 
 def create_or_upgrade(db: sqlite3.Connection) -> None:

@@ -198,6 +198,7 @@ class Child:
     doc: dict[str, Any] = field(default_factory=dict)  # the job as accepted (daemon/supervisor/accepted_job.py)
     memory_plan: str | None = None  # the attempt's memory plan in words (its `memory_plan` event)
     oom: dict[str, Any] | None = None  # its `out_of_memory` event: where, what it needed, the plan it ran under
+    stage: str | None = None  # a stage before training, in words: "captioning 12/40" (images) (eta_s is its ETA)
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -237,7 +238,7 @@ class Child:
         self.last_beat = now
         kind = ev.get("event")
         if kind == "step":
-            self.slow_phase = False
+            self.slow_phase, self.stage = False, None
             self.step = int(ev.get("step", self.step))
             self.total = int(ev.get("total", self.total))
             self.loss = ev.get("loss")
@@ -249,6 +250,13 @@ class Child:
             self.dirty = True
         elif kind == "phase":
             self.slow_phase = ev.get("phase") in SLOW_PHASES
+            if self.stage is not None and ev.get("phase") != "prepare":  # the caption stage is over
+                self.stage, self.eta_s, self.dirty = None, None, True
+        elif kind in ("captioning", "captions_committed"):  # the caption stage's progress is the job's
+            done, total = (0, int(ev.get("to_caption", 0))) if kind == "captioning" else (
+                int(ev.get("done", 0)), int(ev.get("total", 0)))
+            if total:
+                self.stage, self.eta_s, self.dirty = f"captioning {done}/{total}", ev.get("eta_s"), True
         elif kind == "resumed":
             self.step = self.start_step = int(ev.get("from_step", 0))
             self.dirty = True
@@ -282,6 +290,7 @@ class Child:
             out.update(val_loss=self.val_loss, val_step=self.val_step)
         if self.memory_plan is not None:
             out["memory_plan"] = self.memory_plan
+        out["stage"] = self.stage
         return out
 
     # ------------------------------------------------------------ hang, stop, kill

@@ -97,11 +97,22 @@ class _OutOfMemory(_Event):
     message: Text = ""
 
 
+class _Captioning(_Event):  # the caption stage's start (engine/captioning/stage.py)
+    to_caption: Step = 0
+
+
+class _CaptionsCommitted(_Event):  # one committed batch of captions
+    done: Step = 0
+    total: Step = 0
+    eta_s: Seconds | None = None
+
+
 # The events whose fields the daemon reads (daemon/supervisor/trainer.py Child.heard, the loop, the power policy).
 CHECKED: dict[str, type[_Event]] = {
     "step": _Step, "validation": _Validation, "resumed": _Resumed, "checkpoint_committed": _Committed,
     "done": _AtStep, "checkpoint_slow": _AtStep, "invalid_job": _Message, "disk_error": _Message, "phase": _Phase,
-    "memory_plan": _MemoryPlan, "out_of_memory": _OutOfMemory,
+    "memory_plan": _MemoryPlan, "out_of_memory": _OutOfMemory, "captioning": _Captioning,
+    "captions_committed": _CaptionsCommitted,
 }
 
 

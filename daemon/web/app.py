@@ -39,6 +39,7 @@ from daemon import protocol as p
 from daemon.config.web import WebSettings, is_loopback
 from daemon.supervisor.disk_progress import committed_checkpoints, open_export
 from daemon.web import auth, pages
+from daemon.web import captions as captions_page
 from daemon.web import submit as submit_help
 from daemon.web.charts import Line, line_chart
 from daemon.web.downsample import mean_near
@@ -125,10 +126,11 @@ class Dashboard:
         return auth.csrf_for(self.token, cookie) if cookie and auth.session_ok(self.token, cookie) else ""
 
     # ---------------------------------------------------------------- helpers
-    def _page(self, request: Request, title: str, inner: str, extra: str = "", live: bool = True) -> Response:
+    def _page(self, request: Request, title: str, inner: str, extra: str = "", live: bool = True,
+              after: str = "") -> Response:
         if request.query_params.get("live") == "1":
             return HTMLResponse(inner)
-        body = extra + (pages.live(inner, self.s.poll_s) if live else inner)
+        body = extra + (pages.live(inner, self.s.poll_s) if live else inner) + after  # after: not refreshed
         return HTMLResponse(pages.layout(title, body, self.s.poll_s if live else None,
                                          said=request.query_params.get("said")))
 
@@ -171,7 +173,19 @@ class Dashboard:
             pages.events_list("State changes", [{"ts": pages.when(r["ts"]), "event": r["kind"], **r["data"]}
                                                 for r in self.view.store_events(job_id)], "transitions"),
         ])
-        return self._page(request, job_id, inner, extra=f"<h2>{pages.e(j['name'])} <small>{pages.e(job_id)}</small></h2>")
+        return self._page(request, job_id, inner, extra=f"<h2>{pages.e(j['name'])} <small>{pages.e(job_id)}</small></h2>",
+                          after=captions_page.section(j, self.csrf(request)))  # outside the live part: typing
+
+    def job_image(self, request: Request) -> Response:
+        """An image of a job's captions, from its data.path (web/captions.py)."""
+        if (denied := self.check(request)) is not None:
+            return denied
+        j = self.view.job(request.path_params["job"])
+        rows = self.view.query("SELECT text FROM accepted_jobs WHERE job_id=?", (j["id"],)) if j else []
+        path = captions_page.image_file(captions_page.data_path(rows[0]["text"] if rows else None),
+                                        captions_page.job_captions(Path(j["workdir"]))[0] if j else {},
+                                        request.path_params["rel"])
+        return FileResponse(path) if path else PlainTextResponse("not found", status_code=404)
 
     def job_charts(self, job_id: str, h: History) -> str:
         """The history's curves: each is at most 2 points per bucket of the downsampled series (history.py), so
@@ -258,13 +272,15 @@ class Dashboard:
             expect = form.get("expect") or None  # the state the page showed
             req: BaseModel = {"pause": lambda: p.Pause(job=job_id, expect=expect), "resume": lambda: p.Resume(job=job_id),
                               "cancel": lambda: p.Cancel(job=job_id, expect=expect),
-                              "priority": lambda: p.SetPriority(job=job_id, priority=int(form.get("priority", "")))
+                              "priority": lambda: p.SetPriority(job=job_id, priority=int(form.get("priority", ""))),
+                              "caption": lambda: p.EditCaption(job=job_id, image=str(form.get("image", "")),
+                                                               caption=str(form.get("caption", ""))),
                               }[verb]()
         except KeyError:
             return PlainTextResponse("unknown action", status_code=404)
         except (ValueError, ValidationError):
-            return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote('priority must be a whole number -1000..1000')}",
-                                    status_code=303)
+            said = "a caption is 1-4000 characters" if verb == "caption" else "priority must be a whole number -1000..1000"
+            return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote(said)}", status_code=303)
         reply = await run_in_threadpool(self._ask, req)
         said = p.parse_reply(req, reply["data"]).message if reply.get("ok") else f"refused: {reply.get('message')}"
         return RedirectResponse(f"/jobs/{quote(job_id)}?said={quote(said)}", status_code=303)
@@ -351,6 +367,7 @@ def build_app(dash: Dashboard) -> Starlette:
         Route("/jobs/{job}", dash.job),
         Route("/jobs/{job}/samples/{step:int}/{name}", dash.sample_image),
         Route("/jobs/{job}/exports/{step:int}/{name:path}", dash.export_file),
+        Route("/jobs/{job}/images/{rel:path}", dash.job_image),
         Route("/jobs/{job}/{verb}", dash.action, methods=["POST"]),
         Route("/submit", dash.submit_page, methods=["GET"]),
         Route("/submit", dash.submit, methods=["POST"]),

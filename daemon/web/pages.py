@@ -8,6 +8,7 @@ a sample image is CSS only (`:target`).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable, Sequence
 from html import escape
@@ -114,6 +115,13 @@ def note_of(j: dict[str, Any]) -> str:
     return j.get("last_error") or ""
 
 
+def shown(j: dict[str, Any]) -> tuple[int, int, str]:
+    """(done, total, in words) of a job's progress: its caption stage's while it captions, else its steps."""
+    if j["state"] == "running" and (m := re.fullmatch(r"captioning (\d+)/(\d+)", j.get("stage") or "")):
+        return int(m[1]), int(m[2]), f"{j['stage']} images"
+    return j["step"], j["total"], f"{j['step']}/{j['total']}"
+
+
 def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
     if not jobs:
         return "<p>No jobs yet. Drop a job file into the inbox, run <code>lorad submit</code>, or use " \
@@ -124,7 +132,7 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
         rows.append(
             f"<tr data-job='{e(j['id'])}'><td><a href='/jobs/{quote(j['id'])}'>{e(j['id'])}</a></td>"
             f"<td>{e(j['name'])}</td><td>{state_badge(j['state'])}</td>"
-            f"<td>{progress(j['step'], j['total'])}</td><td class=num>{j['step']}/{j['total']}</td>"
+            f"<td>{progress(*shown(j)[:2])}</td><td class=num>{e(shown(j)[2])}</td>"
             f"<td class=num>{num(j['loss'])}</td><td class=num>{num(j['s_per_step'], '{:.3f}')}</td>"
             f"<td class=num>{fmt_eta(j['eta_s']) if running else '-'}</td>"
             f"<td class=num>{num(j.get('avg_w'), '{:.0f}')}</td><td class=num>{num(j.get('j_per_step'), '{:.1f}')}</td>"
@@ -156,8 +164,8 @@ def gpu_health_table(gpus: Sequence[dict[str, Any]]) -> str:
 
 # ---------------------------------------------------------------- one job
 def job_summary(j: dict[str, Any]) -> str:
-    cells = [("State", state_badge(j["state"])), ("Progress", f"{progress(j['step'], j['total'])} "
-                                                              f"{j['step']}/{j['total']}"),
+    done, total, text = shown(j)
+    cells = [("State", state_badge(j["state"])), ("Progress", f"{progress(done, total)} {e(text)}"),
              ("Loss", num(j["loss"])), ("s/step", num(j["s_per_step"], "{:.3f}")),
              ("ETA", fmt_eta(j["eta_s"]) if j["state"] == "running" else "-"),
              ("W (avg)", num(j.get("avg_w"), "{:.0f}")), ("J/step", num(j.get("j_per_step"), "{:.1f}")),

@@ -63,7 +63,7 @@ class StoreView:
     def jobs(self) -> list[dict[str, Any]]:
         """Every job, newest first, with its energy figures (avg W, J/step, kWh) where any were measured."""
         rows = self.query("SELECT id, name, state, priority, seq, submitted_at, updated_at, step, total, loss, "
-                          "s_per_step, eta_s, requested, last_error, gpu, checkpoint_step FROM jobs ORDER BY seq DESC")
+                          "s_per_step, eta_s, requested, last_error, gpu, checkpoint_step, stage FROM jobs ORDER BY seq DESC")
         energy = {r["job_id"]: r for r in self.query("SELECT job_id, energy_j, active_s, steps FROM power_jobs")}
         for r in rows:
             r.update(energy_figures(energy.get(r["id"])))

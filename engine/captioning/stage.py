@@ -8,8 +8,9 @@ uninterrupted one would have left (same images, same batch, same greedy captions
 images and captioner generates nothing. Each committed batch is a `captions_committed` event (its images, done,
 total, eta_s): the daemon's heartbeat during a long stage, and the count of what was generated.
 
-The job's captions (relative path → caption) are written to WORKDIR/captions.json: what `lorad captions ID
---to DIR` writes out, with no model loaded.
+A person's edits (WORKDIR/caption_edits.json, written by the daemon: engine/config/caption_edits.py) win over the generated captions.
+The job's captions (relative path → caption, edits applied) are written to WORKDIR/captions.json: what `lorad
+captions ID --to DIR` writes out, with no model loaded, and what the dashboard shows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from engine.captioning.captioner import Captioner, check, resolve
 from engine.captioning.store import CaptionStore, captioner_identity
+from engine.config.caption_edits import APPLIED_FILE, read_edits
 from engine.config.job import JobConfig
 from engine.data.images import ImageRecord, make_caption
 from engine.storage.fsio import RealFs, write_file_durable
@@ -41,6 +43,7 @@ def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, l
     need = [r for r in records if needs_caption(mode, r)]
     if not need:
         return records
+    edits = read_edits(workdir)  # read once: what this attempt trains on (recorded below for the identity)
     c = cfg.data.captioner_or_default()
     model_dir = resolve(c.model, c.revision, workdir)
     check(model_dir, c.model)
@@ -60,6 +63,13 @@ def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, l
         raise OSError(f"captions of {', '.join(missing[:5])} were committed and are gone from {store.dir}")
     out = [dataclasses.replace(r, caption=make_caption(captions[r.sha256], cfg.data.trigger), caption_missing=False)
            if needs_caption(mode, r) else r for r in records]
+    # What this attempt applies (none: {}, so no earlier attempt's record stays) is what its identity holds.
+    write_file_durable(RealFs(), Path(workdir) / APPLIED_FILE, json.dumps(edits, ensure_ascii=False).encode())
+    if edits:  # a person's edit wins over the generated caption and over a caption file
+        out = [dataclasses.replace(r, caption=edits[r.rel], caption_missing=False) if r.rel in edits else r
+               for r in out]
+        log.info("caption_edits", images=sorted(set(edits) & {r.rel for r in out}),
+                 unknown=sorted(set(edits) - {r.rel for r in out}))
     write_file_durable(RealFs(), Path(workdir) / CAPTIONS_FILE, json.dumps(
         {r.rel: r.caption for r in out}, indent=1, ensure_ascii=False).encode("utf-8"))
     return out

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from engine.config.caption_edits import identity_hash, with_edits
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.data import DataConfig
 from engine.config.declare import IMAGE_FAMILIES, Strict, identity_part, key
@@ -71,6 +72,14 @@ class JobConfig(Strict):
         if (g := self.global_batch()) != self.train.batch_size:
             d.setdefault("train", {})["global_batch"] = g
         return d
+
+    def identity_at(self, workdir) -> dict[str, Any]:
+        """CheckpointStore's config_hash and identity: the job's, with the caption edits its caption stage applies
+        (engine/config/caption_edits.py); without edits, exactly identity_hash()."""
+        if self.data.caption_mode == "files":
+            return {"config_hash": self.identity_hash(), "identity": self.identity()}
+        identity = with_edits(self.identity(), workdir)
+        return {"config_hash": identity_hash(identity), "identity": identity}
 
     def processes(self) -> int:
         """The world size the job is written for: resources.gpus × resources.nodes."""

@@ -139,3 +139,69 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
         if browser is not None:
             browser.quit()
         d.cleanup()
+
+
+def test_a_caption_is_edited_on_the_job_page_and_refused_without_the_token_in_chromium(tmp_path):
+    """A drained daemon holds the job queued after its caption stage (captions.json written as the stage writes
+    it): the job page shows each image with its caption, an edit lands in caption_edits.json for the trainer, and a
+    browser without the token is refused and changes nothing."""
+    import json
+    from urllib.parse import urlsplit
+
+    from selenium.webdriver.common.by import By
+
+    from engine.config.caption_edits import read_edits
+    from tests.helpers.images import flux_job_dict, make_images
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    d = Daemon(tmp_path / "home", fast_config(tmp_path, web={"listen": "127.0.0.1:0", "poll_s": 0.5}))
+    browser = None
+    try:
+        d.start()
+        d.call(p.Drain(on=True))  # nothing starts: the job stays before training
+        data = make_images(tmp_path / "data")
+        job = flux_job_dict("builtin:tiny-flux", data, data={"captions": "auto"})
+        job_id = d.call(p.Submit(name="captioned.yaml", text=yaml.safe_dump(job)))["job"]
+        workdir = d.home / "jobs" / job_id
+        names = sorted(p_.name for p_ in data.glob("*.png"))
+        (workdir / "captions.json").write_text(json.dumps({n: f"sks, caption of {n}" for n in names}))
+        browser = _browser(tmp_path / "chromium-profile")
+        browser.set_page_load_timeout(20)
+        url = urlsplit(d.cli("web-url", real=True).stdout.strip())
+        page = f"{url.scheme}://{url.netloc}/jobs/{job_id}"
+        browser.get(f"{page}?{url.query}")  # the token once (it signs the browser in), then the page
+        assert browser.current_url == page
+        assert f"Captions ({len(names)} images)" in browser.find_element(By.ID, "captions").text
+        browser.execute_script("document.getElementById('captions').scrollIntoView()")  # lazy images load in view
+        wait_until(lambda: browser.execute_script(
+            "return Array.from(document.querySelectorAll('#captions img'))"
+            ".every(function (i) { return i.complete && i.naturalWidth > 0; })"), 20, "the images beside the captions")
+        box = browser.find_element(By.ID, "caption-0")
+        box.clear()
+        box.send_keys("sks, a square my way")
+        browser.find_element(By.ID, "save-caption-0").click()
+        wait_until(lambda: "edited" in browser.find_element(By.CSS_SELECTOR, ".said").text, 20, "the answer")
+        assert read_edits(workdir) == {names[0]: "sks, a square my way"}
+        browser.execute_script("document.getElementById('captions').scrollIntoView()")
+        browser.save_screenshot(str(SHOTS / "5-caption-edited.png"))
+        too_wide = browser.execute_script(
+            "var w = document.documentElement.clientWidth, out = [];"
+            "document.querySelectorAll('#captions *').forEach(function (e) {"
+            "  if (e.getBoundingClientRect().right > w + 1) out.push(e.tagName + '#' + e.id); });"
+            "return out.slice(0, 8)")
+        assert too_wide == [], f"wider than the window: {too_wide}"
+
+        browser.delete_all_cookies()  # a browser without the token
+        browser.get(page)
+        assert "Token required" in browser.page_source and "captions" not in browser.page_source.lower()
+        status = browser.execute_script(
+            "var f = new FormData(); f.append('image', arguments[0]); f.append('caption', 'sks, theirs');"
+            "return fetch(arguments[1], {method: 'POST', body: f}).then(function (r) { return r.status; })",
+            names[1], f"/jobs/{job_id}/caption")
+        assert status == 401
+        assert read_edits(workdir) == {names[0]: "sks, a square my way"}
+        assert d.terminate() == 0
+    finally:
+        if browser is not None:
+            browser.quit()
+        d.cleanup()

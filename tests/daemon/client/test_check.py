@@ -65,3 +65,29 @@ def test_lorad_run_and_cache_take_another_trainers_config_as_the_job_it_imports_
     assert (cfg.name, cfg.model.family, cfg.lora.rank, cfg.lora.alpha, cfg.train.steps) == ("imported-flux", "flux",
                                                                                              4, 8.0, 4)
     assert workdir.parent.parent == tmp_path / "home"
+
+
+def test_check_counts_images_captioned_to_caption_and_near_duplicates_by_name(tmp_path, capsys):
+    from PIL import Image
+
+    job = yaml.safe_load(open(write_job(tmp_path)).read())
+    with Image.open(tmp_path / "data" / "a.png") as im:  # a planted near-duplicate: a.png resized, no caption
+        im.resize((48, 24)).save(tmp_path / "data" / "dup-a.png")
+    for mode, dedupe, want in (("files-else-auto", "warn", (4, 2, 2)), ("files-else-auto", "skip", (4, 2, 1)),
+                               ("auto", "skip", (4, 0, 3)), ("files", None, (4, 2, 0))):
+        job["data"].update(captions=mode, dedupe=dedupe)
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+        assert cli.main(["check", str(tmp_path / "job.yaml"), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)["dataset"]
+        assert (d["images"], d["captioned"], d["to_caption"]) == want, (mode, dedupe)
+        if dedupe:
+            assert d["duplicate_groups"] == [["a.png", "dup-a.png"]] and d["duplicates"] == 2
+            assert d["skipped"] == (["dup-a.png"] if dedupe == "skip" else [])
+        else:
+            assert "duplicate_groups" not in d  # data.dedupe off: no hashes computed
+    job["data"].update(captions="files-else-auto", dedupe="skip")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert cli.main(["check", str(tmp_path / "job.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "captions: 4 images: 2 captioned (files), 1 to caption (data.captions: files-else-auto)" in out
+    assert "duplicates: 2 images in 1 group(s): a.png, dup-a.png (1 left out: data.dedupe skip)" in out

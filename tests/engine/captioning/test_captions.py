@@ -107,6 +107,34 @@ def test_files_else_auto_captions_only_the_images_without_a_caption_file(referen
     assert ev["images"] == 1 and caps[missing].startswith("sks")
 
 
+def test_an_edit_made_before_training_wins_enters_the_identity_and_is_never_trained_half_and_half(
+        reference, tiny_flux, tmp_path):
+    from engine.config.caption_edits import EDITS_FILE
+
+    ref_root, data = reference
+    ref = ref_root / "home" / "jobs" / "ref"
+    job = _job(tmp_path / "edited.yaml", tiny_flux, data)
+    wd = _in_home(ref_root / "home", "edited")  # the reference's captions are in this home's cache
+    wd.mkdir()
+    (wd / EDITS_FILE).write_text(json.dumps({NAMES[0]: "sks, my own words"}))  # as the daemon writes it
+    t = ForkedTrainer(job, wd, LORAD_CKPT_WRITER_NICE="0")
+    t.wait_for(lambda: bool(t.named("checkpoint_committed")))
+    t.kill()
+    ours, theirs = (json.loads((d / "captions.json").read_text()) for d in (wd, ref))
+    assert ours == {**theirs, NAMES[0]: "sks, my own words"}  # the edit wins; every other caption as generated
+    assert not _generated(_all_events(wd))
+    (manifest,) = [json.loads(m.read_text()) for m in (wd / "checkpoints").glob("step-*/manifest.json")][:1]
+    assert set(manifest["identity"]["caption_edits"]) == {NAMES[0]}
+    assert manifest["config_hash"] != load_job(job).identity_hash()
+
+    # An edit after training began (the daemon refuses it; written here by hand) would train the job half on one
+    # caption and half on another: the checkpoint is not resumed as this job's (exit 65, naming the edit).
+    (wd / EDITS_FILE).write_text(json.dumps({NAMES[0]: "sks, other words"}))
+    t = ForkedTrainer(job, wd)
+    assert t.finish(300) == 65
+    assert f"caption_edits.{NAMES[0]}" in t.named("invalid_job")[-1]["message"]
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_a_captioner_that_sees_no_images_or_needs_remote_code_is_refused_naming_the_key(tmp_path):
     from engine.captioning.captioner import check
