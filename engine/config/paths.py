@@ -36,6 +36,10 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         local = Path(_resolve(mp, base_dir))
         if local.exists() or not looks_like_hub_id(mp):
             cfg.model.path = str(local)
+    if (al := cfg.model.assistant_lora) is not None:  # a local file or folder, else a hub id
+        local = Path(_resolve(al, base_dir))
+        if local.exists() or not looks_like_hub_id(al):
+            cfg.model.assistant_lora = str(local)
     cfg.data.path = _resolve(cfg.data.path, base_dir)
     if cfg.data.masks is not None and cfg.data.masks.path is not None:
         cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
@@ -68,6 +72,13 @@ def check_paths(cfg: JobConfig) -> None:
     """Every path the trainer reads exists and holds what the family reads; JobInvalid at the first that does not."""
     mp = cfg.model.path
     _check_model_path(mp)
+    if cfg.model.assistant_lora is not None and Path(cfg.model.assistant_lora).is_absolute():
+        from engine.config.assistant import local_file
+
+        if not Path(cfg.model.assistant_lora).exists():
+            raise JobInvalid(f"model.assistant_lora: {cfg.model.assistant_lora} does not exist (give a LoRA "
+                             "file, a folder holding pytorch_lora_weights.safetensors, or a hub id like org/name)")
+        local_file(cfg.model.assistant_lora)
     dp = Path(cfg.data.path)
     if not dp.exists():
         raise JobInvalid(f"data.path: {dp} does not exist")

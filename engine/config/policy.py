@@ -33,7 +33,8 @@ from engine.errors import JobInvalid
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
 # Every path a trainer reads: a key missing here would let a job read outside the roots.
 PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
-             ("data", "regularisation", "path"), ("data", "control_path"))
+             ("data", "regularisation", "path"), ("data", "control_path"),
+             ("model", "assistant_lora"))
 WALKED = "data"  # the section whose folders are checked file by file
 
 
