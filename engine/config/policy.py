@@ -127,6 +127,13 @@ class JobPolicy:
         if not _under(real, self.roots):
             raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
                              "add a root to allowed_roots in the daemon config")
+        if name == "model.assistant_lora" and real.is_dir():  # the one file read from that folder
+            from engine.config.assistant import LORA_FILE
+
+            inner = Path(os.path.realpath(real / LORA_FILE))
+            if os.path.lexists(real / LORA_FILE) and not _under(inner, self.roots):
+                raise JobInvalid(f"{name}: {LORA_FILE} in {p} resolves to {inner}, outside the allowed roots "
+                                 f"({shown}); add a root to allowed_roots in the daemon config")
         if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
             raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
                              f"allowed roots ({shown}); every file in a data folder must lie under one "
