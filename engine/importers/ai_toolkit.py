@@ -48,6 +48,13 @@ def _is_flux(v: Any, ctx: Context) -> str | None:
     return "flux"
 
 
+def _assistant(v: Any, ctx: Context) -> str | None:
+    s = str(v) if v else None  # ai-toolkit's training adapter: one .safetensors file, or a hub repository
+    if s is None or (re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", s) and not (ctx.base_dir / s).exists()):
+        return s
+    return c.local_path(s, ctx)
+
+
 def _quantize(v: Any, ctx: Context) -> str | None:
     return "fp8" if v else None  # ai-toolkit quantizes the transformer to 8-bit float (qfloat8)
 
@@ -154,7 +161,8 @@ TABLE: list[Key] = [
     Key("model.qtype", None, why=other_way("model.base_precision")),
     Key("model.quantize_te", None, why=CACHE),
     Key("model.low_vram", None, why=other_way("train.blocks_to_swap", "and the memory plan")),
-    Key("model.assistant_lora_path", None, why=NO_FEATURE),
+    Key("model.assistant_lora_path", "model.assistant_lora", _assistant, doc="a LoRA file made absolute, a hub id "
+        "as is"),
     Key("trigger_word", "data.trigger"),
     Key("network.type", "lora.type", _network_type, doc="lora, locon → lora; lokr, loha, dora"),
     Key("network.linear", "lora.rank", c.integer),
