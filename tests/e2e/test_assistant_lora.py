@@ -85,6 +85,20 @@ def test_the_assisted_jobs_base_is_the_base_plus_the_assistants_update(runs):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
+def test_fp8_quantises_the_merged_weights(runs, tmp_path):
+    """base_precision: fp8 quantises the base after the merge: an FP8 layer holds the merged weight's quantisation."""
+    from engine.frozen_base.fp8 import FP8Linear, quantize_weight_rows
+
+    _model, _helper, job, reference, _ = runs
+    merged = _assisted_model(job, reference).layers[0].attention.to_q.base_layer.weight.detach()
+    d = deep_update(yaml.safe_load(job.read_text()), {"model": {"base_precision": "fp8"}})
+    fp8 = _assisted_model(_write(tmp_path / "fp8.yaml", d), tmp_path).layers[0].attention.to_q.base_layer
+    assert isinstance(fp8, FP8Linear)
+    w8, scale = quantize_weight_rows(merged)
+    assert torch.equal(fp8.weight.view(torch.uint8), w8.view(torch.uint8))
+    assert torch.equal(fp8.weight_scale, scale)
+
+
 def test_the_exported_files_hold_only_the_jobs_own_adapter(runs):
     from engine.config.assistant import assistant_sha256
 
