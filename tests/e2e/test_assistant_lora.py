@@ -8,6 +8,7 @@ model.assistant_lora and the key.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -83,6 +84,38 @@ def test_the_assisted_jobs_base_is_the_base_plus_the_assistants_update(runs):
     assert len(changed) == len(lora) // 2 > 0  # every module the assistant names moved
     for k in base:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen_image", "krea2"])
+def test_the_other_families_merge_an_assistant_through_their_own_loaders(family, tiny_image_model, tmp_path):
+    """FLUX.2 (klein), Qwen-Image and Krea 2: a diffusers-format LoRA on two of the family's default targets,
+    read by that pipeline's lora_state_dict and merged: each named weight moves by exactly B·A, nothing else."""
+    from engine.families import get_family
+
+    model = tiny_image_model(family)
+    fam = get_family(family)
+    cls = fam.model.transformer_class()
+    base = cls.from_pretrained(model, subfolder="transformer").state_dict()
+    targets = [n.removesuffix(".weight") for n in base
+               if re.fullmatch(fam.model.default_targets, n.removesuffix(".weight"))][:2]
+    g = torch.Generator().manual_seed(0)
+    sd = {}
+    for t in targets:
+        out, inp = base[f"{t}.weight"].shape
+        sd[f"transformer.{t}.lora_A.weight"] = torch.randn(2, inp, generator=g)
+        sd[f"transformer.{t}.lora_B.weight"] = torch.randn(out, 2, generator=g) / 4
+    save_file(sd, str(tmp_path / "helper.safetensors"))
+    job = _write(tmp_path / "job.yaml", _job(model, make_images(tmp_path / "data", IMAGES[:1]), model={
+        "family": family, "assistant_lora": str(tmp_path / "helper.safetensors")}))
+    got = {k.replace(".base_layer", ""): v for k, v in
+           fam.load_model(load_job(job), tmp_path, torch.device("cpu"), Quiet()).state_dict().items() if ".lora_" not in k}
+    assert len(targets) == 2 and sorted(got) == sorted(base)
+    for k in base:
+        t = k.removesuffix(".weight")
+        want = base[k] + sd[f"transformer.{t}.lora_B.weight"] @ sd[f"transformer.{t}.lora_A.weight"] \
+            if t in targets else base[k]
+        torch.testing.assert_close(got[k], want, rtol=0, atol=1e-5, msg=k)
+        assert (t in targets) != torch.equal(got[k], base[k]), k
 
 
 def test_fp8_quantises_the_merged_weights(runs, tmp_path):
