@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from engine.config.declare import FAMILIES, Strict, key
+from engine.config.declare import FAMILIES, IMAGE_FAMILIES, Strict, key
+
+# The image families whose trainer merges model.assistant_lora (engine/families/image/assistant.py): their
+# pipelines' LoRA loaders read it into the transformer alone.
+ASSISTANT_FAMILIES = ("flux2", "qwen_image", "z_image", "krea2")
 
 
 class ModelConfig(Strict):
@@ -24,6 +28,21 @@ class ModelConfig(Strict):
     expert: Literal["high", "low", "both"] | None = key(None, families=("wan",))
     # wan: t2v, or i2v by first-frame conditioning (TI2V-5B's: the first latent frame stays clean); unset = t2v
     task: Literal["t2v", "i2v"] | None = key(None, families=("wan",))
+    # An assistant ("training adapter") LoRA for a distilled base, merged into the frozen base at load and left
+    # out of every export: a .safetensors file, a folder holding pytorch_lora_weights.safetensors, or a hub id
+    # (read at assistant_lora_revision). A local file's sha256 is part of the job's identity (schema.py).
+    assistant_lora: str | None = key(None, families=IMAGE_FAMILIES, read_by=ASSISTANT_FAMILIES, dump_default=False,
+                                     min_length=1, max_length=4096)
+    assistant_lora_revision: str | None = key(None, families=IMAGE_FAMILIES, read_by=ASSISTANT_FAMILIES,
+                                              dump_default=False, max_length=200)
+
+    @model_validator(mode="after")
+    def _assistant_before_quantisation(self):
+        # bitsandbytes quantises while it reads the files: there is no full-precision base to merge into.
+        if self.assistant_lora is not None and self.effective_base_precision in ("nf4", "int8"):
+            raise ValueError("model.assistant_lora: cannot be merged into a base that bitsandbytes quantises "
+                             f"while loading (base_precision: {self.effective_base_precision}); use fp8 or bf16")
+        return self
 
     @property
     def effective_base_precision(self) -> str:

@@ -36,6 +36,10 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         local = Path(_resolve(mp, base_dir))
         if local.exists() or not looks_like_hub_id(mp):
             cfg.model.path = str(local)
+    if (al := cfg.model.assistant_lora) is not None:  # a local file or folder, else a hub id
+        local = Path(_resolve(al, base_dir))
+        if local.exists() or not looks_like_hub_id(al):
+            cfg.model.assistant_lora = str(local)
     cfg.data.path = _resolve(cfg.data.path, base_dir)
     if cfg.data.masks is not None and cfg.data.masks.path is not None:
         cfg.data.masks.path = _resolve(cfg.data.masks.path, base_dir)
@@ -68,6 +72,13 @@ def check_paths(cfg: JobConfig) -> None:
     """Every path the trainer reads exists and holds what the family reads; JobInvalid at the first that does not."""
     mp = cfg.model.path
     _check_model_path(mp)
+    if cfg.model.assistant_lora is not None and Path(cfg.model.assistant_lora).is_absolute():
+        from engine.config.assistant import local_file
+
+        if not Path(cfg.model.assistant_lora).exists():
+            raise JobInvalid(f"model.assistant_lora: {cfg.model.assistant_lora} does not exist (give a LoRA "
+                             "file, a folder holding pytorch_lora_weights.safetensors, or a hub id like org/name)")
+        local_file(cfg.model.assistant_lora)
     dp = Path(cfg.data.path)
     if not dp.exists():
         raise JobInvalid(f"data.path: {dp} does not exist")
@@ -84,6 +95,8 @@ def check_paths(cfg: JobConfig) -> None:
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
             what = display(cfg.model.family)
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
+        if Path(mp).is_absolute():
+            _check_not_another_model(cfg.model.family, mp)
         if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it
             from engine.config.clips import check_video_folder
 
@@ -98,6 +111,22 @@ def check_paths(cfg: JobConfig) -> None:
             check_image_folder(val_path, key="data.validation.path")
         if cfg.data.control_path is not None:
             _check_edit_job(cfg, mp, dp)
+
+
+# Pipelines whose names look like a family's but whose models it does not train: pipeline class -> (the family a
+# user would try, why not). Qwen-Image 2.1 is a new model, not a Qwen-Image checkpoint (docs/families/flux2-qwen-image.md).
+NOT_THE_FAMILYS = {"QwenImage21Pipeline": ("qwen_image", "Qwen-Image 2.1 has its own transformer "
+                                           "(QwenImage21Transformer2DModel, single-stream), VAE (16x) and text encoder "
+                                           "(Qwen3-VL); lorad has no qwen_image_21 family yet")}
+
+
+def _check_not_another_model(family: str, mp: str) -> None:
+    from engine.config.controls import pipeline_class
+
+    pipeline = pipeline_class(Path(mp))
+    if pipeline in NOT_THE_FAMILYS and NOT_THE_FAMILYS[pipeline][0] == family:
+        raise JobInvalid(f"model.path: {mp} is a {pipeline}, which model.family {family} does not train: "
+                         f"{NOT_THE_FAMILYS[pipeline][1]}")
 
 
 def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:

@@ -33,7 +33,8 @@ from engine.errors import JobInvalid
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
 # Every path a trainer reads: a key missing here would let a job read outside the roots.
 PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
-             ("data", "regularisation", "path"), ("data", "control_path"))
+             ("data", "regularisation", "path"), ("data", "control_path"),
+             ("model", "assistant_lora"))
 WALKED = "data"  # the section whose folders are checked file by file
 
 
@@ -126,6 +127,13 @@ class JobPolicy:
         if not _under(real, self.roots):
             raise JobInvalid(f"{name}: {p} resolves to {real}, outside the allowed roots ({shown}); "
                              "add a root to allowed_roots in the daemon config")
+        if name == "model.assistant_lora" and real.is_dir():  # the one file read from that folder
+            from engine.config.assistant import LORA_FILE
+
+            inner = Path(os.path.realpath(real / LORA_FILE))
+            if os.path.lexists(real / LORA_FILE) and not _under(inner, self.roots):
+                raise JobInvalid(f"{name}: {LORA_FILE} in {p} resolves to {inner}, outside the allowed roots "
+                                 f"({shown}); add a root to allowed_roots in the daemon config")
         if section == WALKED and real.is_dir() and (bad := _outside(real, self.roots)) is not None:
             raise JobInvalid(f"{name}: {bad[0].relative_to(real)} in {p} resolves to {bad[1]}, outside the "
                              f"allowed roots ({shown}); every file in a data folder must lie under one "

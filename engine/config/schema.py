@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
+from engine.config.assistant import assistant_sha256
 from engine.config.caption_edits import identity_hash, with_edits
 from engine.config.checkpoint import CheckpointConfig
 from engine.config.data import DataConfig
@@ -23,6 +24,7 @@ from engine.config.output import LoggingConfig, OutputConfig
 from engine.config.resources import PowerConfig, ResourcesConfig
 from engine.config.sample import SampleConfig
 from engine.config.train import TrainConfig
+from engine.errors import JobInvalid
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -71,6 +73,15 @@ class JobConfig(Strict):
         # What decides the weights is the global batch, not how it is split (train.grad_accum is not identity).
         if (g := self.global_batch()) != self.train.batch_size:
             d.setdefault("train", {})["global_batch"] = g
+        # model.assistant_lora's weights decide the merged base: a local file is its content (moved or renamed, the
+        # same job), a hub id its repo id and assistant_lora_revision as written.
+        if self.model.assistant_lora is not None:
+            try:
+                sha = assistant_sha256(self.model.assistant_lora)
+            except (JobInvalid, OSError):
+                sha = "unreadable"  # gone since the job was accepted: its checkpoints no longer match it
+            if sha is not None:
+                d["model"]["assistant_lora"] = f"sha256:{sha}"
         return d
 
     def identity_at(self, workdir) -> dict[str, Any]:

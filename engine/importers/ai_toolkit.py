@@ -55,6 +55,13 @@ def _is_flux(v: Any, ctx: Context) -> str | None:
 QTYPES = {"qfloat8": "fp8", "float8": "fp8", "qint8": "int8", "uint8": "int8"}
 
 
+def _assistant(v: Any, ctx: Context) -> str | None:
+    s = str(v) if v else None  # ai-toolkit's training adapter: one .safetensors file, or a hub repository
+    if s is None or (re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", s) and not (ctx.base_dir / s).exists()):
+        return s
+    return c.local_path(s, ctx)
+
+
 def _quantize(v: Any, ctx: Context) -> str | None:
     """quantize: true quantizes the transformer to model.qtype (ai-toolkit's default qfloat8 → fp8, qint8 → int8);
     other qtypes (uint4 with an accuracy-recovery adapter, ...) have no lorad twin."""
@@ -184,7 +191,8 @@ TABLE: list[Key] = [
     Key("model.model_kwargs.train_low_noise", None, carried_in("model.expert")),
     Key("model.quantize_te", None, why=CACHE),
     Key("model.low_vram", None, why=other_way("train.blocks_to_swap", "and the memory plan")),
-    Key("model.assistant_lora_path", None, why=NO_FEATURE),
+    Key("model.assistant_lora_path", "model.assistant_lora", _assistant, doc="a LoRA file made absolute, a hub id "
+        "as is"),
     Key("trigger_word", "data.trigger"),
     Key("network.type", "lora.type", _network_type, doc="lora, locon → lora; lokr, loha, dora"),
     Key("network.linear", "lora.rank", c.integer),

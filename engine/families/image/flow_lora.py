@@ -99,6 +99,10 @@ def load_lora_transformer(model_cls: type, path: str, cfg: JobConfig, device: to
             raise
         raise JobInvalid(f"model.base_precision: {precision} needs a CUDA GPU (bitsandbytes); "
                          "use fp8 or bf16 on this machine") from None
+    if getattr(cfg.model, "assistant_lora", None) is not None:  # into the base as read, before fp8 and LoRA
+        from engine.families.image.assistant import merge_assistant
+
+        merge_assistant(transformer, path, cfg, log)
     if qconf is not None:
         from peft import prepare_model_for_kbit_training
 

@@ -85,3 +85,15 @@ def test_the_trainer_refuses_it_when_loading_its_job_and_lorad_run_of_ones_own_j
     with pytest.raises(JobInvalid, match=r"^data\.path: shadow.txt in .* outside the allowed roots"):
         load_job(job, policy=policy)
     load_job(job)  # no daemon policy: the user's own files, wherever they lead
+
+
+@pytest.mark.parametrize("through_folder", [False, True])
+def test_an_assistant_lora_outside_the_roots_refuses_the_job(tree, through_folder):
+    """model.assistant_lora is read by the trainer: the file, or the one file read from the folder it names."""
+    root, elsewhere, policy = tree
+    (root / "helper").mkdir()
+    (root / "helper" / "pytorch_lora_weights.safetensors").symlink_to(elsewhere / "secret")
+    named = root / "helper" if through_folder else root / "helper" / "pytorch_lora_weights.safetensors"
+    with pytest.raises(JobInvalid, match=r"^model\.assistant_lora: .*outside the allowed roots"):
+        policy.check({"model": {"assistant_lora": str(named)}}, root)
+    policy.check({"model": {"assistant_lora": "org/helper-lora"}}, root)  # a hub id is not a path

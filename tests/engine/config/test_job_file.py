@@ -335,3 +335,21 @@ def test_a_run_with_model_quantize_warns_that_the_key_is_deprecated(tmp_path, mi
         capsys.readouterr().err
     said = [e for e in read_events(tmp_path / "w") if e["event"] == "deprecated_key"]
     assert [(e["level"], e["key"], e["use"]) for e in said] == [("warning", "model.quantize", "model.base_precision: nf4")]
+
+
+def test_a_qwen_image_21_base_is_refused_by_the_qwen_image_family_saying_why(tmp_path):
+    """Qwen-Image 2.1 is not a Qwen-Image checkpoint (another transformer, VAE and text encoder): refused at submit
+    naming model.path, never a traceback at load."""
+    import json
+
+    from tests.helpers.images import make_images
+
+    base = tmp_path / "qwen-image-2.1"
+    (base / "transformer").mkdir(parents=True)
+    (base / "transformer" / "config.json").write_text(json.dumps({"_class_name": "QwenImage21Transformer2DModel"}))
+    (base / "model_index.json").write_text(json.dumps({"_class_name": "QwenImage21Pipeline"}))
+    job = {"name": "q21", "model": {"family": "qwen_image", "path": str(base)},
+           "data": {"path": str(make_images(tmp_path / "data", [("a.png", 32, 32, "x")]))}}
+    with pytest.raises(JobInvalid, match=r"^model\.path: .* is a QwenImage21Pipeline, which model\.family "
+                                         r"qwen_image does not train: .*QwenImage21Transformer2DModel"):
+        parse_job(job, tmp_path)

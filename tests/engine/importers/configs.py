@@ -788,3 +788,30 @@ REFUSED = [
      r"model\.type: unsupported model family: 'hunyuan-video' \(HunyuanVideo 1\.0\)"),
     ("kohya-dataset-alone", "dataset.toml", KOHYA_DATASET, None, r"a dataset config only, naming no model"),
 ]
+
+# ai-toolkit's Z-Image Turbo recipe: its training adapter (model.assistant_lora_path) becomes model.assistant_lora.
+AI_TOOLKIT_ZIMAGE_TURBO = """\
+job: extension
+config:
+  name: turbo
+  process:
+    - type: sd_trainer
+      trigger_word: sks
+      network: {type: lora, linear: 32, linear_alpha: 32}
+      save: {save_every: 250}
+      datasets:
+        - folder_path: {root}/data
+          resolution: [1024]
+      train: {batch_size: 1, steps: 3000, optimizer: adamw8bit, lr: 1e-4}
+      model:
+        arch: zimage
+        name_or_path: Tongyi-MAI/Z-Image-Turbo
+        assistant_lora_path: ostris/zimage_turbo_training_adapter
+"""
+CASES.append(
+    ("ai-toolkit-zimage-turbo-assistant", "turbo.yaml", AI_TOOLKIT_ZIMAGE_TURBO, None,
+     {"model.family": "z_image", "model.path": "Tongyi-MAI/Z-Image-Turbo",
+      "model.assistant_lora": "ostris/zimage_turbo_training_adapter", "lora.rank": 32, "lora.alpha": 32.0,
+      "train.lr": 1e-4, "train.steps": 3000, "train.batch_size": 1, "data.resolution": [1024],
+      "train.optimizer": "adamw8bit", "checkpoint.every_steps": 250, "data.trigger": "sks", "data.path": "{root}/data"},
+     {"job", "type"}))
