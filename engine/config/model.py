@@ -24,6 +24,9 @@ class ModelConfig(Strict):
     expert: Literal["high", "low", "both"] | None = key(None, families=("wan",))
     # wan: t2v, or i2v by first-frame conditioning (TI2V-5B's: the first latent frame stays clean); unset = t2v
     task: Literal["t2v", "i2v"] | None = key(None, families=("wan",))
+    # sdxl: what the UNet predicts: epsilon (the noise), or v with the zero-terminal-SNR schedule (v-pred fine-tunes);
+    # unset = the base's scheduler config's prediction_type (engine/families/image/sdxl/family.py)
+    prediction: Literal["epsilon", "v"] | None = key(None, families=("sdxl",), dump_default=False)
 
     @property
     def effective_base_precision(self) -> str:
