@@ -26,7 +26,7 @@ from tests.helpers.kill_chain import Quiet, chains_beside_references
 IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
           ("square-0.png", 32, 32, "a yellow sun")]
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
-KOHYA_FILE = "sdxl_lora_kohya.safetensors"
+KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
 # LoCon: attention plus every resnet conv and the samplers (the v run)
 LOCON = r"^.*(transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)|resnets\.\d+\.(conv1|conv2|conv_shortcut)" \
         r"|(down|up)samplers\.0\.conv)$"

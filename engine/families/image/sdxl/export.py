@@ -11,7 +11,7 @@ Forge), with the rules that name the kohya keys.
 The scale is folded into lora_B and the metadata says lora_alpha = r (as for the flow-matching families:
 engine/families/image/export.py), so every reader applies the trained update (alpha / r)·B·A.
 
-`sdxl_lora_kohya.safetensors` (output.formats: comfyui) — kohya sd-scripts' SDXL names, which ComfyUI, A1111 and
+`sdxl_lora_comfyui.safetensors` (output.formats: comfyui) — kohya sd-scripts' SDXL names, which ComfyUI, A1111 and
 Forge load: the module's name in the original (SGM) UNet, dots as underscores, after `lora_unet_`:
 
     lora_unet_<sgm path with _>.lora_down.weight   = A   [r, in] (a conv's [r, in, kh, kw])
@@ -58,7 +58,7 @@ import torch
 
 from engine.families.image.export import DIFFUSERS_FILE, cpu_f32, metadata, save
 
-KOHYA_FILE = "sdxl_lora_kohya.safetensors"
+KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
 _RESNET = {"conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "conv2": "out_layers.3",
            "conv_shortcut": "skip_connection"}
 _TOP = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
@@ -135,7 +135,7 @@ def diffusers_file(unet: torch.nn.Module, out_dir: Path, md: dict[str, str]) -> 
 
 
 def kohya_file(unet: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str]) -> str:
-    """sdxl_lora_kohya.safetensors: lora_down / lora_up / alpha under kohya's SGM names (the docstring above)."""
+    """sdxl_lora_comfyui.safetensors: lora_down / lora_up / alpha under kohya's SGM names (the docstring above)."""
     config = dict(unet.config)
     sd = {}
     for name, (a, b) in lora_factors(unet).items():
