@@ -119,6 +119,13 @@ def alphas_cumprod(sched: dict[str, Any], pred: str) -> torch.Tensor:
     return DDPMScheduler(**conf, rescale_betas_zero_snr=pred == "v").alphas_cumprod.clone()
 
 
+def noised(x0: torch.Tensor, noise: torch.Tensor, ac: torch.Tensor, pred: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_t, the target) at ᾱ_t per sample: x_t = √ᾱ·x0 + √(1 − ᾱ)·ε; the target ε, or v = √ᾱ·ε − √(1 − ᾱ)·x0."""
+    ac = ac.view(-1, *[1] * (x0.dim() - 1))
+    x_t = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
+    return x_t, noise if pred == "epsilon" else ac.sqrt() * noise - (1 - ac).sqrt() * x0
+
+
 def check_job(cfg: JobConfig) -> None:
     """What SDXL cannot do, said before anything is encoded (JobInvalid: the trainer's exit 65). A single-file
     checkpoint as model.path is refused at submit (engine/config/paths.py)."""
@@ -183,10 +190,8 @@ class SDXL(ImageData):
         u = sample_sigmas(kind, b, 1.0, generator, cfg.train.timestep_bias)
         steps = self.ac.shape[0]
         t = (u * steps).long().clamp(0, steps - 1)
-        ac = self.ac[t].to(device).view(b, 1, 1, 1)
         x0, noise = x0.float(), noise.float()
-        x_t = ac.sqrt() * x0 + (1 - ac).sqrt() * noise
-        target = noise if self.pred == "epsilon" else ac.sqrt() * noise - (1 - ac).sqrt() * x0
+        x_t, target = noised(x0, noise, self.ac[t].to(device), self.pred)
         sc = batch["size_crop"].to(device)
         if flip is not None:
             sc = torch.where(flip[:, None], batch["size_crop_flip"].to(device), sc)

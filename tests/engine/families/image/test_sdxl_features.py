@@ -168,3 +168,25 @@ def test_what_sdxl_refuses_names_the_key(prepared, tmp_path):
         with pytest.raises(JobInvalid) as e:
             load_job(tmp_path / "job.yaml")
         assert (words or "lora.type: dora is not supported for model.family sdxl") in str(e.value)
+
+
+@pytest.mark.parametrize("pred", ["epsilon", "v"])
+def test_the_noisy_latent_and_target_are_diffusers_ddpm_ones(pred):
+    """x_t and v as diffusers' DDPMScheduler (add_noise, get_velocity) makes them, on SDXL's betas — rescaled to zero
+    terminal SNR for v, where the last step is pure noise and v = −x0."""
+    from diffusers import DDPMScheduler
+
+    from engine.families.image.sdxl.family import alphas_cumprod, noised
+
+    sdxl = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+    ref = DDPMScheduler(**sdxl, rescale_betas_zero_snr=pred == "v")
+    ac = alphas_cumprod(sdxl, pred)
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(3, 4, 5, 6, generator=g), torch.randn(3, 4, 5, 6, generator=g)
+    t = torch.tensor([0, 500, 999])
+    x_t, target = noised(x0, noise, ac[t], pred)
+    torch.testing.assert_close(x_t, ref.add_noise(x0, noise, t))
+    torch.testing.assert_close(target, noise if pred == "epsilon" else ref.get_velocity(x0, noise, t))
+    if pred == "v":
+        torch.testing.assert_close(x_t[2], noise[2])
+        torch.testing.assert_close(target[2], -x0[2])
