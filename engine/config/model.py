@@ -35,6 +35,9 @@ class ModelConfig(Strict):
                                      min_length=1, max_length=4096)
     assistant_lora_revision: str | None = key(None, families=IMAGE_FAMILIES, read_by=ASSISTANT_FAMILIES,
                                               dump_default=False, max_length=200)
+    # sdxl: what the UNet predicts: epsilon (the noise), or v with the zero-terminal-SNR schedule (v-pred fine-tunes);
+    # unset = the base's scheduler config's prediction_type (engine/families/image/sdxl/family.py)
+    prediction: Literal["epsilon", "v"] | None = key(None, families=("sdxl",), dump_default=False)
 
     @model_validator(mode="after")
     def _assistant_before_quantisation(self):

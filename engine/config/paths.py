@@ -10,7 +10,7 @@ from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from engine.config.declare import IMAGE_FAMILIES, VIDEO_FAMILIES
 from engine.config.sources import check_image_folder, check_text_source
 from engine.errors import JobInvalid
-from engine.registry.families import display
+from engine.registry.families import display, families
 
 if TYPE_CHECKING:
     from engine.config.schema import JobConfig
@@ -64,6 +64,11 @@ def _check_model_path(mp: str) -> None:
     elif Path(mp).is_absolute():
         if not Path(mp).exists():
             raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
+        if Path(mp).is_file() and mp.endswith(".safetensors"):
+            # diffusers' from_single_file reads one only with the base's config from the hub (the network)
+            raise JobInvalid(f"model.path: {mp} is a single-file checkpoint; lorad trains on diffusers directories: "
+                             "convert it once where the hub is reachable (e.g. StableDiffusionXLPipeline"
+                             ".from_single_file(FILE).save_pretrained(DIR)) and give DIR")
         if not Path(mp).is_dir():
             raise JobInvalid(f"model.path: {mp} is not a directory")
 
@@ -92,9 +97,10 @@ def check_paths(cfg: JobConfig) -> None:
         if val_path is not None:
             check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
     elif cfg.model.family in IMAGE_FAMILIES:
-        if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
+        denoiser = families()[cfg.model.family].denoiser
+        if Path(mp).is_absolute() and not (Path(mp) / denoiser / "config.json").is_file():
             what = display(cfg.model.family)
-            raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
+            raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no {denoiser}/config.json)")
         if Path(mp).is_absolute():
             _check_not_another_model(cfg.model.family, mp)
         if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it

@@ -46,6 +46,7 @@ class Facts:
     t·k + 1 frames).
     offline: its built-in models; export_keys: "module:attribute" of its ComfyUI key rules (the function or table
     that turns a diffusers module name into the key ComfyUI's loader maps), None where it writes no ComfyUI file.
+    denoiser: the subfolder of a diffusers directory that holds the network LoRA trains (a job's path is checked for it).
     """
 
     name: str
@@ -61,6 +62,7 @@ class Facts:
     temporal: int | None = None
     offline: tuple[Offline, ...] = field(default=())
     export_keys: str | None = None
+    denoiser: str = "transformer"  # the model directory's folder of the trained network (SDXL: unet)
 
 
 def training_code(package: str, module: str = "family"):

@@ -1,0 +1,19 @@
+"""sdxl: Stable Diffusion XL LoRA, epsilon or v-prediction (training code: family.py; its files: export.py)."""
+
+from __future__ import annotations
+
+from engine.registry.facts import Facts, Offline, training_code
+
+FAMILY = Facts(
+    name="sdxl", display="SDXL", kind="image", joined=10,
+    trainer="engine.families.image.sdxl.family:SDXL",
+    adapter_types=("lora",),
+    why_not_others="only plain LoRA's kohya and diffusers files are checked against SDXL's loaders so far",
+    spatial_multiple=8,  # 8x VAE; the UNet pads any latent size its down/up samplers meet
+    offline=(Offline("tiny-sdxl", "An SDXL-shaped pipeline (a two-level UNet with size/crop conditioning, tiny VAE, "
+                     "two CLIP text encoders) with random weights.", "engine.builtin.tiny_sdxl:build_tiny_sdxl"),),
+    export_keys="engine.families.image.sdxl.export:kohya_key",
+    denoiser="unet",
+)
+
+__getattr__ = training_code(__name__)

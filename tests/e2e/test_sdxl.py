@@ -1,0 +1,271 @@
+"""SDXL LoRA on its tiny random pipeline (builtin:tiny-sdxl): an epsilon run and a v run (LoCon targets), each
+killed twice and resumed bit-identical in both files; the diffusers file reproduces the trained UNet through
+StableDiffusionXLPipeline.load_lora_weights; the kohya file's keys are the ones ComfyUI's rules map (written out
+below as comfy/utils.py's unet_to_diffusers and comfy/lora.py's model_lora_keys_unet have them), with kohya's
+alphas, and carry the trained update.
+
+The killed-twice chains run as forked trainers (tests/helpers/kill_chain.py) while the references train here; the
+epsilon reference renders samples on the way, so its match with the chain also shows samples leave training alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from engine.config.job import load_job
+from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
+from tests.helpers.jobs import deep_update
+from tests.helpers.kill_chain import Quiet, chains_beside_references
+
+IMAGES = [("wide-0.png", 48, 24, "a red square on grass"), ("tall-0.png", 20, 40, "a green tower"),
+          ("square-0.png", 32, 32, "a yellow sun")]
+DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
+KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
+# LoCon: attention plus every resnet conv and the samplers (the v run)
+LOCON = r"^.*(transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)|resnets\.\d+\.(conv1|conv2|conv_shortcut)" \
+        r"|(down|up)samplers\.0\.conv)$"
+RUNS = {"epsilon": {}, "v": {"lora": {"targets": LOCON}}}
+
+
+def job_dict(model_dir, data_dir, prediction: str, **over) -> dict:
+    d = {
+        "name": f"tiny-sdxl-{prediction}",
+        "model": {"family": "sdxl", "path": str(model_dir), "dtype": "float32", "prediction": prediction},
+        "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
+        "data": {"path": str(data_dir), "resolution": [32], "trigger": "sks", "caption_dropout": 0.3, "flip": True},
+        "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
+                  "seed": 3, "timestep_sampling": "linear"},
+        "checkpoint": {"every_steps": 2, "every_seconds": None, "keep": 2},
+        "output": {"formats": ["diffusers", "comfyui"]},
+    }
+    return deep_update(deep_update(d, RUNS[prediction]), over)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per prediction: (model dir, job file, uninterrupted workdir, killed-twice future)."""
+    from engine.builtin.tiny_sdxl import build_tiny_sdxl
+
+    root = tmp_path_factory.mktemp("sdxl")
+    data = make_images(root / "data", IMAGES)
+    model = root / "tiny-sdxl"
+    build_tiny_sdxl(model)
+    jobs = {}
+    for pred in RUNS:
+        job = root / f"{pred}.yaml"
+        job.write_text(yaml.safe_dump(job_dict(model, data, pred)))
+        reference = job
+        if pred == "epsilon":  # samples while training: they must not change what trains
+            reference = root / f"{pred}-samples.yaml"
+            reference.write_text(yaml.safe_dump(job_dict(model, data, pred, sample={
+                "every_steps": 2, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32, "guidance": 4.0})))
+        jobs[pred] = (job, reference)
+    with chains_beside_references(root, jobs) as done:
+        yield {pred: (model, jobs[pred][0], *done[pred]) for pred in RUNS}
+
+
+@pytest.mark.parametrize("pred", list(RUNS))
+def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(pred, runs):
+    _model, _job, reference, killed = runs[pred]
+    wd, story = killed.result(timeout=900)
+    for name in (DIFFUSERS_FILE, KOHYA_FILE):
+        want, got = tensor_bytes(reference / "output" / name), tensor_bytes(wd / "output" / name)
+        assert sorted(want) == sorted(got)
+        assert [k for k in want if want[k] != got[k]] == [], f"{name} differs; {story}"
+    if pred == "epsilon":
+        assert (reference / "samples" / "step-00000004" / "00.png").stat().st_size > 0
+
+
+def _trained(job):
+    """The LoRA UNet with the last checkpoint's adapter (what training ended with), and the family object."""
+    from engine.families import get_family
+
+    fam = get_family("sdxl")
+    model = fam.load_model(load_job(job), job.parent, torch.device("cpu"), Quiet())
+    return model, fam
+
+
+def _inputs(unet) -> dict:
+    g = torch.Generator().manual_seed(0)
+    c = unet.config
+    return dict(sample=torch.randn(1, c.in_channels, 4, 6, generator=g), timestep=torch.tensor([500]),
+                encoder_hidden_states=torch.randn(1, 77, c.cross_attention_dim, generator=g),
+                added_cond_kwargs={"text_embeds": torch.randn(1, 16, generator=g),
+                                   "time_ids": torch.tensor([[24.0, 48.0, 0.0, 8.0, 32.0, 48.0]])},
+                return_dict=False)
+
+
+@pytest.mark.parametrize("pred", list(RUNS))
+def test_load_lora_weights_reproduces_the_trained_unet(pred, runs):
+    from diffusers import StableDiffusionXLPipeline
+
+    model_dir, job, wd, _ = runs[pred]
+    mem, fam = _trained(job)
+    mem = with_last_checkpoint(mem, wd)
+    x = _inputs(mem)
+    with torch.no_grad():
+        want = mem(**x)[0]
+        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, text_encoder=None, text_encoder_2=None,
+                                                         tokenizer=None, tokenizer_2=None, vae=None)
+        base = pipe.unet(**x)[0]
+        pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
+        got = pipe.unet(**x)[0]
+        pipe.unload_lora_weights()
+        # diffusers reads kohya's file too (its SGM-name converter): the same update, up to rounding
+        pipe.load_lora_weights(str(wd / "output"), weight_name=KOHYA_FILE)
+        kohya = pipe.unet(**x)[0]
+    assert not torch.allclose(base, want, atol=1e-4), "training changed nothing; the test would prove nothing"
+    assert torch.equal(got, want), f"max diff {float((got - want).abs().max())}"
+    torch.testing.assert_close(kohya, want, rtol=1e-5, atol=1e-5)
+    with safe_open(str(wd / "output" / DIFFUSERS_FILE), "pt") as f:
+        md = f.metadata()
+    assert md["lorad_prediction"] == pred and md["steps"] == "4"
+    assert json.loads(md["lora_adapter_metadata"])["unet.lora_alpha"] == 4  # alpha / r folded into lora_B
+    assert fam.pred == pred
+    if pred == "v":  # zero terminal SNR: the last step is pure noise; epsilon keeps SDXL's own schedule
+        assert fam.ac[-1] == 0
+    else:
+        assert 0.004 < float(fam.ac[-1]) < 0.005
+
+
+# ------------------------------------------------------------------ ComfyUI's rules, as its sources write them
+RESNET = {"in_layers.2": "conv1", "emb_layers.1": "time_emb_proj", "out_layers.3": "conv2",
+          "skip_connection": "conv_shortcut"}
+ATTN = ["proj_in", "proj_out"]
+BLOCK = [f"attn{i}.{p}" for i in (1, 2) for p in ("to_q", "to_k", "to_v", "to_out.0")] + ["ff.net.0.proj", "ff.net.2"]
+BASIC = {"input_blocks.0.0": "conv_in", "out.2": "conv_out", "time_embed.0": "time_embedding.linear_1",
+         "time_embed.2": "time_embedding.linear_2", "label_emb.0.0": "add_embedding.linear_1",
+         "label_emb.0.2": "add_embedding.linear_2"}
+
+
+def comfy_unet_config(config: dict) -> dict:
+    """ComfyUI's unet_config of a diffusers UNet (what comfy/model_detection.py reads from the SGM weights):
+    res blocks per level, transformer depth per input res block, per output block listed from the last output
+    block to the first, and the middle's."""
+    levels = len(config["down_block_types"])
+    per = config["transformer_layers_per_block"]
+    per = list(per) if isinstance(per, (list, tuple)) else [per] * levels
+    n = config["layers_per_block"]
+    depth = [per[x] if config["down_block_types"][x].startswith("CrossAttn") else 0 for x in range(levels)]
+    out_depth = [d for d in reversed(depth) for _ in range(n + 1)]  # output blocks in order: deepest level first
+    return {"num_res_blocks": [n] * levels, "transformer_depth": [d for d in depth for _ in range(n)],
+            "transformer_depth_output": list(reversed(out_depth)), "transformer_depth_middle": per[-1]}
+
+
+def comfy_unet_to_diffusers(uc: dict) -> dict[str, str]:
+    """diffusers module -> SGM module, by comfy/utils.py's unet_to_diffusers (weights' '.weight' dropped)."""
+    out: dict[str, str] = {}
+    nrb, depth, depth_out = uc["num_res_blocks"], list(uc["transformer_depth"]), list(uc["transformer_depth_output"])
+    for x in range(len(nrb)):
+        n = 1 + (nrb[x] + 1) * x
+        for i in range(nrb[x]):
+            out.update({f"down_blocks.{x}.resnets.{i}.{d}": f"input_blocks.{n}.0.{s}" for s, d in RESNET.items()})
+            t = depth.pop(0)
+            if t > 0:
+                out.update({f"down_blocks.{x}.attentions.{i}.{b}": f"input_blocks.{n}.1.{b}" for b in ATTN})
+                out.update({f"down_blocks.{x}.attentions.{i}.transformer_blocks.{k}.{b}":
+                            f"input_blocks.{n}.1.transformer_blocks.{k}.{b}" for k in range(t) for b in BLOCK})
+            n += 1
+        out[f"down_blocks.{x}.downsamplers.0.conv"] = f"input_blocks.{n}.0.op"
+    out.update({f"mid_block.attentions.0.{b}": f"middle_block.1.{b}" for b in ATTN})
+    out.update({f"mid_block.attentions.0.transformer_blocks.{k}.{b}": f"middle_block.1.transformer_blocks.{k}.{b}"
+                for k in range(uc["transformer_depth_middle"]) for b in BLOCK})
+    for i, n in enumerate([0, 2]):
+        out.update({f"mid_block.resnets.{i}.{d}": f"middle_block.{n}.{s}" for s, d in RESNET.items()})
+    rev = list(reversed(nrb))
+    for x in range(len(rev)):
+        n, count = (rev[x] + 1) * x, rev[x] + 1
+        for i in range(count):
+            out.update({f"up_blocks.{x}.resnets.{i}.{d}": f"output_blocks.{n}.0.{s}" for s, d in RESNET.items()})
+            c = 1
+            t = depth_out.pop()
+            if t > 0:
+                c += 1
+                out.update({f"up_blocks.{x}.attentions.{i}.{b}": f"output_blocks.{n}.1.{b}" for b in ATTN})
+                out.update({f"up_blocks.{x}.attentions.{i}.transformer_blocks.{k}.{b}":
+                            f"output_blocks.{n}.1.transformer_blocks.{k}.{b}" for k in range(t) for b in BLOCK})
+            if i == count - 1:
+                out[f"up_blocks.{x}.upsamplers.0.conv"] = f"output_blocks.{n}.{c}.conv"
+            n += 1
+    out.update({d: s for s, d in BASIC.items()})
+    return out
+
+
+def comfy_key_map(config: dict) -> dict[str, str]:
+    """comfy/lora.py's model_lora_keys_unet: lora_unet_<SGM name with _> (and <diffusers name with _>) ->
+    the model weight diffusion_model.<SGM name>.weight."""
+    keys = {}
+    for diff, sgm in comfy_unet_to_diffusers(comfy_unet_config(config)).items():
+        keys["lora_unet_" + sgm.replace(".", "_")] = f"diffusion_model.{sgm}.weight"
+        keys["lora_unet_" + diff.replace(".", "_")] = f"diffusion_model.{sgm}.weight"
+    return keys
+
+
+SDXL_UNET = dict(  # stabilityai/stable-diffusion-xl-base-1.0's unet/config.json, the keys that shape it
+    sample_size=128, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 10),
+    attention_head_dim=(5, 10, 20), cross_attention_dim=2048, use_linear_projection=True,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816)
+
+
+def test_every_sdxl_unet_module_maps_to_the_key_comfyui_maps():
+    """Every linear and conv of the real SDXL UNet (built on the meta device: no weights) gets the kohya key ComfyUI
+    maps to that module's own SGM weight; kohya's published names for a few of them, literally."""
+    from diffusers import UNet2DConditionModel
+
+    from engine.families.image.sdxl.export import kohya_key
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SDXL_UNET)
+    config = dict(unet.config)
+    rules = comfy_unet_to_diffusers(comfy_unet_config(config))
+    keys = comfy_key_map(config)
+    mods = [n for n, m in unet.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    mapped = [n for n in mods if n in rules]
+    assert len(mapped) > 700
+    for name in mapped:
+        assert keys[kohya_key(name, config)] == f"diffusion_model.{rules[name]}.weight", name
+    assert kohya_key("down_blocks.1.attentions.0.transformer_blocks.1.attn2.to_k", config) == \
+        "lora_unet_input_blocks_4_1_transformer_blocks_1_attn2_to_k"
+    assert kohya_key("up_blocks.0.attentions.2.transformer_blocks.9.attn1.to_out.0", config) == \
+        "lora_unet_output_blocks_2_1_transformer_blocks_9_attn1_to_out_0"
+    assert kohya_key("mid_block.attentions.0.transformer_blocks.0.attn1.to_q", config) == \
+        "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q"
+    assert kohya_key("up_blocks.1.upsamplers.0.conv", config) == "lora_unet_output_blocks_5_2_conv"
+    assert kohya_key("down_blocks.0.resnets.1.conv2", config) == "lora_unet_input_blocks_2_0_out_layers_3"
+
+
+@pytest.mark.parametrize("pred", list(RUNS))
+def test_the_kohya_file_has_kohya_keys_and_alphas_with_the_trained_update(pred, runs):
+    _model, job, wd, _ = runs[pred]
+    mem, _fam = _trained(job)
+    mem = with_last_checkpoint(mem, wd)
+    deltas = {n: m.get_delta_weight("default").detach() for n, m in mem.named_modules() if hasattr(m, "lora_A")}
+    sd = load_file(str(wd / "output" / KOHYA_FILE))
+    keys = comfy_key_map(dict(mem.config))
+    to_diffusers = {f"diffusion_model.{s}.weight": d for d, s in comfy_unet_to_diffusers(
+        comfy_unet_config(dict(mem.config))).items()}
+    bases = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
+    assert set(sd) == {f"{b}.{s}" for b in bases for s in ("lora_down.weight", "lora_up.weight", "alpha")}
+    assert all("_input_blocks_" in b or "_output_blocks_" in b or "_middle_block_" in b for b in bases)
+    assert {to_diffusers[keys[b]] for b in bases} == set(deltas)  # every key maps, to every trained module
+    convs = 0
+    for b in bases:
+        down, up, alpha = sd[f"{b}.lora_down.weight"], sd[f"{b}.lora_up.weight"], float(sd[f"{b}.alpha"])
+        assert alpha == 8.0 and down.shape[0] == 4
+        delta = deltas[to_diffusers[keys[b]]]
+        update = (alpha / down.shape[0]) * (up.flatten(1) @ down.flatten(1))
+        convs += delta.dim() == 4
+        torch.testing.assert_close(update.reshape(delta.shape), delta, rtol=1e-5, atol=1e-7, msg=b)
+    assert (convs > 0) == (pred == "v")  # the v run trains LoCon (convs too)
+    with safe_open(str(wd / "output" / KOHYA_FILE), "pt") as f:
+        md = f.metadata()
+    assert md["ss_network_dim"] == "4" and float(md["ss_network_alpha"]) == 8.0
+    assert md["ss_v_parameterization"] == str(pred == "v")
