@@ -47,6 +47,7 @@ from engine.errors import ConfigMismatch, DiskError, JobInvalid
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
+from engine.frozen_base.compiling import TEXT_MULTIPLE, Compiler, start_compiler
 from engine.frozen_base.prefetch import Prefetcher
 from engine.frozen_base.speedups import apply_train_speedups
 from engine.report.events import EventLog
@@ -166,6 +167,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     ema: AdapterEMA | None
     store: CheckpointStore
+    compiler: Compiler | None = None  # train.compile: the cache it started from, saved after steps that compiled
 
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
@@ -187,13 +189,16 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     with ranks.main_first():  # one-off work on shared files (caches, built-in models): rank 0 first, then the rest
         family.prepare(cfg, workdir, log)
     dataset = family.build_dataset(cfg, workdir, log)
+    compiler = start_compiler(cfg, workdir, device, log, saves=world.is_main)  # None unless compiling here
+    if compiler is not None and hasattr(family, "bound_shapes"):
+        family.bound_shapes(TEXT_MULTIPLE)  # a few text lengths, not one compile per caption length
     validation = family.validation_set(cfg, workdir, log) if cfg.data.validation is not None else None
     generator = seed_everything(cfg.train.seed)
 
     # -- model and optimizer
     log.info("phase", phase="load_model")
     model = family.load_model(cfg, workdir, device, log)
-    apply_train_speedups(model, cfg.train, device, log)  # blocks_to_swap, compile
+    apply_train_speedups(model, cfg.train, device, log, compiler and compiler.state)  # blocks_to_swap, compile
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -204,7 +209,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
         say(f"lorad: warning: {advice}")
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
-               store)
+               store, compiler)
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:
@@ -289,6 +294,8 @@ class Loop:
             if run.ema is not None:
                 run.ema.update(at.step)
             self.report(loss, lr, grad_norm, time.monotonic() - t0)
+            if run.compiler is not None:
+                run.compiler.after_step()  # what this step compiled, saved for the next start
             debug_pause()  # tests: a kill a few steps after an event lands before the job ends
             if run.validation is not None and validation_due(self.cfg.data.validation.every_steps, at.step):
                 self.validate()  # every rank its share, before the stop decision: a checkpointed step has its value

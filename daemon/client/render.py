@@ -158,6 +158,10 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         rows.append(("requested", j.requested))
     if j.last_error:
         rows.append(("last error", j.last_error))
+    for ev in j.events:  # a block type that fell back to eager this job (engine/frozen_base/compiling.py)
+        if ev.get("kind") == "compile_fallback":
+            data = ev.get("data") or {}
+            rows.append(("compile", f"eager: {data.get('block')} ({data.get('reason')})"))
     if j.mirror is not None:
         rows.append(("mirror", mirror_note(j.state, j.mirror, detail=True) or ("caught up" if j.mirror.mirror else "-")))
         if j.mirror.hub_repo:
