@@ -12,12 +12,15 @@ compiles once for every block of that type. What this module adds around torch.c
   (torch._dynamo.config.recompile_limit, 8 per code object): past it dynamo would run the block eagerly without
   a word; here the limit raises inside the call (fail_on_recompile_limit_hit), and the block type goes eager
   with the event, which the daemon keeps for `lorad status JOB` ("compile: eager ...").
-- **Few shapes.** Blocks are compiled with automatic dynamic shapes (dynamic=None): the first shape compiles
-  static, and a dimension seen to change is compiled dynamic once, instead of once per aspect bucket or
-  caption length. Families whose text is padded under a mask (Qwen-Image) also pad it to a multiple of
-  TEXT_MULTIPLE while compiling, so caption lengths fall on a few sizes (engine/families/image/dataset.py);
-  the mask keeps padded tokens out of every real token's attention. Every compile after the first of a block
-  type is a `recompile` event with the running count.
+- **Few shapes.** Every dimension of a tensor argument but its last (the features) is marked dynamic before
+  the call (torch._dynamo.maybe_mark_dynamic: batch, tokens, frames; a dimension the code needs fixed is
+  specialised without an error), so the first compile already serves the other aspect buckets and caption
+  lengths, and so does the compile cache: a resume whose first batch is another bucket than the run it
+  resumes is still warm. Anything left to change compiles once more with automatic dynamic shapes
+  (dynamic=None), not once per shape. Families whose text is padded under a mask (Qwen-Image) also pad it
+  to a multiple of TEXT_MULTIPLE while compiling, so caption lengths fall on a few sizes
+  (engine/families/image/dataset.py); the mask keeps padded tokens out of every real token's attention.
+  Every compile after the first of a block type is a `recompile` event with the running count.
 - **Never twice.** The artifacts of the compiles (inductor's FX graphs, AOTAutograd's, Triton's kernels, the
   dynamic-shape profile) are saved with torch.compiler.save_cache_artifacts into HOME/cache/compile/KEY.bin
   after a step that compiled something, written like every file lorad commits (temp name, fsync, rename),
@@ -106,6 +109,7 @@ class CompiledForward:
         from torch._dynamo.exc import FailOnRecompileLimitHit
 
         before = _graphs()
+        _mark_dynamic((args, kwargs))
         try:
             # Raise at the limit instead of dynamo's silent eager run, so the fallback is said.
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
@@ -121,6 +125,19 @@ class CompiledForward:
         if (n := _graphs() - before) > 0:
             self.state.compiled(self.name, n)
         return out
+
+
+def _mark_dynamic(obj) -> None:
+    """Every dimension but the last of every tensor in `obj` (nested tuples, lists, dicts) may be dynamic."""
+    if isinstance(obj, torch.Tensor):
+        if obj.ndim > 1:
+            torch._dynamo.maybe_mark_dynamic(obj, list(range(obj.ndim - 1)))
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            _mark_dynamic(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _mark_dynamic(o)
 
 
 def compile_forward(module: torch.nn.Module, state: CompileState, backend: str = BACKEND) -> bool:
