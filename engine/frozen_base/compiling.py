@@ -1,6 +1,6 @@
 """torch.compile for training: on by default on CUDA, once per block, never a crash, and never twice.
 
-    train.compile: auto     on on CUDA, off on the CPU (the default); true / false force it
+    train.compile: auto     on on CUDA (not with sharding: fsdp), off on the CPU (the default); true / false force it
 
 Regional: each transformer block's forward is compiled (engine/frozen_base/speedups.py), so one block type
 compiles once for every block of that type. What this module adds around torch.compile:
@@ -51,9 +51,10 @@ REASON_CHARS = 300
 
 
 def compile_wanted(train, device: torch.device) -> bool:
-    """train.compile: auto → on CUDA only (compiling on the CPU costs more than it saves on short jobs)."""
+    """train.compile: auto → on CUDA only (compiling on the CPU costs more than it saves on short jobs), and not
+    with train.sharding: fsdp, whose compiled path has not run on a GPU here yet (`true` still asks for it)."""
     if train.compile == "auto":
-        return torch.device(device).type == "cuda"
+        return torch.device(device).type == "cuda" and getattr(train, "sharding", "ddp") != "fsdp"
     return bool(train.compile)
 
 

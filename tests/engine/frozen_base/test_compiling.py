@@ -35,6 +35,7 @@ def test_auto_compiles_on_cuda_only_and_a_setting_forces_it_either_way():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     train = SimpleNamespace(compile="auto")
     assert compile_wanted(train, cuda) and not compile_wanted(train, cpu)
+    assert not compile_wanted(SimpleNamespace(compile="auto", sharding="fsdp"), cuda)
     assert compile_wanted(SimpleNamespace(compile=True), cpu)
     assert not compile_wanted(SimpleNamespace(compile=False), cuda)
     from engine.config.train import TrainConfig
