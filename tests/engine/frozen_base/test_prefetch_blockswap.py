@@ -363,6 +363,22 @@ def test_on_gpu_evicted_blocks_give_their_memory_back_during_the_forward():
     assert torch.cuda.max_memory_reserved() - before <= 2 * seg + grads + small
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_gpu_swappers_one_after_another_release_their_registrations_with_their_models():
+    import gc
+
+    # Dropping a model unregisters its host buffers (after their last upload): the next swapper's buffers may
+    # reuse the freed addresses, which a registration still alive would refuse (CUDA error 712).
+    for _ in range(3):
+        model = make_stack(n=6, width=1024).to("cuda")
+        BlockSwapper(list(model.blocks), 4, torch.device("cuda"))
+        run_steps(model, steps=1)
+        del model
+        gc.collect()
+    torch.cuda.synchronize()
+
+
 def test_a_job_with_blocks_to_swap_trains_the_same_adapter_through_the_recipe(micro_model, tmp_path):
     from engine.config.job import parse_job
     from engine.recipe import train
