@@ -9,8 +9,9 @@ resumed, with the compile cache it persisted in the home (warm) and without it (
    (HOME/cache/compile/KEY.bin, engine/frozen_base/compiling.py).
 2. The killed home is copied twice; in the "cold" copy the compile cache is removed. Each copy's trainer resumes
    from the same checkpoint, and is killed at its first step.
-3. Every trainer gets its own empty TORCHINDUCTOR_CACHE_DIR (and Triton cache): inductor's own on-disk cache,
-   which outlives a process in /tmp, cannot make the cold resume warm, and the warm one has only lorad's file.
+3. The trainer keeps inductor's cache directory in the home too (HOME/cache/compile/KEY.d, committed with a
+   manifest): the cold copy has none of it. Every trainer also gets its own empty Triton cache and default
+   inductor directory, so that nothing in /tmp, which outlives a process, can make the cold resume warm.
 
 Printed per resume: start→first step (from the process's spawn to its first `step` line: imports, model load,
 checkpoint restore, compile and the step itself), and the compile cache's status as the trainer saw it. The last
@@ -48,8 +49,10 @@ def job_file(root: Path) -> Path:
     return path
 
 
-def run_until(job: Path, workdir: Path, event: str, scratch: Path, timeout: float) -> tuple[float, list[dict]]:
-    """Start the trainer on `workdir`; SIGKILL it at its first `event` line; seconds from spawn to that line."""
+def run_until(job: Path, workdir: Path, event: str, scratch: Path, timeout: float,
+              then: str | None = None) -> tuple[float, list[dict]]:
+    """Start the trainer on `workdir`; SIGKILL it at its first `event` line (or at the `then` line after it); the
+    seconds from spawn to the `event` line."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"), TRITON_CACHE_DIR=str(scratch / "triton"),
                TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(REPO))
     t0 = time.monotonic()
@@ -57,6 +60,7 @@ def run_until(job: Path, workdir: Path, event: str, scratch: Path, timeout: floa
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     seen: list[dict] = []
+    at = None
     try:
         for line in proc.stdout:
             if time.monotonic() - t0 > timeout:
@@ -66,8 +70,12 @@ def run_until(job: Path, workdir: Path, event: str, scratch: Path, timeout: floa
             except ValueError:
                 continue
             seen.append(ev)
-            if ev.get("event") == event:
-                return time.monotonic() - t0, seen
+            if ev.get("event") == event and at is None:
+                at = time.monotonic() - t0
+            if at is not None and ev.get("event") == (then or event):
+                return at, seen
+        if at is not None:
+            return at, seen
         raise SystemExit(f"the trainer exited ({proc.wait()}) before {event}")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -77,6 +85,17 @@ def run_until(job: Path, workdir: Path, event: str, scratch: Path, timeout: floa
 def cache_status(events: list[dict]) -> str:
     said = [e.get("status") for e in events if e.get("event") == "compile_cache"]
     return said[0] if said else "-"
+
+
+def served(events: list[dict]) -> str:
+    """What inductor's and AOTAutograd's caches served, from the trainer's `compile_stats` events so far."""
+    stats = [e for e in events if e.get("event") == "compile_stats"]
+    if not stats:
+        return "no compile_stats yet"
+    s = stats[-1]
+    return (f"{s['graphs']} graph(s); FX graph cache {s['fxgraph_hit']} hit / {s['fxgraph_miss']} miss / "
+            f"{s['fxgraph_bypass']} bypass; AOTAutograd cache {s['aot_hit']} hit / {s['aot_miss']} miss / "
+            f"{s['aot_bypass']} bypass")
 
 
 def main() -> None:
@@ -96,7 +115,7 @@ def main() -> None:
             raise SystemExit("the first run saved no compile cache")
         step = next(e["step"] for e in evs if e.get("event") == "checkpoint_committed")
         print(f"first run: cold compile, killed after its checkpoint at step {step} ({t:.1f} s); "
-              f"compile cache {files[0].name} ({files[0].stat().st_size / 1e6:.2f} MB)")
+              f"compile cache {files[0].name} ({files[0].stat().st_size / 1e6:.2f} MB); {served(evs)}")
 
         times: dict[str, list[float]] = {"cold": [], "warm": []}
         for r in range(args.repeats):
@@ -105,10 +124,12 @@ def main() -> None:
                 shutil.copytree(home, copy / "home")
                 if kind == "cold":
                     shutil.rmtree(copy / "home" / "cache" / "compile")
-                t, evs = run_until(job, copy / "home" / "jobs" / "bench-1", "step", copy / "scratch", args.timeout)
+                workdir = copy / "home" / "jobs" / "bench-1"
+                # killed once the first step's compile_stats (said right after the step) is out
+                t, evs = run_until(job, workdir, "step", copy / "scratch", args.timeout, then="compile_stats")
                 resumed = next((e["from_step"] for e in evs if e.get("event") == "resumed"), None)
                 print(f"resume {r + 1} {kind}: from step {resumed}, compile cache {cache_status(evs)}, "
-                      f"start→first step {t:.2f} s")
+                      f"start→first step {t:.2f} s ({served(evs)})")
                 times[kind].append(t)
                 shutil.rmtree(copy)
         cold, warm = statistics.median(times["cold"]), statistics.median(times["warm"])

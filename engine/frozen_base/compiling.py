@@ -28,14 +28,17 @@ compiles once for every block of that type. What this module adds around torch.c
   capability, or the CPU), the model section, the LoRA section and the shapes (batch size, resolution or
   sequence length, swapping, checkpointing): a resume after an outage and the next job on the same model start warm. A
   file that is torn, of another format, or that torch refuses is a cold compile (a `compile_cache` event
-  says which), never a crash.
+  says which), never a crash. Inductor's own cache directory (the C++ kernels it builds on the CPU are not in
+  the artifacts) is kept beside the file and committed with a manifest (InductorDir).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +240,15 @@ class CompileCache:
         return status
 
 
+def cache_counts() -> dict[str, int]:
+    """Graphs compiled so far in this process, and how inductor's and AOTAutograd's caches served them."""
+    from torch._dynamo.utils import counters
+
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"graphs": _graphs(), **{f"fxgraph_{k}": int(ind[f"fxgraph_cache_{k}"]) for k in ("hit", "miss", "bypass")},
+            **{f"aot_{k}": int(aot[f"autograd_cache_{k}"]) for k in ("hit", "miss", "bypass")}}
+
+
 def _payload(data: bytes) -> bytes | None:
     if not data.startswith(MAGIC):
         return None
@@ -246,19 +258,108 @@ def _payload(data: bytes) -> bytes | None:
     return payload
 
 
-class Compiler:
-    """One attempt's compile: the state its forwards report to, and the cache it starts from and saves to."""
+class InductorDir:
+    """HOME/cache/compile/KEY.d: inductor's own cache directory (TORCHINDUCTOR_CACHE_DIR) for this key, committed.
 
-    def __init__(self, state: CompileState, cache: CompileCache | None):
-        self.state, self.cache = state, cache
+    The artifacts file holds inductor's graphs and, on a GPU, their Triton kernels, but not the C++ kernels
+    inductor builds for the CPU (shared objects in its cache directory): without them a CPU resume compiles
+    again whatever the artifacts say. So the directory itself lives in the home too, and is committed like a
+    checkpoint: after a step that compiled something every file in it is fsynced and MANIFEST (each file's size
+    and sha256) is written last, atomically. At start a file the manifest does not list (written after it, by a
+    process killed before the next commit) is removed, and a listed file that is missing, short or changed makes
+    the whole directory go: a cold compile, never a half-written kernel loaded.
+    """
+
+    MANIFEST = "MANIFEST.json"
+
+    def __init__(self, path: Path, log=None, fs: FileLayer | None = None):
+        self.path, self.log, self.fs = Path(path), log, fs or RealFs()
+
+    def adopt(self) -> str:
+        """Check the directory against its manifest and make it this process's inductor cache; the status."""
+        status = self._check()
+        self.path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.path)  # read by inductor at each use
+        if self.log is not None:
+            self.log.info("compile_cache", status=status, dir=str(self.path))
+        return status
+
+    def _check(self) -> str:
+        try:
+            listed = json.loads((self.path / self.MANIFEST).read_text())["files"]
+        except FileNotFoundError:
+            listed = None
+        except (OSError, ValueError, KeyError, TypeError):
+            return self._wipe("an unreadable manifest")
+        if listed is None:
+            return self._wipe("no manifest") if self.path.exists() and any(self.path.iterdir()) else "cold"
+        for rel, (size, digest) in listed.items():
+            f = self.path / rel
+            try:
+                if f.stat().st_size != size or _sha256(f) != digest:
+                    return self._wipe(f"{rel} changed since it was committed")
+            except OSError:
+                return self._wipe(f"{rel} is missing")
+        for f in self._files():
+            if f.relative_to(self.path).as_posix() not in listed and f.name != self.MANIFEST:
+                f.unlink(missing_ok=True)  # written after the last commit
+        return "warm" if listed else "cold"
+
+    def _wipe(self, why: str) -> str:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.log is not None:
+            self.log.warning("compile_cache", status="corrupt", dir=str(self.path), reason=why,
+                             message=f"compile cache directory {self.path.name} not used ({why}): compiling cold")
+        return "corrupt"
+
+    def _files(self) -> list[Path]:
+        return sorted(p for p in self.path.rglob("*") if p.is_file() and not p.is_symlink())
+
+    def commit(self) -> None:
+        files = {}
+        for f in self._files():
+            rel = f.relative_to(self.path).as_posix()
+            if rel == self.MANIFEST or ".tmp" in f.name:
+                continue
+            try:
+                files[rel] = [f.stat().st_size, _sha256(f)]
+                self.fs.fsync(f)
+            except FileNotFoundError:  # inductor replaced it meanwhile: the next commit lists it
+                continue
+        dirs = {self.path / p for rel in files for p in Path(rel).parents}  # every directory up to the root
+        for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+            self.fs.fsync_dir(d)
+        write_file_durable(self.fs, self.path / self.MANIFEST, json.dumps({"files": files}).encode())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Compiler:
+    """One attempt's compile: the state its forwards report to, and the caches it starts from and saves to."""
+
+    def __init__(self, state: CompileState, cache: CompileCache | None, inductor_dir: InductorDir | None = None):
+        self.state, self.cache, self.inductor_dir = state, cache, inductor_dir
 
     def after_step(self) -> None:
-        """After an optimizer step: save the cache when this step compiled something (rank 0 calls it)."""
-        if self.cache is None or _graphs() == self.state.graphs_at_save:
+        """After an optimizer step that compiled something: say what the caches served (`compile_stats`), and save
+        the cache (where this process saves: rank 0)."""
+        if _graphs() == self.state.graphs_at_save:
             return
         self.state.graphs_at_save = _graphs()
+        if self.state.log is not None:
+            self.state.log.info("compile_stats", **cache_counts())
+        if self.cache is None:
+            return
         try:
             self.cache.save()
+            if self.inductor_dir is not None:
+                self.inductor_dir.commit()
         except OSError as e:  # a full disk costs the next start a cold compile, not this job
             if self.state.log is not None:
                 self.state.log.warning("compile_cache", status="unsaved", reason=e.strerror or str(e),
@@ -271,6 +372,9 @@ def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bo
     if not compile_wanted(cfg.train, device):
         return None
     state = CompileState(log)
-    cache = CompileCache(compile_cache_file(workdir, cache_key(cfg, device)), log)
+    path = compile_cache_file(workdir, cache_key(cfg, device))
+    inductor_dir = InductorDir(path.with_suffix(".d"), log)
+    inductor_dir.adopt()  # before the artifacts: loading them writes into inductor's cache directory
+    cache = CompileCache(path, log)
     cache.load()
-    return Compiler(state, cache if saves else None)
+    return Compiler(state, cache if saves else None, inductor_dir)

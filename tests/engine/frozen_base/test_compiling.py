@@ -201,6 +201,7 @@ def qwen_compile_run(tiny_image_model, tmp_path_factory):
            "checkpoint": {"every_steps": 100, "every_seconds": None}}
     mp = pytest.MonkeyPatch()
     mp.setattr(compiling, "BACKEND", "eager")
+    mp.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # the trainer points it into its home: put back after
     torch._dynamo.reset()
     graphs = counters["stats"]["unique_graphs"]
     try:
@@ -241,3 +242,54 @@ def test_qwen_image_text_padded_under_its_mask_predicts_the_same(tiny_image_mode
     padded = torch.cat([text, torch.randn(2, 64 - 9, d, generator=g)], dim=1)  # junk where the mask is 0
     padded_mask = torch.cat([mask, torch.zeros(2, 64 - 9, dtype=torch.long)], dim=1)
     torch.testing.assert_close(predict(padded, padded_mask), predict(text, mask), rtol=1e-5, atol=1e-6)
+
+
+def inductor_files(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def committed_dir(tmp_path, monkeypatch) -> Path:
+    from engine.frozen_base.compiling import InductorDir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    d = tmp_path / "KEY.d"
+    assert InductorDir(d).adopt() == "cold"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(d)  # inductor writes into the home from now on
+    (d / "fxgraph" / "ab").mkdir(parents=True)
+    (d / "fxgraph" / "ab" / "entry").write_bytes(b"graph" * 100)
+    (d / "cpp" / "kernel.so").parent.mkdir(parents=True)
+    (d / "cpp" / "kernel.so").write_bytes(b"\x7fELF" + b"k" * 1000)
+    InductorDir(d).commit()
+    return d
+
+
+def test_inductors_cache_directory_in_the_home_is_committed_and_adopted_warm(tmp_path, monkeypatch):
+    from engine.frozen_base.compiling import InductorDir
+
+    d = committed_dir(tmp_path, monkeypatch)
+    before = inductor_files(d)
+    (d / "cpp" / "late.so").write_bytes(b"written after the commit by a process killed before the next")
+    log = RecLog()
+    assert InductorDir(d, log).adopt() == "warm"
+    assert inductor_files(d) == before  # the uncommitted file is gone, every committed one intact
+    assert log.named("compile_cache")[0]["status"] == "warm"
+
+
+@pytest.mark.parametrize("damage", ["truncated", "changed", "missing", "manifest"])
+def test_a_torn_file_in_inductors_directory_makes_it_a_cold_compile(damage, tmp_path, monkeypatch):
+    from engine.frozen_base.compiling import InductorDir
+
+    d = committed_dir(tmp_path, monkeypatch)
+    so = d / "cpp" / "kernel.so"
+    if damage == "truncated":
+        so.write_bytes(so.read_bytes()[:100])
+    elif damage == "changed":
+        so.write_bytes(b"\x7fELF" + b"x" * 1000)  # same size, other bytes
+    elif damage == "missing":
+        so.unlink()
+    else:
+        (d / "MANIFEST.json").write_text('{"files": ')  # torn
+    log = RecLog()
+    assert InductorDir(d, log).adopt() == "corrupt"
+    assert inductor_files(d) == {}  # nothing of it is loaded: a cold compile
+    assert "compiling cold" in log.named("compile_cache")[0]["message"]
