@@ -11,8 +11,11 @@ STAMP := $(VENV)/.installed
 # CUDA build), and the triton that torch release is built with (torch's CUDA wheels pin it; the CPU wheel does not).
 LOCK_CONSTRAINTS := requirements.constraints
 # Where pip finds that CPU torch: this machine's wheel folder; elsewhere set PIP_FIND_LINKS or
-# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (docs/install.md).
-UV := $(BIN)/uv
+# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (README, Set-up).
+# uv in a venv of its own: `make lock` must run when pyproject.toml has a dependency the current lock lacks
+# (the main venv's `pip check` would refuse it), at the uv version the lock itself names.
+UV_VENV := .venv-lock
+UV := $(UV_VENV)/bin/uv
 
 .PHONY: venv demo test test-latest lock lint bench clean system-deps
 
@@ -29,7 +32,8 @@ $(STAMP): pyproject.toml $(LOCK)
 
 # Refresh the lock after adding or bumping a dependency in pyproject.toml (or to move to newer releases on
 # purpose): it resolves the newest versions the ranges and constraints allow, then `make test` installs them.
-lock: $(STAMP)
+lock:
+	[ -x $(UV) ] || { $(PY) -m venv $(UV_VENV) && $(UV_VENV)/bin/pip install -q "$$(grep -m1 '^uv==' $(LOCK) | cut -d' ' -f1)"; }
 	$(UV) pip compile pyproject.toml --extra train --extra dev --extra mirror --generate-hashes \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 -c $(LOCK_CONSTRAINTS) \
 	  --find-links "$${PIP_FIND_LINKS:-/opt/wheels}" --custom-compile-command "make lock" $(LOCK_ARGS) -o $(LOCK)
@@ -74,4 +78,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check engine daemon tests bench
 
 clean:
-	rm -rf $(VENV) $(LATEST) demo-home
+	rm -rf $(VENV) $(LATEST) $(UV_VENV) demo-home

@@ -21,13 +21,18 @@ Configurations (see CONFIGS; `--configs a,b,c` picks some):
     fp8-8bit-compile   regional torch.compile of every block
     fp8-8bit-wT        FP8 with a persistent transposed weight copy for the input gradient
     fp8-8bit-dequant   FP8 storage, dequantising bf16 matmul (what FP8-as-storage trainers do)
+    fp8-8bit-unfused   FP8 as before issue 39: peft's own LoRA layer over the FP8 base and the torch
+                       quantisation (LORAD_FP8_KERNELS=torch), against fp8-8bit's fused function and kernels
+    fp8-8bit-rows1     FP8 compute at every size: the size rule off (fp8.FP8_MIN_ROWS = 1), so the modulation
+                       linears run _scaled_mm too; against fp8-8bit, this measures the rule
     bf16-8bit-eager    eager attention instead of SDPA (causal LM only)
 
 Columns: s/step is the median of --steps timed steps after --warmup steps
 (CUDA-synchronised); peak GiB is torch.cuda.max_memory_allocated over the
 whole training (weights included); tokens/s = tokens per step / (s/step)
 (Flux also pixels/s); loss@K is the training loss of step K (K = --loss-steps)
-on a fixed cycle of batches.
+on a fixed cycle of batches. J/step is the GPU's energy over the timed steps divided by their number,
+from NVML's total-energy counter (read only: nothing about the card is set), where NVML has one.
 
 MFU = model FLOPs per step / (s/step) / peak dense bf16 FLOP/s of the GPU, with
 
@@ -51,9 +56,11 @@ materialised), so a 12B model never exists in fp32 or in host RAM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import math
+import os
 import statistics
 import sys
 import time
@@ -134,6 +141,8 @@ class Config:
     compile: bool = False
     fp8_compute: str = "auto"
     transposed_copy: bool = False
+    fused: bool = True  # fp8: lorad's one-function LoRA layer and fused quantisation (False: peft's and torch's)
+    min_rows: int | None = None  # fp8: FP8_MIN_ROWS while the config runs (None: the engine's)
 
 
 CONFIGS = {c.name: c for c in [
@@ -148,6 +157,8 @@ CONFIGS = {c.name: c for c in [
     Config("fp8-8bit-wT", base="fp8", transposed_copy=True),
     Config("fp8-8bit-dequant", base="fp8", fp8_compute="dequant"),
     Config("bf16-8bit-eager", attn="eager"),
+    Config("fp8-8bit-unfused", base="fp8", fused=False),
+    Config("fp8-8bit-rows1", base="fp8", min_rows=1),
     # CPU smoke only: the CPU runs _scaled_mm, so the FP8 tensor-core code path can be exercised there
     Config("fp8-8bit-scaledmm", base="fp8", fp8_compute="scaled_mm"),
 ]}
@@ -235,6 +246,10 @@ def add_lora(model: nn.Module, shape: Shape, cfg: Config, rank: int, seed: int) 
     model.requires_grad_(False)
     torch.manual_seed(seed)  # same LoRA initialisation for every config
     lcfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=lora_targets(shape), init_lora_weights="gaussian")
+    if cfg.fused:  # as the trainer's peft config does (engine/training/adapters.py)
+        from engine.frozen_base.fp8_lora import lorad_custom_modules
+
+        lcfg._register_custom_module(lorad_custom_modules())
     return get_peft_model(model, lcfg, autocast_adapter_dtype=cfg.lora_fp32)
 
 
@@ -337,8 +352,41 @@ class Row:
     loss: float | None = None
     swapped: int = 0
     checkpointing: bool = False
+    joules_per_step: float | None = None
     note: str = ""
     losses: list[float] = field(default_factory=list)
+
+
+class EnergyCounter:
+    """NVML's total energy counter of the GPU torch computes on (millijoules since the driver loaded), read only.
+
+    None where there is no NVML or the GPU has no counter (pre-Volta, some virtualised GPUs)."""
+
+    def __init__(self, device: torch.device):
+        self.handle = None
+        if device.type != "cuda":
+            return
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            props = torch.cuda.get_device_properties(device)
+            bus = getattr(props, "pci_bus_id", None)
+            if bus is not None:
+                pci = f"{props.pci_domain_id:08x}:{bus:02x}:{props.pci_device_id:02x}.0"
+                self.handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci)
+            else:
+                self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+        except Exception:  # no NVML, no such device, no counter: the column says "-"
+            self.handle = None
+
+    def millijoules(self) -> float | None:
+        if self.handle is None:
+            return None
+        import pynvml
+
+        return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle))
 
 
 def cleanup(device: torch.device) -> None:
@@ -375,6 +423,27 @@ def profile_steps(step_fn, first: int, device: torch.device, label: str, top: in
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(f"# profile of 2 steps: {label}\n" + prof.key_averages().table(sort_by=key, row_limit=top),
           file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quantisation_kernels(cfg: Config):
+    """An unfused config quantises with the torch reference (LORAD_FP8_KERNELS=torch) while it runs; a
+    `min_rows` config sets the size rule's threshold (engine/frozen_base/fp8.py: fp8_compute_pays)."""
+    import engine.frozen_base.fp8 as fp8
+
+    saved, saved_rows = os.environ.get("LORAD_FP8_KERNELS"), fp8.FP8_MIN_ROWS
+    if not cfg.fused:
+        os.environ["LORAD_FP8_KERNELS"] = "torch"
+    if cfg.min_rows is not None:
+        fp8.FP8_MIN_ROWS = cfg.min_rows
+    try:
+        yield
+    finally:
+        fp8.FP8_MIN_ROWS = saved_rows
+        if saved is None:
+            os.environ.pop("LORAD_FP8_KERNELS", None)
+        else:
+            os.environ["LORAD_FP8_KERNELS"] = saved
 
 
 def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype: torch.dtype, args) -> Row:
@@ -419,14 +488,19 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
     times: list[float] = []
     model.train()
     train_step = functools.partial(one_step, model, shape, prefetcher, params, optimizer, dtype, ids)
+    energy, mj = EnergyCounter(device), []
     for step in range(total_steps):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if step == args.warmup:
+            mj.append(energy.millijoules())
         t0 = time.perf_counter()
         loss_value = train_step(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        if step == args.warmup + args.steps - 1:
+            mj.append(energy.millijoules())
         if args.warmup <= step < args.warmup + args.steps:
             times.append(dt)
         row.losses.append(loss_value)
@@ -444,6 +518,8 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
     if peak:
         row.mfu = flops / row.s_per_step / peak
     row.note = f"model FLOPs/step {flops:.3e}"
+    if len(mj) == 2 and None not in mj:
+        row.joules_per_step = (mj[1] - mj[0]) / 1000.0 / args.steps
     if device.type == "cuda":
         row.peak_gib = torch.cuda.max_memory_allocated(device) / GiB
     # No swapper.remove(): the swapped blocks' registered host buffers are released with the model.
@@ -460,23 +536,28 @@ def fmt(v, spec: str, none: str = "-") -> str:
 def table(rows: list[Row], device_name: str, header: str) -> str:
     lines = [header, "",
              "| shape | rank | config | base | LoRA | optimizer | swap | ckpt | attn | compile | s/step | × baseline speed "
-             "| peak GiB | × baseline mem | tokens/s | pixels/s | MFU | loss@K |",
-             "|---|---:|---|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak GiB | × baseline mem | tokens/s | pixels/s | MFU | loss@K | J/step | × baseline J |",
+             "|---|---:|---|---|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     base = {(r.shape, r.rank): r for r in rows if r.config.name == "baseline" and r.s_per_step}
     for r in rows:
         c = r.config
         b = base.get((r.shape, r.rank))
         if r.s_per_step is None:
-            lines.append(f"| {r.shape} | {r.rank} | {c.name} | | | | | | | | {r.note} | | | | | | | |")
+            lines.append(f"| {r.shape} | {r.rank} | {c.name} | | | | | | | | {r.note} | | | | | | | | | |")
             continue
         speed = f"{b.s_per_step / r.s_per_step:.2f}×" if b else "-"
         mem = f"{r.peak_gib / b.peak_gib:.2f}×" if b and r.peak_gib and b.peak_gib else "-"
-        base_str = c.base if c.base == "bf16" else f"fp8 ({c.fp8_compute}{', wT' if c.transposed_copy else ''})"
+        joules = (f"{r.joules_per_step / b.joules_per_step:.2f}×"
+                  if b and r.joules_per_step is not None and b.joules_per_step else "-")
+        base_str = c.base if c.base == "bf16" else (
+            f"fp8 ({c.fp8_compute}{', wT' if c.transposed_copy else ''}{'' if c.fused else ', unfused'}"
+            f"{'' if c.min_rows is None else f', rows≥{c.min_rows}'})")
         lines.append(
             f"| {r.shape} | {r.rank} | {c.name} | {base_str} | {'fp32' if c.lora_fp32 else 'bf16'} | {c.optimizer} "
             f"| {r.swapped} | {'on' if r.checkpointing else 'off'} | {c.attn} | {'yes' if c.compile else 'no'} "
             f"| {r.s_per_step:.4f} | {speed} | {fmt(r.peak_gib, '.2f')} | {mem} | {fmt(r.tokens_per_s, ',.0f')} "
-            f"| {fmt(r.pixels_per_s, ',.0f')} | {fmt(r.mfu, '.1%')} | {fmt(r.loss, '.4f')} |")
+            f"| {fmt(r.pixels_per_s, ',.0f')} | {fmt(r.mfu, '.1%')} | {fmt(r.loss, '.4f')} "
+            f"| {fmt(r.joules_per_step, '.1f')} | {joules} |")
     lines += ["", f"Device: {device_name}."]
     return "\n".join(lines)
 
@@ -533,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                 if cfg.attn == "eager" and shape.kind != "llama":
                     continue
                 try:
-                    row = run_config(shape, cfg, rank, device, dtype, args)
+                    with quantisation_kernels(cfg):
+                        row = run_config(shape, cfg, rank, device, dtype, args)
                 except torch.OutOfMemoryError:
                     row = Row(shape.name, cfg, rank, note="OOM")
                     cleanup(device)

@@ -10,7 +10,8 @@ Faults (bench/soak_faults.py): SIGKILL of a trainer, the daemon or both; SIGSTOP
 the daemon's hang check); a power cut of the whole home (tests/helpers/faultfs.py: only fsynced bytes and
 directory entries survive, sometimes with torn pages); a full disk for a while; the running job's newest
 checkpoint corrupted; garbage and half-written files in the inbox; socket abuse; `lorad pause`/`resume`/
-`priority`; a wall-clock jump (lorad's time.time(), see bench/soak_world.py). Jobs are submitted in rounds (one of
+`priority`; a wall-clock jump (lorad's time.time(), see bench/soak_world.py); the simulated GPU lost for a while,
+or an Xid on it (the job waits as waiting_for_gpu, never counted as a crash, and resumes when the GPU is back). Jobs are submitted in rounds (one of
 each family) through the inbox; a finished round is checked and the next one submitted, until --faults faults are
 done or the deadline comes (then the round in flight is finished and checked).
 
@@ -61,12 +62,17 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 
 def soak_config(**over: Any) -> dict[str, Any]:
-    """The daemon's config: short loops, short backoffs, a short hang check, no web, no telemetry. A trainer stopped
-    in a slow phase (its load, the final checkpoint) is found by its liveness file: after 10 s, not 60."""
+    """The daemon's config: short loops, short backoffs, a short hang check, no web. A trainer stopped in a slow
+    phase (its load, the final checkpoint) is found by its liveness file: after 10 s, not 60. One simulated GPU
+    (telemetry every 5 s, health read every 0.2 s) whose faults bench/soak_world.py writes (gpu_lost, xid): a GPU
+    reading clean for half a second is taken back, and faults 2 s apart never add up to a GPU held for a human."""
     return {"tick_s": 0.1, "inbox_settle_s": 0.2, "inbox_rescan_s": 1.0, "backoff_base_s": 0.2, "backoff_max_s": 1.0,
             "hang_timeout_s": 4.0, "hang_step_multiple": 10.0, "rank_silence_s": 10.0, "startup_timeout_s": 300.0,
             "stop_grace_s": 20.0, "kill_wait_s": 10.0, "retry_budget": 1000, "run_as_root": os.geteuid() == 0,
-            "warm_trainer": True, "power": {"telemetry": {"backend": "off"}}, "web": {"enabled": False}, **over}
+            "warm_trainer": True, "devices": [0],
+            "power": {"telemetry": {"backend": "simulated", "simulated_gpus": 1, "interval_s": 5.0}},
+            "gpu_health": {"interval_s": 0.2, "recover_s": 0.5, "fault_window_s": 2.0},
+            "web": {"enabled": False}, **over}
 
 
 def default_specs(models: Path, families: list[str]) -> dict[str, dict[str, Any]]:
@@ -266,7 +272,8 @@ class Soak:
     def recover(self, rec: dict[str, Any], t0: float, t_from: float) -> None:
         """Wait for the next training step (any job's) after the fault: when the fault killed the running job's
         trainer, its next trainer's first step. The steps that job redid; a committed checkpoint it lost."""
-        job = rec["job"] if rec.get("kills") and (rec.get("pids") or rec["kind"] == "power_cut") else None
+        job = rec["job"] if rec.get("kills") and (rec.get("pids") or rec.get("gpu_killed")
+                                                  or rec["kind"] == "power_cut") else None
         deadline = time.monotonic() + 300
         while True:
             self.world.check_alive()

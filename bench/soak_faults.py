@@ -22,8 +22,11 @@ from tests.helpers.daemon import cli_in_process
 # Relative weights: kills and cuts are what a flaky machine does most; each kind is drawn at least a few times
 # in the short soak's 25.
 KINDS = {"kill_trainer": 3, "kill_daemon": 2, "kill_both": 2, "hang": 1, "power_cut": 2, "full_disk": 1,
-         "corrupt_checkpoint": 1, "inbox_garbage": 1, "socket_abuse": 1, "cli": 3, "clock_jump": 1}
-NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint"}
+         "corrupt_checkpoint": 1, "inbox_garbage": 1, "socket_abuse": 1, "cli": 3, "clock_jump": 1,
+         # The GPU's own faults, on the soak's simulated GPU 0 (daemon/gpu_health/). Out of memory (issue 40's
+         # re-plan) is to join them here: "out_of_memory", with its function below the GPU faults.
+         "gpu_lost": 1, "xid": 1}
+NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint", "gpu_lost", "xid"}
 
 
 def kill_trainer(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
@@ -183,8 +186,51 @@ def clock_jump(w: World, rng: random.Random, running: str | None) -> dict[str, A
     return {"by_s": by, "offset_s": w.clock_jump(by), "kills": False, "disrupts": False}
 
 
+# ------------------------------------------------------------------ the GPU's own faults (simulated GPU 0)
+def gpu_lost(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """GPU 0 falls off the bus for a while, then comes back (a driver reload): its trainer is killed, the job waits
+    as waiting_for_gpu without a crash counted, and resumes once the GPU has read clean for gpu_health.recover_s."""
+    hold = round(rng.uniform(0.5, 2.0), 2)
+    return _gpu_fault(w, running, {"lost": True}, hold)
+
+
+def xid(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """One fatal Xid (79, fallen off the bus) on GPU 0: quarantined, its job waits and resumes by itself (one fault
+    within the soak's short gpu_health.fault_window_s never holds the GPU for a human to clear)."""
+    w.xids.append(79)
+    return _gpu_fault(w, running, {"xid": list(w.xids)}, 0.0)
+
+
+def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float) -> dict[str, Any]:
+    before = next((j for j in w.jobs() if j["id"] == running), None)
+    t0 = time.monotonic()
+    w.set_gpu_faults({"0": fault})
+    try:
+        # The trainer's exit as the daemon recorded it: waiting_for_gpu, or the job finished just before.
+        deadline = time.monotonic() + 30
+        while (ev := w.tail(running).first("trainer_exited", t0 - 0.001) if running else None) is None:
+            if time.monotonic() > deadline:
+                raise SoakFailure(f"GPU fault {fault}: job {running}'s trainer did not stop within 30 s")
+            time.sleep(0.05)
+            w.tail(running).poll()
+        time.sleep(hold)
+    finally:
+        w.set_gpu_faults({"0": {"xid": list(w.xids)}})  # healthy again (Xids delivered stay delivered)
+    state = ev[1].get("state")
+    if state not in ("waiting_for_gpu", "succeeded"):
+        raise SoakFailure(f"GPU fault {fault}: job {running} went {state}, not waiting_for_gpu")
+    after = next((j for j in w.jobs() if j["id"] == running), None)
+    if before and after and after["retries"] > before["retries"]:
+        raise SoakFailure(f"GPU fault {fault}: job {running} was counted as crashed ({before['retries']} → "
+                          f"{after['retries']})")
+    # kills: the daemon killed the trainer (SIGKILL: nothing on a lost GPU can be saved), so its steps since the
+    # newest checkpoint are redone, and the recovery is its next trainer's first step.
+    return {"state": state, "hold_s": hold, "gpu_killed": state == "waiting_for_gpu",
+            "kills": state == "waiting_for_gpu", "disrupts": True}
+
+
 FAULTS = {f.__name__: f for f in (kill_trainer, kill_daemon, kill_both, hang, power_cut, full_disk,
-                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump)}
+                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump, gpu_lost, xid)}
 assert set(FAULTS) == set(KINDS)
 
 

@@ -108,6 +108,13 @@ class World:
         shim.mkdir(exist_ok=True)
         (shim / "sitecustomize.py").write_text(CLOCK_SHIM)
         self.config_path = self.root / "daemon.yaml"
+        # The simulated GPU's faults (bench/soak_faults.py: gpu_lost, xid), outside the power-cut file system.
+        self.gpu_faults = self.root / "gpu-faults.json"
+        self.xids: list[int] = []  # every Xid raised so far: the simulated device delivers the new ones
+        self.set_gpu_faults({})
+        telemetry = config.get("power", {}).get("telemetry", {})
+        if telemetry.get("backend") == "simulated":
+            telemetry["simulated_faults"] = str(self.gpu_faults)
         self.config_path.write_text(yaml.safe_dump({**config, "socket": str(self.sock)}))
         self.env = {**env, "LORAD_SOAK_CLOCK_FILE": str(self.clock_file),
                     "PYTHONPATH": os.pathsep.join([str(shim), str(REPO), env.get("PYTHONPATH", "")])}
@@ -117,6 +124,11 @@ class World:
         self.full_hold_s = (1.0, 5.0)  # how long a full disk lasts, drawn from this range
         self.cut_after_commit = 0.5  # how often a power cut waits for the running trainer's next commit
         self.tails: dict[str, Tail] = {}
+
+    def set_gpu_faults(self, faults: dict[str, Any]) -> None:
+        tmp = self.gpu_faults.with_suffix(".tmp")
+        tmp.write_text(json.dumps(faults))
+        os.replace(tmp, self.gpu_faults)  # the daemon never reads half a file
 
     # ------------------------------------------------------------------ the daemon
     def start(self) -> None:

@@ -103,10 +103,17 @@ class Exports(_Msg):
     step: int | None = Field(None, ge=0, le=99_999_999)  # checkpoint directories name 8 digits
 
 
+class Gpu(_Msg):
+    """`lorad gpu`: each GPU's health (daemon/gpu_health/); `lorad gpu clear N` first forgets GPU N's faults, so
+    that a GPU held out after repeated faults is scheduled again."""
+    verb: Literal["gpu"] = "gpu"
+    clear: int | None = Field(None, ge=0, le=63)
+
+
 # A new verb: a request class above, added here, its reply model in REPLY_TYPES below, and a handler in
 # daemon/service/handlers.py.
 REQUEST_TYPES: list[type[_Msg]] = [Ping, Submit, Status, Logs, Pause, Resume, Cancel, Retry, SetPriority, Drain, Power,
-                                   WebUrl, Exports]
+                                   WebUrl, Exports, Gpu]
 Request = Annotated[Union[tuple(REQUEST_TYPES)], Field(discriminator="verb")]  # type: ignore[valid-type]
 REQUEST = TypeAdapter(Request)
 VERBS = {m.model_fields["verb"].default for m in REQUEST_TYPES}
@@ -147,7 +154,9 @@ class JobRow(BaseModel):
     requested: str | None = None
     retries: int = 0
     wait_bytes: int | None = None  # waiting: the free space it needs
+    gpu_note: str | None = None  # what the daemon decided about its GPU memory (gpu_memory_policy), if anything
     mirror: MirrorLag | None = None  # a mirrored job's lag
+    memory_plan: str | None = None  # the last attempt's memory plan in words (engine/memory_plan/)
 
 
 class Attempt(BaseModel):
@@ -174,6 +183,8 @@ class JobDetail(JobRow):
     events: list[dict[str, Any]] = []
     samples_step: int | None = None  # the newest step with rendered sample images (Flux jobs)
     samples: list[str] = []  # their PNG paths
+    imported_from: str | None = None  # another trainer's config it was imported from (ai-toolkit, kohya, ...)
+    not_carried_over: list[str] = []  # what of that config lorad did not carry over, and why
 
 
 class Reply(_Msg):
@@ -245,6 +256,7 @@ class QueueReply(_Data):
     rejected_dir: str = "rejected"
     inbox_stuck: list[dict[str, Any]] = []
     inbox_retry_s: Number | None = None
+    gpus: list[dict[str, Any]] = []  # each GPU's health (daemon/gpu_health/verdict.py: GpuVerdict.view)
 
 
 class JobStatusReply(_Data):
@@ -311,13 +323,26 @@ class ExportsReply(_Data):
     state: str
     steps: list[SavedStep]  # newest first
 
+    @classmethod
+    def of(cls, job: str, state: str, saved: list[Any]) -> ExportsReply:
+        """From disk_progress.saved_exports' checkpoints (the daemon's answer and the daemon-less read alike)."""
+        return cls(job=job, state=state, steps=[
+            SavedStep(step=c.step, path=str(c.path), files=[ExportFile(name=f.name, size=f.size, sha256=f.sha256)
+                                                            for f in c.exports]) for c in saved])
+
+
+class GpuReply(_Data):
+    gpus: list[dict[str, Any]]  # each GPU's health (daemon/gpu_health/verdict.py: GpuVerdict.view)
+    cleared: int | None = None  # the GPU `clear` named
+    message: str = ""  # what clearing did: scheduled again, or still out (a lost GPU stays out until it is back)
+
 
 # Each request type's reply type; `status` answers the queue or one job.
 StatusReply = QueueReply | JobStatusReply
 REPLY_TYPES: dict[type[_Msg], Any] = {
     Ping: PingReply, Submit: SubmitReply, Status: StatusReply, Logs: LogsReply, Pause: JobActionReply,
     Resume: JobActionReply, Cancel: JobActionReply, Retry: JobActionReply, SetPriority: PriorityReply,
-    Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply, Exports: ExportsReply,
+    Drain: DrainReply, Power: PowerReply, WebUrl: WebUrlReply, Exports: ExportsReply, Gpu: GpuReply,
 }
 _REPLY_ADAPTERS = {req: TypeAdapter(reply) for req, reply in REPLY_TYPES.items()}
 

@@ -1,7 +1,7 @@
 """What the engine raises across modules, in one place that imports nothing.
 
 engine/recipe.py (train) turns each into an exit code: JobInvalid and ConfigMismatch → 65
-(never retried), DiskError → 74 (retried after backoff). The thin client
+(never retried), DiskError → 74 (retried after backoff), OutOfMemory → 69 (the daemon re-plans memory). The thin client
 imports this module too, so it must stay free of torch and of the rest of the
 engine.
 """
@@ -23,3 +23,12 @@ class NewerCheckpoint(ConfigMismatch):
 
 class DiskError(Exception):
     """A checkpoint or output could not be written (disk full, read-only, ...)."""
+
+
+class OutOfMemory(Exception):
+    """The GPU ran out of memory in a phase (load, step, validation, sample); nothing of that phase was committed.
+    The engine exits 69 on it, with the plan it ran under, so the daemon can re-plan (engine/memory_plan/)."""
+
+    def __init__(self, phase: str, step: int, message: str, needed: int | None, plan: dict | None):
+        super().__init__(message)
+        self.phase, self.step, self.needed, self.plan = phase, step, needed, plan

@@ -6,7 +6,7 @@ torchrun (torch.distributed.run: its elastic agent, rendezvous and restarts)
 starts and watches the ranks; this module adds only what the daemon's
 contract with a trainer needs and torchrun does not give:
 
-- One exit code for the job (0, 65, 74, 75, or a crash): torchrun reports any
+- One exit code for the job (0, 65, 69, 74, 75, or a crash): torchrun reports any
   non-zero rank as a failure and exits 1, which would turn a clean stop (75)
   or an invalid job (65) into a crash to retry.
 - Signals reach every rank. torchrun starts each rank in a session of its own,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from engine.distributed.liveness import LAUNCHER_PID
 from engine.imports import unwalked_imports
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED
+from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_STOPPED
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
@@ -44,7 +44,7 @@ def job_exit_code(rank_codes: dict[int, int], first_failed: int | None = None) -
     with the code of the rank that failed first.
     """
     codes = set(rank_codes.values())
-    for verdict in (EXIT_INVALID, EXIT_IO):
+    for verdict in (EXIT_INVALID, EXIT_IO, EXIT_OUT_OF_MEMORY):
         if verdict in codes:
             return verdict
     if codes <= {EXIT_OK}:

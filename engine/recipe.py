@@ -22,7 +22,7 @@ from engine.checkpoint.cadence import SaveCadence
 from engine.checkpoint.exports import CheckpointExports, export_meta
 from engine.checkpoint.output import export_output, output_step
 from engine.checkpoint.position import Position
-from engine.checkpoint.saving import commit_now, save_if_due
+from engine.checkpoint.saving import commit_now, record_saves, save_if_due
 from engine.checkpoint.state import restore_checkpoint, snapshot
 from engine.checkpoint.store import CheckpointStore, Snapshot
 from engine.checkpoint.writer import AsyncCheckpointer
@@ -43,13 +43,15 @@ from engine.distributed.fsdp import (
     load_shards,
     rng_snapshot,
 )
-from engine.errors import ConfigMismatch, DiskError, JobInvalid
+from engine.errors import DiskError, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
 from engine.frozen_base.compiling import TEXT_MULTIPLE, Compiler, start_compiler
 from engine.frozen_base.prefetch import Prefetcher
-from engine.frozen_base.speedups import apply_train_speedups
+from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
+from engine.memory_plan.setup import AttemptMemory, MemoryPlan, load_planned, micro_batch, samples_config
+from engine.report import failures
 from engine.report.events import EventLog
 from engine.report.progress import make_progress
 from engine.report.quiet import quiet_libraries, warnings_to_events
@@ -64,7 +66,7 @@ from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
 from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
 from engine.training.rng import seed_everything
-from engine.training.stop import EXIT_INVALID, EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
+from engine.training.stop import EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
 from engine.version import lorad_version
 
 VERSION = lorad_version()
@@ -93,25 +95,8 @@ def train(cfg: JobConfig, workdir: Path, progress: str = "json", fs: FileLayer |
             return _train(cfg, workdir, progress, fs, stop, log)
         with warnings_to_events(log):  # a terminal: lorad's own lines only
             return _train(cfg, workdir, progress, fs, stop, log)
-    except (JobInvalid, ConfigMismatch) as e:
-        log.error("invalid_job", message=str(e))
-        say(f"lorad: invalid job: {e}" if isinstance(e, JobInvalid) else f"lorad: {e}")
-        return EXIT_INVALID
-    except DiskError as e:
-        log.error("disk_error", message=str(e))
-        say(f"lorad: {e}")
-        return EXIT_IO
-    except OSError as e:
-        if is_disk_full(e):  # outside the checkpoint writer: the latent cache, sample images, the export
-            msg = f"disk full ({e.filename or workdir}); committed checkpoints are intact — free space and run again"
-            log.error("disk_error", message=msg)
-            say(f"lorad: {msg}")
-            return EXIT_IO
-        if (why := hub_refusal(e, cfg)) is None:
-            raise
-        log.error("invalid_job", message=why)
-        say(f"lorad: invalid job: {why}")
-        return EXIT_INVALID
+    except Exception as e:  # its exit code and one line (engine/report/failures.py); a crash is raised again
+        return failures.exit_code(e, log, workdir, progress == "json", lambda err: hub_refusal(err, cfg))
     finally:
         log.close()
 
@@ -139,6 +124,10 @@ def _train(cfg: JobConfig, workdir: Path, progress: str, fs: FileLayer, stop: St
         if run.ranks.is_main or loop.saver.collective:
             commit_now(at.step, loop.saver, loop.cadence, loop.checkpoint, log, loop.board, phase="final_checkpoint")
         run.ranks.barrier()
+    except torch.OutOfMemoryError as e:
+        record_saves(loop.saver.wait(), loop.cadence, loop.saver.store, log, loop.board)  # a whole earlier step
+        raise OutOfMemory(loop.phase, at.step + (loop.phase == "step"), first_line(e), needed_bytes(e),
+                          run.plan.report()) from None
     finally:
         loop.close()
 
@@ -167,13 +156,16 @@ class Run:
     optimizer: torch.optim.Optimizer
     ema: AdapterEMA | None
     store: CheckpointStore
-    compiler: Compiler | None = None  # train.compile: the cache it started from, saved after steps that compiled
+    plan: MemoryPlan  # this attempt's memory plan (engine/memory_plan/): where bytes live, never the numerics
+    floor: AttemptMemory  # what the daemon asked of this attempt after an out-of-memory
+    compiler: Compiler | None = None  # compile: the cache it started from, saved after steps that compiled
 
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     world = world_from_env()  # torchrun's; one process without it
+    floor, micro = micro_batch(cfg, world.size, log)  # after an out-of-memory, the daemon's floors
     # Before any rank waits on another: a global batch this world size cannot keep is refused at once (exit 65).
-    share = BatchShare(world, cfg.train.batch_size, plan_grad_accum(cfg.global_batch(), cfg.train.batch_size, world.size))
+    share = BatchShare(world, micro, plan_grad_accum(cfg.global_batch(), micro, world.size))
     ranks = Ranks.start(world, cfg.train.sharding)
     ranks.check_same_job(VERSION, cfg.identity_hash())
     ranks.check_shared_dir(workdir)
@@ -189,16 +181,17 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     with ranks.main_first():  # one-off work on shared files (caches, built-in models): rank 0 first, then the rest
         family.prepare(cfg, workdir, log)
     dataset = family.build_dataset(cfg, workdir, log)
-    compiler = start_compiler(cfg, workdir, device, log, saves=world.is_main)  # None unless compiling here
-    if compiler is not None and hasattr(family, "bound_shapes"):
-        family.bound_shapes(TEXT_MULTIPLE)  # a few text lengths, not one compile per caption length
     validation = family.validation_set(cfg, workdir, log) if cfg.data.validation is not None else None
     generator = seed_everything(cfg.train.seed)
 
     # -- model and optimizer
     log.info("phase", phase="load_model")
-    model = family.load_model(cfg, workdir, device, log)
-    apply_train_speedups(model, cfg.train, device, log, compiler and compiler.state)  # blocks_to_swap, compile
+    model, plan = load_planned(family, cfg, workdir, device, floor, share.batch_size, share.grad_accum, log)
+    compiler = None
+    if plan.compile:  # the compile cache loaded before the first step; a few text lengths, not one compile each
+        compiler = start_compiler(cfg, workdir, device, log, saves=world.is_main)
+        if hasattr(family, "bound_shapes"):
+            family.bound_shapes(TEXT_MULTIPLE)
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -209,7 +202,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
         say(f"lorad: warning: {advice}")
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
-               store, compiler)
+               store, plan, floor, compiler)
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:
@@ -268,10 +261,13 @@ class Loop:
         self.bar = make_progress(progress, total=cfg.train.steps, start=at.step)
         # On a GPU the batch at the next cursor is built and copied on a side stream while this step's kernels
         # run; on the CPU a passthrough.
-        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, cfg.train.batch_size
+        pick, seed, micro = sample_log(run.dataset.indices_at, run.world), cfg.train.seed, run.share.batch_size
         self.batches = Prefetcher(lambda cursor: run.dataset.collate(pick(seed, cursor, micro)), run.device)
         self.step_times: list[float] = []
         self.exports = CheckpointExports(run.family, run.model, cfg, len(run.dataset))  # each save's user files
+        # What the loop is doing, for an out-of-memory's report: step, validation, sample, save (the final one too).
+        self.phase = "step"
+        self.sample_cfg = samples_config(cfg, run.plan)  # none due when an out-of-memory re-plan skipped them
 
     def checkpoint(self) -> Snapshot:
         run, at = self.run, self.at
@@ -288,8 +284,9 @@ class Loop:
         # samples or save is seen here, before another step.
         while at.step < self.cfg.train.steps and not run.ranks.agree(stop.requested)[0]:
             t0 = time.monotonic()
+            self.phase = "step"
             loss, lr, grad_norm = train_step(run.family, self.model, run.optimizer, run.params, self.batches, at,
-                                             self.cfg, run.share, run.ranks)
+                                             self.cfg, run.share, run.ranks, run.floor.level())
             at.step += 1
             if run.ema is not None:
                 run.ema.update(at.step)
@@ -303,7 +300,9 @@ class Loop:
             if not run.ranks.is_main and not self.saver.collective:  # rank 0 alone renders and writes checkpoints
                 continue
             if not stopping and run.ranks.is_main:
+                self.phase = "sample"
                 self.render_samples()
+            self.phase = "save"
             save_if_due(at.step, urgent, self.saver, self.cadence, self.checkpoint, self.log, self.board)
 
     def report(self, loss: float, lr: float, grad_norm: torch.Tensor | None, seconds: float) -> None:
@@ -322,6 +321,7 @@ class Loop:
 
     def validate(self) -> None:
         run, step = self.run, self.at.step
+        self.phase = "validation"
         with eval_weights(run.optimizer, run.params), run.ema.swapped_in() if run.ema is not None else nullcontext():
             val_loss, n = evaluate(run.family, run.model, run.validation, self.cfg, run.device, run.ranks, self.log,
                                    step)
@@ -332,14 +332,14 @@ class Loop:
     def render_samples(self) -> None:
         """The family's end-of-step work (samples, when due); rendering could outlast the stop grace period."""
         run, step = self.run, self.at.step
-        samples = sample_due(self.cfg, step)
+        samples = sample_due(self.sample_cfg, step)
         if samples:
             # Committed before the samples render: a render that is killed (a hang, an OOM) never costs the step,
             # and the retry goes on past it.
             commit_now(step, self.saver, self.cadence, self.checkpoint, self.log, self.board)
         with eval_weights(run.optimizer, run.params) if samples else nullcontext(), \
                 run.ema.swapped_in() if run.ema is not None and samples else nullcontext():
-            run.family.on_step_end(run.model, step, self.cfg, self.workdir, self.log)
+            run.family.on_step_end(run.model, step, self.sample_cfg, self.workdir, self.log)
         if self.board is not None and samples:
             self.board.images(step, sorted((self.workdir / "samples" / f"step-{step:08d}").glob("*.png")))
 
@@ -352,7 +352,7 @@ class Loop:
 
 
 def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at: Position, cfg: JobConfig,
-               share: BatchShare, ranks: Ranks) -> tuple[float, float, torch.Tensor | None]:
+               share: BatchShare, ranks: Ranks, replan_level: int = 0) -> tuple[float, float, torch.Tensor | None]:
     """One optimizer step over this rank's micro-batches of the global batch at `at.consumed` (advanced past it).
 
     Returns (loss over the whole global batch, lr, grad norm before clipping — None without train.max_grad_norm —
@@ -370,6 +370,8 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at
             with compute_autocast(cfg.model.dtype, cfg.lora.dtype, batches.device):
                 loss = family.loss(model, batch, seed_micro_batch(train.seed, at.step, pos)) / share.grad_accum
             loss.backward()
+        if k == 0:
+            debug_oom(at.step + 1, replan_level)  # tests: a real torch.OutOfMemoryError, gradients half accumulated
         # The next batch is collated and copied while the GPU works.
         batches.prefetch(mine[k + 1] if k + 1 < len(mine) else share.positions(at.consumed + share.global_batch)[0])
         part = loss.detach().double()  # summed in double, as float() and Python's sum did

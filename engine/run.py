@@ -6,8 +6,8 @@ is exactly how the daemon starts a trainer (engine.launch wraps it in torchrun f
 prints its progress as JSON lines on stdout, the heartbeats the daemon reads. The recipe itself is
 engine/recipe.py; nothing imports this module.
 
-Exit codes: 0 finished, 65 invalid job, 74 disk full / unwritable, 75 stopped
-cleanly after a checkpoint (resumable), anything else is a crash.
+Exit codes: 0 finished, 65 invalid job, 69 out of GPU memory (the daemon re-plans memory and resumes), 74 disk
+full / unwritable, 75 stopped cleanly after a checkpoint (resumable), anything else is a crash.
 """
 
 from __future__ import annotations

@@ -16,6 +16,13 @@ from typing import Any
 import pytest
 import yaml
 
+# The Triton kernels' tests (tests/**/test_*triton*.py) run them on the CPU through Triton's interpreter, which
+# triton chooses when it decorates a kernel, its own library's included, and peft and diffusers import triton
+# while tests are collected: so it is set here, first. Not where there is a GPU: there the kernels (ours and
+# inductor's) compile for it, and the same tests run on CUDA tensors.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Collection imports torch, transformers and diffusers (half a million objects, next to no garbage): the collector
 # stays off until they are frozen out of its reach (pytest_collection_finish).
 gc.disable()

@@ -25,6 +25,7 @@ CHILD = textwrap.dedent("""
     BLOCKED = set(sys.argv[1].split(","))
     sys.meta_path.insert(0, Refuse())
     import engine.config.job, engine.errors, engine.report.events, engine.training.stop
+    import engine.importers  # lorad import / check / submit of another trainer's config
     from engine.config.job import load_job
     for job in sys.argv[2:]:
         load_job(job)  # validation with its path checks: data folders, built-in model names

@@ -1,8 +1,10 @@
 """The `lorad` command line: the parser and one dispatch; each verb is one function in its own room.
 
-    daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url
+    daemon/client/verbs.py     ping submit status logs pause resume cancel retry priority drain power web-url gpu
     daemon/client/export.py           export
+    daemon/client/captions.py         captions (no daemon: the job directory's captions.json)
     daemon/client/foreground.py       run cache
+    daemon/client/importing.py        import check
     daemon/service/serve.py          serve
     daemon/system/install_service.py  install-service
     daemon/power/helper.py            power-helper (root, its own unit)
@@ -24,10 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
+from daemon.client.captions import add_parser as add_captions_parser
 from daemon.client.export import cmd_export
 from daemon.client.verbs import (
     cmd_cancel,
     cmd_drain,
+    cmd_gpu,
     cmd_logs,
     cmd_pause,
     cmd_ping,
@@ -70,6 +74,18 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from daemon.client.foreground import cmd_cache as cache
 
     return cache(args)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from daemon.client.importing import cmd_import as import_
+
+    return import_(args)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from daemon.client.importing import cmd_check as check
+
+    return check(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,7 +184,8 @@ def _job_file(text: str) -> str:
 
 
 def _local_verbs(sub) -> None:
-    """The verbs that run here, without the daemon's socket: run, cache, serve, install-service, power-helper."""
+    """The verbs that run here, without the daemon's socket: run, cache, import, check, serve, install-service,
+    power-helper."""
     p_ = sub.add_parser("run", help="train a job in the foreground; run again to resume")
     p_.add_argument("job", help="job YAML file")
     p_.add_argument("--home", help="lorad home directory (default: ~/.local/share/lorad)")
@@ -181,6 +198,19 @@ def _local_verbs(sub) -> None:
     p_.add_argument("--quiet", action="store_true", help="no progress bar")
     p_.add_argument("--config", help="daemon config YAML whose cache_max_bytes applies (as to the daemon's jobs)")
     p_.set_defaults(fn=cmd_cache, needs_training_stack=True)
+
+    p_ = sub.add_parser("import", help="turn another trainer's config (ai-toolkit, kohya/musubi, OneTrainer, "
+                                       "SimpleTuner, diffusion-pipe) into a lorad job file")
+    p_.add_argument("file", help="the config: YAML, TOML, JSON or a saved command line")
+    p_.add_argument("--dataset", metavar="FILE", help="its dataset file (kohya/musubi or diffusion-pipe dataset "
+                                                      "TOML, SimpleTuner backends JSON, OneTrainer concepts JSON)")
+    p_.add_argument("--to", metavar="JOB.yaml", help="write the job here (default: print it)")
+    p_.set_defaults(fn=cmd_import)
+
+    p_ = sub.add_parser("check", help="validate a job and say what it will do (no daemon needed)")
+    p_.add_argument("job", help="job YAML file (or another trainer's config)")
+    p_.add_argument("--json", action="store_true", help="the report as JSON")
+    p_.set_defaults(fn=cmd_check)
 
     p_ = sub.add_parser("serve", help="run the daemon (inbox, queue, supervised trainers, socket API)")
     p_.add_argument("--home", help="lorad home directory")
@@ -199,6 +229,7 @@ def _local_verbs(sub) -> None:
     p_.add_argument("--socket", default="/run/lorad-power/lorad-power.sock")
     p_.add_argument("--state", default="/var/lib/lorad-power/changed.json", help="the GPUs it changed (root only)")
     p_.add_argument("--simulated", type=int, default=0, metavar="N", help="N simulated GPUs instead of NVML (tests)")
+    p_.add_argument("--config", help="the daemon config whose `devices` are the only GPUs it caps (default: every one)")
     p_.set_defaults(fn=cmd_power_helper)
 
 
@@ -255,8 +286,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_.add_argument("--to", metavar="DIR", help="where to copy the files (default: ./ID-step-N/)")
     p_.add_argument("--force", action="store_true", help="overwrite files already in DIR")
     p_.set_defaults(fn=cmd_export)
+    add_captions_parser(sub, common)
     p_ = sub.add_parser("web-url", parents=[common], help="the dashboard's address, with its token (open it once)")
     p_.set_defaults(fn=cmd_web_url)
+    p_ = sub.add_parser("gpu", parents=[common], help="each GPU's health; `gpu clear N` takes back a GPU held out")
+    p_.set_defaults(fn=cmd_gpu)
+    gsub = p_.add_subparsers(dest="gpu_action", required=False, metavar="ACTION")
+    p_ = gsub.add_parser("clear", parents=[common], help="forget GPU N's faults and schedule it again")
+    p_.add_argument("gpu", type=_int_in(p.Gpu, "clear"), metavar="N", help="the GPU's NVML index")
+    p_.set_defaults(fn=cmd_gpu)
     return ap
 
 

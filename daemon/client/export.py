@@ -6,6 +6,11 @@ sha256 (the `exports` verb). Without --step the steps are listed; with it each f
 fsynced: a copy cut short leaves no file under a final name. Files already in DIR are refused before anything
 is copied, unless --force. The checkpoint's files are opened by descriptor, never through a symlink (the trainer
 user writes the job directory). A checkpoint pruned (checkpoint.keep) is no longer offered.
+
+With no daemon serving the home (a job trained with `lorad run`, or the daemon stopped), the same listing is
+read straight from HOME/jobs/ID with the same checks: committed checkpoints only, sha256 verified while
+copying, no symlink followed, atomic writes. A daemon that answers is always asked first: it knows the job's
+state and resolves id prefixes against its store.
 """
 
 from __future__ import annotations
@@ -18,15 +23,20 @@ import secrets
 from pathlib import Path
 
 from daemon import protocol as p
+from daemon.client.connection import DaemonDown
 from daemon.client.verbs import call, fail, out
-from daemon.supervisor.disk_progress import open_export
+from daemon.supervisor.disk_progress import open_export, saved_exports
+from daemon.system.paths import default_home
 from engine.storage.fsio import RealFs, ensure_dir_durable
 
 CHUNK = 1 << 20
 
 
+ON_DISK = "on disk, no daemon"  # the state shown when the listing was read from the job directory
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    reply = p.ExportsReply.model_validate(call(args, p.Exports(job=args.job, step=args.step)))
+    reply = _listing(args)
     if args.step is None:
         return out(args, reply.model_dump(), lambda d: _print_steps(reply))
     saved = reply.steps[0]
@@ -51,6 +61,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         print(f"job {reply.job} step {saved.step}: {len(saved.files)} file(s) copied to {dest}")
     return 0
+
+
+def _listing(args: argparse.Namespace) -> p.ExportsReply:
+    try:
+        return p.ExportsReply.model_validate(call(args, p.Exports(job=args.job, step=args.step)))
+    except DaemonDown:
+        if getattr(args, "socket", None) or os.environ.get("LORAD_SOCKET"):
+            raise  # a socket named on purpose: that daemon was wanted, not the files of some home
+        home = Path(args.home) if getattr(args, "home", None) else default_home()
+        try:
+            job, workdir = local_job(home, args.job)
+        except p.ProtocolError as e:
+            raise p.ProtocolError(e.code, f"the daemon is not running, and {e.message}") from None
+        try:
+            saved = saved_exports(workdir, args.step)
+        except LookupError as e:
+            raise p.ProtocolError("not_found", f"job {job} {e}") from None
+        return p.ExportsReply.of(job, ON_DISK, saved)
+
+
+def local_job(home: Path, ref: str) -> tuple[str, Path]:
+    """HOME/jobs/REF, or the one job directory whose name starts with REF; never through a symlink."""
+    jobs = home / "jobs"
+    try:
+        names = sorted(e.name for e in os.scandir(jobs) if e.is_dir(follow_symlinks=False))
+    except OSError:
+        names = []
+    match = [ref] if ref in names else [n for n in names if n.startswith(ref)]
+    if len(match) != 1:
+        which = "no job" if not match else f"{len(match)} jobs ({', '.join(match[:6])})"
+        raise p.ProtocolError("not_found", f"{jobs} holds {which} named {ref!r}")
+    return match[0], jobs / match[0]  # open_export reaches its files by descriptor, never through a symlink
 
 
 class _Mismatch(Exception):

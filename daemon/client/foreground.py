@@ -19,11 +19,14 @@ from daemon.system.paths import default_home, job_dir
 
 def _local_job(args: argparse.Namespace):
     """(job config, its workdir under --home) for the verbs that work without a daemon; None after saying why."""
+    from daemon.client.verbs import local_import
     from engine.config.job import load_job
     from engine.errors import JobInvalid
 
     try:
-        cfg = load_job(args.job)
+        # another trainer's config runs as the job it imports to (engine/importers/)
+        _, cfg = local_import(Path(args.job), check_paths=True)
+        cfg = cfg or load_job(args.job)
     except JobInvalid as e:
         print(f"lorad: invalid job: {e}", file=sys.stderr)
         return None

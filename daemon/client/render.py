@@ -2,6 +2,10 @@
 inbox files, log lines. Plain functions of the reply's data, read through its reply model (daemon/protocol.py);
 its JSON form is printed as is with --json.
 
+Every string in a reply may come from a job file, a trainer's events, a mirror key or a remote: each goes
+through `term_safe` before it reaches the terminal (an ESC sequence could retitle the window, hide lines or
+forge output), as the dashboard escapes it for HTML.
+
 Only rich and the standard library: the client verbs import this on machines without the training stack.
 """
 
@@ -20,6 +24,18 @@ from daemon.system.eta import fmt_eta
 COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA", "NOTE")
 
 
+def _escaped(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def term_safe(text: Any) -> str:
+    """`text` as plain characters: every control character (ESC, BEL, CR, newlines, C1, DEL) and every invisible
+    format character (bidi overrides, zero widths) written out as its escape (\\x1b), never sent raw."""
+    s = str(text)
+    return s if s.isprintable() else "".join(c if c.isprintable() else _escaped(c) for c in s)
+
+
 def num(v: Any, fmt: str = "{}") -> str:
     """A value as the tables show it: `-` when there is none."""
     return "-" if v is None else fmt.format(v)
@@ -31,7 +47,7 @@ def when(t: float | None) -> str:
 
 def shorten(text: str, width: int) -> str:
     """One line of at most `width` characters, cut at a word boundary with an ellipsis."""
-    text = " ".join(str(text).split())
+    text = term_safe(" ".join(str(text).split()))
     if len(text) <= width:
         return text
     cut = text[: width - 1]
@@ -67,6 +83,8 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
         note = j.requested and f"{j.requested} requested" or (j.last_error or "")
         if j.state == "waiting":
             note = f"waiting: {waiting_note(j.wait_bytes)}"
+        if j.gpu_note and j.state in ("queued", "running"):  # gpu_memory_policy: what was decided
+            note = f"{note}; {j.gpu_note}" if note else j.gpu_note
         if j.state in ("succeeded", "cancelled"):
             note = ""
         if j.mirror is not None and (m := mirror_note(j.state, j.mirror)):
@@ -77,6 +95,7 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
                      f"{j.val_loss:.4f}" if j.val_loss is not None else "-",
                      f"{j.s_per_step:.3f}" if j.s_per_step else "-",
                      fmt_eta(j.eta_s) if j.state == "running" else "-", note])
+    rows = [[term_safe(v) for v in r[:-1]] + [r[-1]] for r in rows]  # the note is escaped by shorten
     columns, val = COLUMNS, COLUMNS.index("VAL")
     if all(r[val] == "-" for r in rows):  # no job validates (data.validation): no VAL column taking the note's room
         columns = tuple(c for c in COLUMNS if c != "VAL")
@@ -101,9 +120,31 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
     if q.draining:
         c.print("[bold]draining[/]: no job starts until `lorad drain --off`")
     for n in q.notes:
-        c.print(f"note: {n}", markup=False, highlight=False)
+        c.print(f"note: {term_safe(n)}", markup=False, highlight=False)
+    print_gpus(q)
     print_stuck(q, width)
     print_rejections(q, width)
+
+
+def gpu_line(g: dict[str, Any]) -> str:
+    """One GPU's health: state (and why), slowdown, and the VRAM other programs hold."""
+    head = f"GPU {g['gpu']}: {g['state']}"
+    if g["state"] != "ok":
+        head += f" ({g.get('reason')})" + ("; `lorad gpu clear " + str(g["gpu"]) + "` to take it back"
+                                           if g["state"] == "held" else "; taken back when it reads healthy")
+    if g.get("slowdown"):
+        head += f"; {' and '.join(g['slowdown'])} slowdown"
+    if g.get("foreign_gb"):
+        head += (f"; other programs hold {g['foreign_gb']:.1f} of {g['memory_total_gb']:.1f} GiB "
+                 f"({g.get('foreign_processes', 0)} process(es))")
+    return head
+
+
+def print_gpus(data: dict[str, Any] | p.QueueReply) -> None:
+    """`lorad status`: GPUs that are out, slowing down or shared with other programs (healthy idle ones: silent)."""
+    for g in _queue(data).gpus:
+        if g.get("state") != "ok" or g.get("slowdown") or g.get("foreign_gb"):
+            print(term_safe(gpu_line(g)))
 
 
 def print_stuck(data: dict[str, Any] | p.QueueReply, width: int) -> None:
@@ -115,11 +156,12 @@ def print_stuck(data: dict[str, Any] | p.QueueReply, width: int) -> None:
     every = q.inbox_retry_s
     print(f"inbox stuck: {len(stuck)} file(s) not taken yet, kept safe and retried"
           + (f" every {every:g} s:" if every else ":"))
-    name_w = max(len(s["file"]) for s in stuck)
+    name_w = max(len(term_safe(s["file"])) for s in stuck)
     for s in stuck:
-        head = f"  {s['file']:<{name_w}}  since {when(s['since'])}  "
+        head = f"  {term_safe(s['file']):<{name_w}}  since {when(s['since'])}  "
         print(head + shorten(s["error"], max(width - len(head), 30)))
-    print(f"  (waiting in {Path(stuck[0]['path']).parent}/; free the space or fix the cause and it goes through)")
+    print(f"  (waiting in {term_safe(Path(stuck[0]['path']).parent)}/; free the space or fix the cause and it "
+          "goes through)")
 
 
 def print_rejections(data: dict[str, Any] | p.QueueReply, width: int) -> None:
@@ -130,13 +172,13 @@ def print_rejections(data: dict[str, Any] | p.QueueReply, width: int) -> None:
         return
     hours = round(q.rejected_within_s / 3600)
     print(f"rejected inbox files (last {hours} h, newest first):")
-    name_w = max(len(r["file"]) for r in rej)
+    name_w = max(len(term_safe(r["file"])) for r in rej)
     for r in rej:
-        head = f"  {r['file']:<{name_w}}  {when(r['at'])}  "
+        head = f"  {term_safe(r['file']):<{name_w}}  {when(r['at'])}  "
         print(head + shorten(r["reason"], max(width - len(head), 30)))
     more = q.rejected_total - len(rej)
     print(f"  ({f'… and {more} more; ' if more > 0 else ''}"
-          f"each reason in full: {q.rejected_dir}/NAME.error.txt)")
+          f"each reason in full: {term_safe(q.rejected_dir)}/NAME.error.txt)")
 
 
 def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
@@ -150,14 +192,27 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
             ("last checkpoint", j.last_checkpoint or "-"), ("output", j.output or "-"),
             ("workdir", j.workdir), ("submitted", when(j.submitted_at)), ("source", num(j.source)),
             ("crashes in a row", j.retries)]
+    if j.imported_from:
+        rows.append(("imported", f"imported from {j.imported_from}; {len(j.not_carried_over)} settings not carried "
+                                 "over (lorad logs ID: the imported event)"))
     if j.not_before and j.not_before > time.time() and j.state == "queued":
         rows.append(("next try", when(j.not_before)))
     if j.state == "waiting":
         rows.append(("waiting", f"{waiting_note(j.wait_bytes)}; retried when the space is free"))
+    if j.state == "waiting_for_gpu":
+        rows.append(("waiting for GPU", f"{j.last_error or 'its GPU is out'}; queued again once a GPU is healthy"))
+    if j.gpu_note:
+        rows.append(("GPU memory", j.gpu_note))
     if j.requested:
         rows.append(("requested", j.requested))
     if j.last_error:
         rows.append(("last error", j.last_error))
+    if j.memory_plan:
+        rows.append(("memory plan", j.memory_plan))
+    for ev in (e for e in j.events if e.get("kind") == "oom_replan"):
+        oom = ev.get("data") or {}
+        rows.append(("out-of-memory", f"step {oom.get('step')} ({oom.get('phase')}): {oom.get('before')} → "
+                                      f"{oom.get('lever')}"))
     for ev in j.events:  # a block type that fell back to eager this job (engine/frozen_base/compiling.py)
         if ev.get("kind") == "compile_fallback":
             data = ev.get("data") or {}
@@ -174,13 +229,13 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
 
         rows += [("energy", line) for line in job_lines(d.power)]
     for k, v in rows:
-        print(f"{k:>17}: {v}")
+        print(f"{term_safe(k):>17}: {term_safe(v)}")
     print("attempts:")
     for a in j.attempts:
         end = when(a.ended_at) if a.ended_at else "running"
         print(f"  #{a.n:<3} {when(a.started_at)} → {end}  pid {num(a.pid)}  exit {num(a.exit_code)}  "
               f"steps {a.start_step}→{a.end_step if a.end_step is not None else '…'}"
-              + (f"  error: {a.error}" if a.error else ""))
+              + (f"  error: {term_safe(a.error)}" if a.error else ""))
 
 
 def mirror_note(state: str, m: p.MirrorLag, detail: bool = False) -> str:
@@ -215,4 +270,4 @@ def compact(v: Any) -> Any:
 def log_line(ev: dict[str, Any]) -> str:
     skip = {"ts", "level", "event", "job"}
     rest = " ".join(f"{k}={compact(v)}" for k, v in ev.items() if k not in skip)
-    return f"{ev.get('ts', '')[:19]} {ev.get('level', ''):7} {ev.get('event', '')} {rest}".rstrip()
+    return term_safe(f"{str(ev.get('ts', ''))[:19]} {ev.get('level', ''):7} {ev.get('event', '')} {rest}".rstrip())

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from daemon.config.cluster import ClusterSettings
+from daemon.config.gpu_health import GpuHealthSettings
 from daemon.config.mirrors import MirrorSettings
 from daemon.config.notify import NotifySettings
 from daemon.config.power import PowerSettings
@@ -42,6 +43,8 @@ class DaemonConfig(BaseModel):
     inbox_rescan_s: float = Field(10.0, gt=0, le=3600)  # a rescan catches what the watcher missed
     rejected_keep_days: float = Field(30.0, gt=0, le=36500)  # older rejections are removed from rejected/
     rejected_keep: int = Field(1000, ge=1, le=1_000_000)  # and all but the newest this many
+    # one job's path checks (reading what it names) end by this deadline, or it is rejected naming the path
+    intake_check_s: float = Field(30.0, gt=0, le=3600)
 
     # --- supervisor
     tick_s: float = Field(0.25, gt=0, le=10)
@@ -62,12 +65,20 @@ class DaemonConfig(BaseModel):
     trainer_user: str | None = None  # such a root daemon runs trainers as this user (else as root); else unused
     cache_max_bytes: int = Field(100 << 30, ge=0)  # HOME/cache's size limit (LRU eviction after a fill); 0: none
 
+    # VRAM other programs hold (daemon/gpu_health/): plan = start with the free memory as the job's budget
+    # (LORAD_VRAM_BUDGET_GB for the memory planner); wait = do not start until it is free
+    gpu_memory_policy: Literal["plan", "wait"] = "plan"
+    gpu_health: GpuHealthSettings = Field(default_factory=GpuHealthSettings)
+
     power: PowerSettings = Field(default_factory=PowerSettings)
     web: WebSettings = Field(default_factory=WebSettings)
     notify: NotifySettings = Field(default_factory=NotifySettings)
     cluster: ClusterSettings | None = None  # jobs that span machines (daemon/supervisor/cluster.py); none: refused at submit
     mirrors: dict[str, MirrorSettings] = Field(default_factory=dict)  # named off-box copies (daemon/mirror/)
     default_mirror: str | None = None  # the mirror of a job that names none (output.mirror); null: none
+    # Hub users/organisations a job's output.push_to_hub may name (the daemon's HF token writes only there); none:
+    # no job may push (daemon/mirror/hub.py)
+    hub_namespaces: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9][\w.-]{0,95}$")]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _default_mirror_named(self) -> DaemonConfig:
@@ -91,6 +102,17 @@ class DaemonConfig(BaseModel):
         if self.socket:
             return Path(self.socket)
         return socket_default(home)
+
+
+def check_hub_repo(repo: str, namespaces: list[str]) -> None:
+    """JobInvalid, in one line naming the key, unless REPO (USER/NAME) lies in one of `namespaces` (hub_namespaces:
+    where the daemon's Hub token may write)."""
+    from engine.errors import JobInvalid
+
+    if repo.partition("/")[0] not in namespaces:
+        allowed = f"hub_namespaces: {sorted(namespaces)}" if namespaces else "its hub_namespaces is empty"
+        raise JobInvalid(f"output.push_to_hub: {repo!r} is not in a namespace this daemon may push to ({allowed}; "
+                         f"the daemon's config decides where its Hub token writes)")
 
 
 def socket_default(home: Path) -> Path:

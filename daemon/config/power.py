@@ -29,6 +29,7 @@ class TelemetrySettings(_Strict):
     raw_retention_s: int = Field(3600, ge=60)  # full-rate rows kept this long, then folded into minute rows
     history_days: float = Field(30.0, gt=0)  # minute rows kept this long
     simulated_gpus: int = Field(1, ge=1, le=16)  # how many devices the simulated backend pretends to have
+    simulated_faults: str | None = None  # a JSON file of faults the simulated GPUs show (daemon/power/simulated.py)
 
 
 class CapsSettings(_Strict):

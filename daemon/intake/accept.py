@@ -26,17 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.config.daemon import DaemonConfig
+from daemon.config.daemon import DaemonConfig, check_hub_repo
+from daemon.intake.checks import PENDING, Checks
 from daemon.intake.job_file import read_job_file
+from daemon.intake.rejections import ERROR_SUFFIX, REJECTED_FILE_MODE, REJECTED_HEADER, capped
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.supervisor.cluster import check_submit
 from daemon.system.log import job_event
 from daemon.system.paths import JOB_DIR_MODE, JOB_FILE_MODE
 from daemon.system.safe_files import write_durable
+from engine.config.bounded import CheckTimedOut
 from engine.config.job import JobConfig, dump_job, parse_job
 from engine.config.reading import load_yaml_text
 from engine.errors import JobInvalid
+from engine.importers import Header, bounded_reader, detect, import_text, is_foreign_name, read_header
 from engine.storage.fsio import RealFs, ensure_dir_durable
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -53,6 +57,7 @@ class Outcome:
     rejected_path: Path | None = None
     same_name: list[dict[str, Any]] = field(default_factory=list)  # unfinished jobs that already had this name
     stuck: bool = False  # neither accepted nor rejected (error says why): kept in incoming/, retried later
+    pending: bool = False  # its check still runs (off the loop): kept in incoming/, asked again by poll_pending
 
 
 def ignored(name: str) -> bool:
@@ -66,6 +71,16 @@ def safe_name(name: str) -> str:
     return s or "job"
 
 
+def imported_text(text: str, name: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> str:
+    """Another trainer's config (engine/importers/) as the lorad job it imports to; a lorad job as it is.
+
+    The text was read bounded already; the side files an import names (a dataset TOML, ...) are read only inside
+    the allowed roots, bounded the same way."""
+    if detect(text, name) is None and not is_foreign_name(name):
+        return text  # a lorad job (or not a job at all: validate_text says why)
+    return import_text(text, name, base_dir, read=bounded_reader(cfg.job_policy(home).allows_path)).text
+
+
 def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, home: Path) -> JobConfig:
     """Everything a job must pass, in order of cost: size, YAML safety, daemon policy, roots, the engine's validator."""
     if len(text.encode("utf-8", errors="replace")) > cfg.max_job_file_bytes:
@@ -74,71 +89,20 @@ def validate_text(text: str, source: str, base_dir: Path, cfg: DaemonConfig, hom
     if not isinstance(raw, dict):
         raise JobInvalid(f"{source}: the job file must be a YAML mapping of sections (name, model, data, ...), "
                          f"got {type(raw).__name__}")
+    policy = cfg.job_policy(home)
     try:
-        cfg.job_policy(home).check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
+        policy.check(raw, base_dir)  # the trainer checks it again, on the job.yaml it runs
     except JobInvalid as e:
         raise JobInvalid(f"{source}: {e}") from None
     job = parse_job(raw, base_dir, source=source)
+    try:
+        policy.check_parsed(job)  # the switches as the validator read them ('true', 1, ...)
+    except JobInvalid as e:
+        raise JobInvalid(f"{source}: {e}") from None
     check_submit(job, cfg.cluster)  # a job that spans machines: this daemon's part must be able to run
+    if job.output.push_to_hub:  # only into the daemon config's hub_namespaces: its token writes there
+        check_hub_repo(job.output.push_to_hub, cfg.hub_namespaces)
     return job
-
-
-REJECTED_HEADER = "lorad rejected "
-REJECTED_FILE_MODE = 0o640  # rejected/NAME.error.txt: the socket group reads why
-ERROR_SUFFIX = ".error.txt"
-
-
-def recent_rejections(rejected: Path, now: float, within_s: float, most: int) -> tuple[list[dict[str, Any]], int]:
-    """The newest `most` rejections of the last `within_s` seconds, newest first, and how many there were in all.
-
-    Read back from rejected/NAME.error.txt (durable, so they survive a restart; deleting a file forgets it):
-    {"file": NAME, "at": when (the error file's mtime), "reason": its reason on one line, "error_file": path}.
-    Only regular files that start the way _reject writes them count; nothing is followed through a symlink.
-    """
-    found = []
-    try:
-        entries = list(os.scandir(rejected))
-    except OSError:
-        return [], 0
-    for e in entries:
-        if not e.name.endswith(ERROR_SUFFIX):
-            continue
-        try:
-            st = e.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode) and now - st.st_mtime <= within_s:
-            found.append((st.st_mtime, e))
-    found.sort(key=lambda t: (t[0], t[1].name), reverse=True)
-    out = []
-    for mtime, e in found:
-        if len(out) == most:
-            break
-        reason = _rejection_reason(Path(e.path))
-        if reason is not None:
-            out.append({"file": e.name[: -len(ERROR_SUFFIX)], "at": mtime, "reason": reason, "error_file": e.path})
-    return out, len(found)
-
-
-def _rejection_reason(path: Path) -> str | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        text = os.read(fd, 8192).decode("utf-8", errors="replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    header, _, body = text.partition("\n")
-    if not (header.startswith(REJECTED_HEADER) and header.endswith(":")):
-        return None  # not one of ours (a rejected file that happens to be called *.error.txt)
-    shown = header[len(REJECTED_HEADER):-1]
-    reason = " ".join(body.split())
-    return reason.removeprefix(f"{shown}: ") or "(no reason recorded)"
 
 
 class Intake:
@@ -164,6 +128,12 @@ class Intake:
             os.chmod(d, JOB_DIR_MODE)
         self._stuck: dict[str, dict[str, Any]] = {}  # path → {file, path, error, since, tries}
         self._stuck_lock = threading.Lock()  # `lorad status` reads it from a connection thread
+        # Every job's paths are checked in a worker with a deadline (daemon/intake/checks.py). check_wait_s: how
+        # long the caller of take()/recover() waits for one; None (the default) waits for the verdict, the
+        # service loop sets a short wait and collects the rest with poll_pending() on later ticks.
+        self.checks = Checks(cfg.intake_check_s, log)
+        self.check_wait_s: float | None = None
+        self._pending: dict[Path, tuple[str, str]] = {}  # claimed file → (its name, the text being checked)
 
     # ---------------------------------------------------------------- files that cannot be taken yet
     @property
@@ -256,16 +226,39 @@ class Intake:
         self._unstick(claimed)
         return out
 
+    def poll_pending(self) -> list[Outcome]:
+        """The files whose checks were still running: accepted or rejected once they have a verdict."""
+        return [self._process_claimed(claimed, name) for claimed, (name, _) in list(self._pending.items())]
+
     def _decide(self, claimed: Path, name: str) -> Outcome:
         display = safe_name(name)
         try:
-            if not SAFE_NAME.match(name):
-                raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' only, "
-                                 "starting with a letter or digit (no path separators or '..')")
-            if not name.endswith(JOB_SUFFIXES):
-                raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml)")
-            text = read_job_file(claimed, name, self.cfg, self.home)
-            job = validate_text(text, name, self.inbox, self.cfg, self.home)
+            if claimed in self._pending:  # asked again: the text read the first time is the one checked
+                text, wait = self._pending[claimed][1], 0.0
+            else:
+                if not SAFE_NAME.match(name):
+                    raise JobInvalid(f"file name {name!r} is not allowed: use letters, digits, '.', '_' and '-' "
+                                     "only, starting with a letter or digit (no path separators or '..')")
+                if not name.endswith(JOB_SUFFIXES) and not is_foreign_name(name):
+                    raise JobInvalid(f"{name}: not a job file (the name must end in .yaml or .yml, or .toml or "
+                                     ".json for another trainer's config)")
+                text, wait = read_job_file(claimed, name, self.cfg, self.home), self.check_wait_s
+
+            def check(text: str = text) -> tuple[str, JobConfig]:
+                # Another trainer's config is imported in the same worker: its side files are reads too.
+                text = imported_text(text, name, self.inbox, self.cfg, self.home)
+                return text, validate_text(text, name, self.inbox, self.cfg, self.home)
+
+            try:
+                verdict = self.checks.verdict(str(claimed), check, wait)
+            except CheckTimedOut as e:
+                raise JobInvalid(f"{name}: {e}") from None
+            finally:
+                self._pending.pop(claimed, None)
+            if verdict is PENDING:
+                self._pending[claimed] = (name, text)
+                return Outcome(name=name, pending=True)
+            text, job = verdict
         except JobInvalid as e:
             return self._reject(claimed, display, str(e))
         except Exception as e:  # noqa: BLE001 — a job file must never take the daemon down
@@ -277,6 +270,7 @@ class Intake:
         return Outcome(name=name, job_id=job_id, same_name=same)
 
     def _reject(self, claimed: Path, display: str, reason: str) -> Outcome:
+        reason = capped(reason)
         dest = self.rejected / display
         n = 1
         while os.path.lexists(dest) or os.path.lexists(dest.with_name(dest.name + ERROR_SUFFIX)):
@@ -308,11 +302,24 @@ class Intake:
         job whose checkpoint is still to be downloaded from a mirror (daemon/mirror/fetcher.py)."""
         if not SAFE_NAME.match(name):
             raise JobInvalid(f"file name {name!r} is not allowed (letters, digits, '.', '_', '-'; no path separators)")
-        job = validate_text(text, name, self.home, self.cfg, self.home)
+        text, job = self.validate(text, name)
         source = source or f"submit:{name}"
         job_id, same = self._accept(job, source, text, state)
         self.log.info("job_accepted", job=job_id, file=source)
         return Outcome(name=name, job_id=job_id, same_name=same)
+
+    def validate(self, text: str, name: str) -> tuple[str, JobConfig]:
+        """(the job's text, imported where it is another trainer's config; the validated job) for a job sent over
+        the socket (paths already absolute), in a worker with a deadline: the connection's thread waits at most
+        intake_check_s (daemon/intake/checks.py)."""
+        def check() -> tuple[str, JobConfig]:
+            imported = imported_text(text, name, self.home, self.cfg, self.home)
+            return imported, validate_text(imported, name, self.home, self.cfg, self.home)
+
+        try:
+            return self.checks.run(check)
+        except CheckTimedOut as e:
+            raise JobInvalid(f"{name}: {e}") from None
 
     def _accept(self, job: JobConfig, source: str, original: str,
                 state: str = states.QUEUED) -> tuple[str, list[dict[str, Any]]]:
@@ -336,12 +343,21 @@ class Intake:
             self._discard_partial(job_id, workdir)
             raise
         job_event(workdir, job_id, "accepted", file=source.split("-", 1)[-1] if source[:1].isdigit() else source)
+        if (header := read_header(original)) is not None:
+            self._imported(job_id, workdir, header)
         if same:
             ids = [j["id"] for j in same]
             self.log.warning("job_name_in_use", job=job_id, name=job.name, unfinished=ids)
             job_event(workdir, job_id, "name_in_use", level="warning", name=job.name, unfinished=ids,
                       message="refer to these jobs by id")
         return job_id, same
+
+    def _imported(self, job_id: str, workdir: Path, h: Header) -> None:
+        """An imported job: where from, and what was not carried over, in its events (lorad status and logs)."""
+        fields = {"from_tool": h.tool, "from_file": h.source, "not_carried_over": h.dropped, "notes": h.notes}
+        self.store.event(job_id, "imported", **fields)
+        job_event(workdir, job_id, "imported", **fields,
+                  message=f"imported from {h.tool}; {len(h.dropped)} settings not carried over")
 
     def _discard_partial(self, job_id: str, workdir: Path) -> None:
         """A jobs/ID/ whose job row was never written belongs to no job: remove it (the file is retried)."""

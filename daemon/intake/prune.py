@@ -4,7 +4,8 @@ A rejection is rejected/NAME with rejected/NAME.error.txt (daemon/intake/accept.
 file's mtime (the job file keeps the mtime it was dropped with, which may be old). Those older than
 `rejected_keep_days`, and all but the newest `rejected_keep`, are removed, both files together. The
 supervisor calls a RejectedPruner from its inbox step (daemon/supervisor/loop.py) every PRUNE_EVERY_S, at
-most PRUNE_BATCH files a call, so a large backlog is cleared over several ticks and never stalls one.
+most PRUNE_BATCH files a call, so a large backlog is cleared over several ticks and never stalls one. The
+rejection events in state.db (events of no job) are kept to the same age and count.
 Names are removed relative to the directory's descriptor and never followed: a symlink planted in rejected/
 is removed as a link, whatever it points at. Hidden names (a rejection being written) are left alone.
 """
@@ -16,7 +17,7 @@ import stat
 import time
 from pathlib import Path
 
-from daemon.intake.accept import ERROR_SUFFIX
+from daemon.intake.rejections import ERROR_SUFFIX
 
 PRUNE_BATCH = 500
 PRUNE_EVERY_S = 60.0
@@ -77,8 +78,9 @@ def prune_rejected(rejected: Path, now: float, keep_s: float, keep: int, batch: 
 class RejectedPruner:
     """prune_rejected every PRUNE_EVERY_S (the first call at once), a batch per tick while a backlog lasts."""
 
-    def __init__(self, rejected: Path, keep_days: float, keep: int, log):
+    def __init__(self, rejected: Path, keep_days: float, keep: int, log, store=None):
         self.rejected = Path(rejected)
+        self.store = store  # daemon.store.db.Store: its rejection events are kept to the same age and count
         self.keep_days = keep_days
         self.keep = keep
         self.log = log
@@ -89,6 +91,7 @@ class RejectedPruner:
             return 0
         n = prune_rejected(self.rejected, time.time(), self.keep_days * 86400, self.keep)
         self._next = now + (0.0 if n >= PRUNE_BATCH else PRUNE_EVERY_S)
-        if n:
-            self.log.info("rejected_pruned", files=n, keep_days=self.keep_days, keep=self.keep)
+        events = self.store.prune_jobless_events(time.time() - self.keep_days * 86400, self.keep) if self.store else 0
+        if n or events:
+            self.log.info("rejected_pruned", files=n, events=events, keep_days=self.keep_days, keep=self.keep)
         return n

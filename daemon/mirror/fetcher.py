@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from daemon.mirror.remote import MirrorError, Remote
+from daemon.mirror.remote import MirrorError, Remote, check_key
 from daemon.mirror.restore import Restored, describe, fetch
 from daemon.store import states
 from daemon.store.db import Store
@@ -41,7 +41,7 @@ class Fetch:
 
     def __init__(self, job: dict[str, Any], key: str, remote: Remote, text: str, validate: Callable[[str], object],
                  store: Store, log, staging_root: Path, wake: Callable[[], None]):
-        self.job_id, self.workdir, self.key = job["id"], Path(job["workdir"]), key
+        self.job_id, self.workdir, self.key = job["id"], Path(job["workdir"]), check_key(key)
         self.remote, self.text, self.validate = remote, text, validate
         self.store, self.log, self.wake = store, log, wake
         self.staging = staging_root / self.job_id

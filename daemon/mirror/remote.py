@@ -9,7 +9,9 @@ error this module raises has them scrubbed out (`scrub`).
 from __future__ import annotations
 
 import json
+import re
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,11 +21,29 @@ import yaml
 from daemon.config.mirrors import MirrorSettings
 
 SCRUBBED = "***"
+# A key (the first part of every remote path) is a job id, as lorad makes them (daemon/store/db.py new_id: the
+# job's name, engine/config/schema.py NAME_RE, and a suffix): one path component, never "." or "..".
+KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+CHUNK = 1 << 20  # reads and writes go in pieces of this size: memory stays flat whatever a file's size
+WRITE_BLOCK = 8 << 20  # an object store's buffer per open file: a part sent (S3's smallest: 5 MiB), a range read
+GET_MOST = 64 << 20  # get(): what a caller that names no limit may read into memory at most
 BURST_S = 0.25  # the bandwidth cap lets this many seconds of unused budget go at once after a quiet spell
 
 
 class MirrorError(Exception):
     """A mirror operation that failed, its message free of credentials."""
+
+
+class TooLarge(MirrorError):
+    """A remote file larger than it may be (its manifest's size, a bound on small files): not read further."""
+
+
+def check_key(key: str) -> str:
+    """KEY itself, or MirrorError in one line naming it: a job id, never a path (no "/", "..", nothing absolute)."""
+    if not isinstance(key, str) or not KEY.match(key):
+        raise MirrorError(f"mirror key {str(key)[:200]!r} is not a job id (letters, digits, '.', '_' and '-', "
+                          f"starting with a letter or digit: no '/', no '..', nothing absolute)")
+    return key
 
 
 def read_credentials(path: str | None) -> dict[str, Any]:
@@ -55,9 +75,10 @@ def scrub(message: str, secrets: list[str]) -> str:
 class Remote:
     """A mirror's storage under its URL's path: opened lazily, dropped after a failure (reopened on next use)."""
 
-    def __init__(self, name: str, settings: MirrorSettings):
+    def __init__(self, name: str, settings: MirrorSettings, read_only: bool = False):
         self.name = name
         self.settings = settings
+        self.read_only = read_only  # a download (lorad submit --from): it never writes or removes there
         parts = urlsplit(settings.url)
         self.scheme = parts.scheme
         self.root = (parts.netloc + parts.path if parts.scheme == "s3" else parts.path).rstrip("/")
@@ -114,7 +135,23 @@ class Remote:
         return MirrorError(scrub(f"mirror {self.name!r}: {what}: {text}"[:500], self._secrets))
 
     def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
+        """ROOT/REL, REL being KEY/...: its key a job id and no part of it empty, "." or ".." (MirrorError)."""
+        if not rel:
+            return self.root
+        parts = rel.split("/")
+        check_key(parts[0])
+        if any(part in ("", ".", "..") or "\\" in part for part in parts):
+            raise MirrorError(f"mirror path {rel[:200]!r} is not a path below its key")
+        return f"{self.root}/{rel}"
+
+    def _open_opts(self, block: int, **more: Any) -> dict[str, Any]:
+        """An object store's buffer per open file, kept small; SFTP (sshfs) reads and writes what it is given at
+        once, its own request sizes (a larger one would pass the 256 KiB OpenSSH allows), and a path has none."""
+        return {"block_size": block, **more} if self.scheme == "s3" else {}
+
+    def _writable(self, rel: str) -> None:
+        if self.read_only:
+            raise MirrorError(f"mirror {self.name!r}: {rel} not written: this use of the mirror only reads it")
 
     def _call(self, what: str, fn, *args, missing: bool = True):
         """fn(fs, *args); FileNotFoundError passes through when `missing` (a read of what is not there), every
@@ -127,25 +164,77 @@ class Remote:
                 raise
             self.reset()
             raise self.error(what, e) from None
+        except MirrorError:
+            raise  # ours, already worded (a file too large, a checksum that does not match)
         except Exception as e:  # noqa: BLE001
             self.reset()
             raise self.error(what, e) from None
 
     # ------------------------------------------------------------------ operations
     def put(self, rel: str, data: bytes) -> None:
+        self.put_stream(rel, (data[i:i + CHUNK] for i in range(0, len(data), CHUNK)))
+
+    def put_stream(self, rel: str, chunks: Iterable[bytes]) -> int:
+        """Write REL from `chunks`, one at a time (the bandwidth cap paced per chunk); the bytes written.
+
+        A MirrorError or FileNotFoundError raised by `chunks` (a checksum that does not match, a local file pruned
+        meanwhile) passes through; what was written of REL may stay (a checkpoint's manifest goes last, so a torn
+        file is never used)."""
+        self._writable(rel)
+        n, source = 0, iter(chunks)
+        failed: list[BaseException] = []  # what `chunks` raised: passed on as it is, not as the server's error
+
         def do(fs, path: str) -> None:
+            nonlocal n
             if self.scheme != "s3":  # object stores have no folders; a missing bucket must stay an error
                 fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.pipe_file(path, data)
+            with fs.open(path, "wb", **self._open_opts(WRITE_BLOCK)) as f:
+                while True:
+                    try:
+                        chunk = next(source)
+                    except StopIteration:
+                        return
+                    except Exception as e:
+                        failed.append(e)
+                        raise
+                    f.write(chunk)
+                    n += len(chunk)
+                    self._pace(len(chunk))
 
-        self._call(f"upload {rel}", do, self.path(rel), missing=False)  # never "pruned locally" to the uploader
-        self._pace(len(data))
+        try:
+            # never "pruned locally" to the uploader: a FileNotFoundError of the server's is a MirrorError
+            self._call(f"upload {rel}", do, self.path(rel), missing=False)
+        except MirrorError:
+            if failed:
+                raise failed[0] from None
+            raise
+        return n
 
     def put_json(self, rel: str, doc: Any) -> None:
         self.put(rel, json.dumps(doc, indent=1).encode())
 
-    def get(self, rel: str) -> bytes:
-        return self._call(f"download {rel}", lambda fs, p: fs.cat_file(p), self.path(rel))
+    def get(self, rel: str, most: int = GET_MOST) -> bytes:
+        """REL's bytes (a small file: a job.yaml, a manifest): TooLarge beyond `most`."""
+        out = bytearray()
+        self.read_to(rel, out.extend, most)
+        return bytes(out)
+
+    def read_to(self, rel: str, sink: Callable[[bytes], object], most: int) -> int:
+        """Stream REL into sink(chunk), CHUNK bytes at a time; the bytes read. A file larger than `most` is refused
+        (TooLarge) as soon as it passes it: nothing beyond is read. FileNotFoundError when it is not there."""
+        n = 0
+
+        def do(fs, path: str) -> None:
+            nonlocal n
+            with fs.open(path, "rb", **self._open_opts(WRITE_BLOCK, cache_type="readahead")) as f:
+                while chunk := f.read(min(CHUNK, most + 1 - n)):
+                    n += len(chunk)
+                    if n > most:
+                        raise TooLarge(f"mirror {self.name!r}: {rel} is larger than the {most} bytes it may have")
+                    sink(chunk)
+
+        self._call(f"download {rel}", do, self.path(rel))
+        return n
 
     def listdir(self, rel: str) -> list[str]:
         """Names in a folder ([] when it does not exist)."""
@@ -161,6 +250,8 @@ class Remote:
         return bool(self._call(f"look for {rel}", lambda fs, p: fs.exists(p), self.path(rel)))
 
     def remove(self, rel: str) -> None:
+        self._writable(rel)
+
         def do(fs, path: str) -> None:
             try:
                 fs.rm(path, recursive=True)

@@ -22,8 +22,8 @@ from typing import Any
 
 from daemon.config.daemon import DaemonConfig
 from daemon.mirror.fetcher import Fetch
-from daemon.mirror.hub import HubPush
-from daemon.mirror.remote import MirrorError, Remote
+from daemon.mirror.hub import HubPush, local_paths
+from daemon.mirror.remote import MirrorError, Remote, check_key
 from daemon.mirror.uploader import JobMirror
 from daemon.store import states
 from daemon.store.db import Store
@@ -101,18 +101,26 @@ class Mirrors:
 
     # ------------------------------------------------------------------ which mirror
     def target(self, job: dict[str, Any]) -> tuple[str, str] | None:
-        """(mirror name, remote key) of a job row, or None when it is not mirrored."""
-        src = job.get("source") or ""
-        if src.startswith(SOURCE_PREFIX):
-            name, _, key = src[len(SOURCE_PREFIX):].partition("/")
-            return name, key
+        """(mirror name, remote key) a job uploads to, or None when it is not mirrored. The key is always the job's
+        own id: a job restored from KEY (`--from`) only reads KEY, and mirrors itself under its own id."""
+        if (origin := self.origin(job)) is not None:
+            return origin[0], job["id"]
         name = (accepted_doc(self.store, job).get("output") or {}).get("mirror") or self.cfg.default_mirror
         return (name, job["id"]) if name else None
 
-    def remote(self, name: str) -> Remote:
+    @staticmethod
+    def origin(job: dict[str, Any]) -> tuple[str, str] | None:
+        """(mirror name, key) a job was restored from (its store source, mirror:NAME/KEY), else None."""
+        src = job.get("source") or ""
+        if not src.startswith(SOURCE_PREFIX):
+            return None
+        name, _, key = src[len(SOURCE_PREFIX):].partition("/")
+        return name, key
+
+    def remote(self, name: str, read_only: bool = False) -> Remote:
         if name not in self.cfg.mirrors:
             raise MirrorError(f"mirror {name!r} is not in this daemon's config (mirrors: {sorted(self.cfg.mirrors)})")
-        return Remote(name, self.cfg.mirrors[name])
+        return Remote(name, self.cfg.mirrors[name], read_only=read_only)
 
     def _uploader(self, job_id: str) -> JobMirror | None:
         with self.lock:
@@ -153,9 +161,11 @@ class Mirrors:
                 m.finished()
                 self._behind(job_id)
             job = self.store.get(job_id)
-            repo = (accepted_doc(self.store, job).get("output") or {}).get("push_to_hub")
+            doc = accepted_doc(self.store, job)
+            repo = (doc.get("output") or {}).get("push_to_hub")
             if repo and job_id not in self.hub:
-                self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log).start()
+                self.hub[job_id] = HubPush(job_id, Path(job["workdir"]), repo, self.log, self.cfg.hub_namespaces,
+                                           local_paths(doc, self.home)).start()
         except Exception as e:  # noqa: BLE001 — called from the reap step: never in its way
             self.log.error("mirror_internal", job=job_id, error=f"{type(e).__name__}: {e}")
 
@@ -192,14 +202,28 @@ class Mirrors:
         ref = ref.rstrip("/")
         for name, s in sorted(self.cfg.mirrors.items(), key=lambda kv: -len(kv[1].url)):
             if ref.startswith(s.url + "/"):
-                return name, ref[len(s.url) + 1:]
+                return name, self._key(ref, ref[len(s.url) + 1:])
         name, _, key = ref.partition("/")
         if key and name in self.cfg.mirrors:
-            return name, key
+            return name, self._key(ref, key)
         if "/" not in ref and "://" not in ref and self.cfg.default_mirror:
-            return self.cfg.default_mirror, ref
+            return self.cfg.default_mirror, self._key(ref, ref)
         raise JobInvalid(f"--from {ref}: no mirror of this daemon's config matches (MIRROR_URL/JOB, NAME/JOB, or a "
                          f"job key on the default mirror; mirrors: {sorted(self.cfg.mirrors)})")
+
+    def _key(self, ref: str, key: str) -> str:
+        """A `--from` key, checked before any path is built from it: a job id (never a path), and not a job of this
+        daemon (its mirror prefix is that job's own: `lorad retry` or `resume` it instead)."""
+        try:
+            check_key(key)
+        except MirrorError as e:
+            raise JobInvalid(f"--from {ref[:200]!r}: {e}") from None
+        try:
+            self.store.get(key)
+        except UnknownJob:
+            return key
+        raise JobInvalid(f"--from {ref[:200]!r}: {key} is a job of this daemon (its mirror is its own; `lorad status "
+                         f"{key}`, `lorad retry {key}`): a mirror restores a job that is not here")
 
     def restore(self, ref: str, submit, validate, text: str | None = None) -> tuple[Any, str]:
         """Check REF at once (the job, the newest remote manifest's identity), accept its job as `fetching`, and
@@ -210,7 +234,7 @@ class Mirrors:
 
         name, key = self.resolve(ref)
         try:
-            text, newest = probe(self.remote(name), key, validate, text)
+            text, newest = probe(self.remote(name, read_only=True), key, validate, text)
         except MirrorError as e:
             raise JobInvalid(f"cannot restore from the mirror: {e}") from None
         out = submit(text, f"{SOURCE_PREFIX}{name}/{key}", states.FETCHING)
@@ -235,10 +259,10 @@ class Mirrors:
     def _fetch(self, job: dict[str, Any]) -> None:
         from daemon.intake.accept import validate_text
 
-        where = self.target(job)
+        where = self.origin(job)
         assert where is not None  # a fetching job's source is always mirror:NAME/KEY
         text = self.store.accepted_text(job["id"]) or ""
-        f = Fetch(job, where[1], self.remote(where[0]), text,
+        f = Fetch(job, where[1], self.remote(where[0], read_only=True), text,
                   lambda t: validate_text(t, f"{job['name']}.yaml", self.home, self.cfg, self.home), self.store,
                   self.log, self.home / "mirror-staging", lambda: self.wake())
         self.fetches[job["id"]] = f.start()

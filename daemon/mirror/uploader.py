@@ -24,10 +24,11 @@ import re
 import stat
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from daemon.mirror.remote import MirrorError, Remote
+from daemon.mirror.remote import CHUNK, MirrorError, Remote, check_key
 from daemon.supervisor.disk_progress import committed_checkpoints
 from daemon.system.log import job_event
 from daemon.system.safe_files import open_at, opened_dir, read_fd
@@ -36,6 +37,8 @@ STEP_DIR = re.compile(r"^step-(\d{8})$")
 EVENT_CHUNK = re.compile(r"^(\d{12})-(\d{12})\.jsonl$")
 EVENTS_EVERY_S = 30.0  # events are appended at least this often while nothing else is to do
 EVENT_CHUNK_MAX = 4 << 20
+JOB_YAML_MAX = 1 << 20  # a remote job.yaml read back: larger than any job file the daemon accepts
+MANIFEST_MAX = 16 << 20  # a remote manifest.json: a checkpoint of many thousand files, sizes and sha256s
 OUTPUT_STAMP = "lorad-output.json"  # engine/checkpoint/output.py: written last into output/, so uploaded last
 
 
@@ -58,7 +61,7 @@ class JobMirror:
 
     def __init__(self, job_id: str, workdir: Path, key: str, remote: Remote, keep: int, job_text: str, log,
                  on_caught_up=None):
-        self.job_id, self.workdir, self.key = job_id, Path(workdir), key
+        self.job_id, self.workdir, self.key = job_id, Path(workdir), check_key(key)
         self.on_caught_up = on_caught_up  # (job id) → None, after a pass that left the mirror caught up
         self.remote, self.keep, self.job_text, self.log = remote, keep, job_text, log
         self.cond = threading.Condition()
@@ -153,6 +156,7 @@ class JobMirror:
 
     def _pass(self) -> None:
         if not self.job_uploaded:
+            self._claim()
             self.remote.put(f"{self.key}/job.yaml", self.job_text.encode())
             self.job_uploaded = True
         if self.remote_step is None:
@@ -177,15 +181,15 @@ class JobMirror:
 
     def _upload_checkpoint(self, step: int, path: Path) -> None:
         name = path.name
-        manifest_bytes = read_in_job(self.workdir, f"checkpoints/{name}/manifest.json")
+        manifest_bytes = read_in_job(self.workdir, f"checkpoints/{name}/manifest.json", most=MANIFEST_MAX + 1)
+        if len(manifest_bytes) > MANIFEST_MAX:
+            raise MirrorError(f"{name}/manifest.json is larger than {MANIFEST_MAX} bytes: not uploaded")
         files = json.loads(manifest_bytes)["files"]
         delay = debug_delay("LORAD_DEBUG_MIRROR_FILE_DELAY_S")
         for rel, meta in files.items():
             # FileNotFoundError: pruned meanwhile → the next pass takes a newer one
-            data = read_in_job(self.workdir, f"checkpoints/{name}/{rel}")
-            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
-                raise MirrorError(f"{name}/{rel} no longer matches its checksum locally: not uploaded")
-            self.remote.put(f"{self.key}/checkpoints/{name}/{rel}", data)
+            self.remote.put_stream(f"{self.key}/checkpoints/{name}/{rel}",
+                                   checked_chunks(self.workdir, f"checkpoints/{name}/{rel}", meta["sha256"]))
             if delay:
                 time.sleep(delay)
         self.remote.put(f"{self.key}/checkpoints/{name}/manifest.json", manifest_bytes)  # last: now it counts
@@ -196,6 +200,19 @@ class JobMirror:
             if self.local_step is None or step > self.local_step:
                 self.local_step = step
         self.log.info("mirror_uploaded", job=self.job_id, mirror=self.remote.name, step=step, files=len(files) + 1)
+
+    def _claim(self) -> None:
+        """The key's prefix is this job's, or empty: another job there (one of another machine with the same id)
+        is never overwritten or pruned."""
+        if "job.yaml" not in self.remote.listdir(self.key):  # a listing: its errors say most (a bad signature)
+            return
+        try:
+            there = self.remote.get(f"{self.key}/job.yaml", JOB_YAML_MAX)
+        except FileNotFoundError:
+            return
+        if there != self.job_text.encode():
+            raise MirrorError(f"mirror {self.remote.name!r}: {self.key}/ holds another job (its job.yaml differs): "
+                              f"nothing of this job is written there")
 
     def _prune(self) -> None:
         """Keep the newest `keep` complete remote checkpoints; torn ones older than the newest complete go too."""
@@ -233,7 +250,7 @@ class JobMirror:
     def _upload_output(self) -> None:
         names = files_in_job(self.workdir, "output")
         for rel in sorted(names, key=lambda n: n == OUTPUT_STAMP):  # its stamp last
-            self.remote.put(f"{self.key}/output/{rel}", read_in_job(self.workdir, f"output/{rel}"))
+            self.remote.put_stream(f"{self.key}/output/{rel}", chunks_in_job(self.workdir, f"output/{rel}"))
         self.last_upload_at = time.time()
         self.log.info("mirror_output_uploaded", job=self.job_id, mirror=self.remote.name, files=len(names))
         job_event(self.workdir, self.job_id, "mirror_output_uploaded", mirror=self.remote.name)
@@ -256,7 +273,28 @@ def open_in_job(workdir: Path, rel: str) -> int:
                 os.close(fd)
 
 
-def read_in_job(workdir: Path, rel: str, offset: int = 0, most: int = 1 << 40) -> bytes:
+def chunks_in_job(workdir: Path, rel: str) -> Iterator[bytes]:
+    """workdir/REL (opened as open_in_job does) in CHUNK-sized pieces: a large file never sits in memory whole."""
+    fd = open_in_job(workdir, rel)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            yield chunk
+    finally:
+        os.close(fd)
+
+
+def checked_chunks(workdir: Path, rel: str, sha256: str) -> Iterator[bytes]:
+    """chunks_in_job, hashed as they go: MirrorError after the last one when they do not match `sha256` (a file
+    changed since its commit; what was sent is never made part of a checkpoint, its manifest goes after it)."""
+    h = hashlib.sha256()
+    for chunk in chunks_in_job(workdir, rel):
+        h.update(chunk)
+        yield chunk
+    if h.hexdigest() != sha256:
+        raise MirrorError(f"{rel.removeprefix('checkpoints/')} no longer matches its checksum locally: not uploaded")
+
+
+def read_in_job(workdir: Path, rel: str, offset: int = 0, most: int = EVENT_CHUNK_MAX) -> bytes:
     fd = open_in_job(workdir, rel)
     try:
         if offset:

@@ -44,6 +44,22 @@ class Sample:
         return asdict(self)
 
 
+@dataclass
+class HealthReading:
+    """One GPU health reading (daemon/gpu_health/ reads it): faults, throttle, the processes holding memory."""
+
+    gpu: int
+    lost: bool = False  # NVML_ERROR_GPU_IS_LOST: fell off the bus
+    error: str | None = None  # any other NVML error reading it (NVML_ERROR_UNKNOWN, ...)
+    xids: list[int] = field(default_factory=list)  # Xid critical-error events since the last reading
+    ecc_uncorrected: int | None = None  # volatile uncorrectable ECC count (None: no ECC)
+    pending_remap: bool = False  # remapped rows (or retired pages) pending: the GPU needs a reset
+    remap_failed: bool = False
+    throttle: list[str] = field(default_factory=list)
+    memory_total: int | None = None  # bytes
+    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, bytes) of compute processes on it
+
+
 class Device(Protocol):
     simulated: bool
 

@@ -8,7 +8,8 @@ root process owns that one capability and the daemon (the `lorad` user) asks it 
     anything else                                 → {"ok": false, "error": "..."}, and the connection is closed
 
 One JSON object a line, at most MAX_LINE bytes, typed by pydantic (unknown keys refused). Watts outside the
-GPU's NVML constraints are refused, never clamped. Who may ask: the socket file is the allowed user's, mode 0600,
+GPU's NVML constraints are refused, never clamped, and so is a GPU that is not one of the daemon config's
+`devices` (--config: the helper caps only those; "auto" or no config: every GPU). Who may ask: the socket file is the allowed user's, mode 0600,
 and each connection's SO_PEERCRED uid must be that user's (any other is refused, root too: root needs no helper). It restores
 NVML's default limit on every GPU it changed when it stops (SIGTERM), and at start on those a previous run
 changed and did not restore (it crashed): that list is the state file.
@@ -71,8 +72,9 @@ def peer_uid(conn: socket.socket) -> int:
 class PowerHelper:
     """What the helper does, without the socket: one request line → one reply; the changed GPUs remembered."""
 
-    def __init__(self, device: Device, state_path: Path, log: Any):
+    def __init__(self, device: Device, state_path: Path, log: Any, devices: list[int] | None = None):
         self.device, self.state_path, self.log = device, Path(state_path), log
+        self.devices = devices  # the daemon config's `devices`: the only GPUs it caps (None: "auto", every one)
         self.lock = threading.Lock()  # NVML calls and the state file, one request at a time
         self.changed: set[int] = set()
 
@@ -94,6 +96,9 @@ class PowerHelper:
     def _check_gpu(self, gpu: int):
         if gpu >= self.device.count():
             raise CapRefused(f"no GPU {gpu} (this machine has {self.device.count()})")
+        if self.devices is not None and gpu not in self.devices:
+            raise CapRefused(f"GPU {gpu} is not one of the daemon's devices {self.devices} (its config's `devices`): "
+                             f"not capped")
         return self.device.info(gpu)
 
     def set_limit(self, gpu: int, watts: float) -> float:
@@ -241,10 +246,10 @@ class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
 
 def run(device: Device, socket_path: Path, state_path: Path, allowed_uid: int, allowed_gid: int, log: Any,
-        stop: threading.Event | None = None) -> int:
+        stop: threading.Event | None = None, devices: list[int] | None = None) -> int:
     """Restore what a crashed run left, serve until SIGTERM/SIGINT (or `stop`), restore every changed GPU."""
     stop = stop or threading.Event()
-    helper = PowerHelper(device, state_path, log)
+    helper = PowerHelper(device, state_path, log, devices)
     helper.restore_left_over()
     server = HelperServer(socket_path, helper, allowed_uid, allowed_gid)
     if threading.current_thread() is threading.main_thread():
@@ -252,7 +257,8 @@ def run(device: Device, socket_path: Path, state_path: Path, allowed_uid: int, a
             signal.signal(sig, lambda *_: stop.set())
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="power-helper", daemon=True)
     t.start()
-    log.info("power helper ready", socket=str(socket_path), uid=allowed_uid, gpus=device.count())
+    log.info("power helper ready", socket=str(socket_path), uid=allowed_uid, gpus=device.count(),
+             devices=devices if devices is not None else "all")
     try:
         while not stop.wait(0.5):  # short waits: the signal handler runs between them
             pass
@@ -278,6 +284,16 @@ def cmd_power_helper(args: Any) -> int:
     except KeyError:
         print(f"lorad: power-helper: no user {args.user!r} (sudo lorad install-service creates it)", file=sys.stderr)
         return 78
+    devices = None
+    if args.config:  # the daemon's config (root's to write): its `devices` are the only GPUs the helper caps
+        from daemon.config.daemon import ConfigInvalid, load_config
+
+        try:
+            picked = load_config(args.config).devices
+        except ConfigInvalid as e:
+            print(f"lorad: power-helper: {e}", file=sys.stderr)
+            return 78
+        devices = None if picked == "auto" else sorted(picked)
     log = setup_log()
     device = open_device("simulated" if args.simulated else "nvml", log, args.simulated or 1)
     if device is None:
@@ -285,6 +301,6 @@ def cmd_power_helper(args: Any) -> int:
         return 78  # EX_CONFIG: restarting cannot help
     Path(args.state).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
-        return run(device, Path(args.socket), Path(args.state), who.pw_uid, who.pw_gid, log)
+        return run(device, Path(args.socket), Path(args.state), who.pw_uid, who.pw_gid, log, devices=devices)
     finally:
         device.close()

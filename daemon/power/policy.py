@@ -45,7 +45,8 @@ class PowerPolicy(JobEnergy):
         self._lock = threading.RLock()  # supervisor thread + socket handlers (lorad power)
         self.store = TelemetryStore(db_path, settings.telemetry.raw_retention_s, settings.telemetry.history_days)
         self.device = device if device is not None else caps_seam(open_device(
-            settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock), settings.caps.helper_socket)
+            settings.telemetry.backend, log, settings.telemetry.simulated_gpus, clock,
+            settings.telemetry.simulated_faults), settings.caps.helper_socket)
         self.caps = CapManager(self.device, log) if self.device is not None else None
         self.sampler = (TelemetrySampler(self.device, self._write_samples, settings.telemetry.interval_s, log)
                         if self.device is not None else None)

@@ -136,7 +136,8 @@ class NvmlDevice:
             pass
 
 
-def open_device(backend: str, log: Any, simulated_gpus: int = 1, clock: Callable[[], float] = time.time) -> Device | None:
+def open_device(backend: str, log: Any, simulated_gpus: int = 1, clock: Callable[[], float] = time.time,
+                simulated_faults: str | None = None) -> Device | None:
     """The device for a `telemetry.backend` setting, or None (said once, here) when there is none."""
     if backend == "off":
         return None
@@ -144,7 +145,7 @@ def open_device(backend: str, log: Any, simulated_gpus: int = 1, clock: Callable
         from daemon.power.simulated import SimulatedDevice
 
         log.warning("telemetry backend is SIMULATED: power figures come from a model, not a GPU", gpus=simulated_gpus)
-        return SimulatedDevice(simulated_gpus, clock=clock, wall=clock)
+        return SimulatedDevice(simulated_gpus, clock=clock, wall=clock, faults_file=simulated_faults)
     try:
         dev = NvmlDevice(log)
     except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from daemon import protocol as p
-from daemon.intake.accept import recent_rejections, validate_text
+from daemon.intake.rejections import recent_rejections
 from daemon.mirror.remote import MirrorError
 from daemon.store import states
 from daemon.store.db import Store
 from daemon.store.errors import AmbiguousJob, UnknownJob
-from daemon.supervisor.disk_progress import committed_checkpoints
+from daemon.supervisor.disk_progress import saved_exports
 from daemon.supervisor.scheduling import status_order
 from daemon.system.safe_files import NotRegularFile, open_file, opened_dir, opened_dir_at
 from engine.config.reading import YamlProblem, read_yaml
@@ -84,7 +84,7 @@ def submit(ctx: Context, req: p.Submit) -> p.SubmitReply:
                 raise JobInvalid("--from: this daemon has no mirrors")
             out, restored = mirrors.restore(
                 req.from_mirror, lambda text, source, state: ctx.intake.submit_text(req.name, text, source, state=state),
-                lambda text: validate_text(text, req.name, ctx.home, ctx.intake.cfg, ctx.home), req.text or None)
+                lambda text: ctx.intake.validate(text, req.name)[1], req.text or None)
         else:
             if mirrors is not None:
                 mirrors.check_job(_doc(req.text))  # a mirror that cannot work is refused now, when it can be told
@@ -139,7 +139,10 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
     if src[:1].isdigit() and "-" in src:
         job["source"] = "inbox:" + src.split("-", 1)[1]  # incoming/ names carry a claim-time prefix
     samples_step, samples = latest_samples(Path(job["workdir"]))
-    detail = p.JobDetail.model_validate({**job, "mirror": _mirror_lag(ctx, job["id"]),
+    imported = (ctx.store.first_event(job["id"], "imported") or {}).get("data") or {}
+    detail = p.JobDetail.model_validate({**job, "imported_from": imported.get("from_tool"),
+                                         "not_carried_over": imported.get("not_carried_over") or [],
+                                         "mirror": _mirror_lag(ctx, job["id"]), "gpu_note": _gpu_note(ctx, job["id"]),
                                          "attempts": ctx.store.attempts(job["id"]),
                                          "events": ctx.store.events(job["id"], limit=20),
                                          "samples_step": samples_step, "samples": samples})
@@ -147,6 +150,10 @@ def status(ctx: Context, req: p.Status) -> p.QueueReply | p.JobStatusReply:
 
     policy = getattr(ctx.supervisor, "policy", None)
     return p.JobStatusReply(job=detail, power=power_api.job_power(policy, ctx.home / "state.db", job["id"]))
+
+
+def _gpu_note(ctx: Context, job_id: str) -> str | None:
+    return getattr(ctx.supervisor, "gpu_notes", {}).get(job_id)
 
 
 def _mirror_lag(ctx: Context, job_id: str) -> dict[str, Any] | None:
@@ -159,8 +166,9 @@ def queue(ctx: Context) -> p.QueueReply:
     rejected, n_rejected = recent_rejections(ctx.home / "rejected", time.time(), REJECTIONS_WITHIN_S,
                                              REJECTIONS_SHOWN)
     return p.QueueReply(
-        jobs=[p.JobRow.model_validate({**j, "mirror": _mirror_lag(ctx, j["id"])})
+        jobs=[p.JobRow.model_validate({**j, "mirror": _mirror_lag(ctx, j["id"]), "gpu_note": _gpu_note(ctx, j["id"])})
               for j in status_order(ctx.store.jobs(), time.time())],
+        gpus=gpu_health(ctx),
         draining=ctx.store.get_meta("drain") == "1",
         notes=list(ctx.supervisor.notes) if ctx.supervisor is not None else [],
         rejected=rejected, rejected_within_s=REJECTIONS_WITHIN_S, rejected_total=n_rejected,
@@ -225,7 +233,7 @@ def _ask_trainer(ctx: Context, job: dict[str, Any], what: str) -> None:
 def pause(ctx: Context, req: p.Pause) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.WAITING):
+    if st in (states.QUEUED, states.WAITING, states.WAITING_FOR_GPU):
         ctx.store.transition(job["id"], st, states.PAUSED, "lorad pause", wait_bytes=None)  # refused if it moved on
         return p.JobActionReply(job=job["id"], state=states.PAUSED, message="paused")
     if st == states.RUNNING:
@@ -250,7 +258,8 @@ def resume(ctx: Context, req: p.Resume) -> p.JobActionReply:
 def cancel(ctx: Context, req: p.Cancel) -> p.JobActionReply:
     job = _job(ctx, req.job)
     st = _seen(job, req.expect)
-    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING, states.FETCHING):
+    if st in (states.QUEUED, states.PAUSED, states.INTERRUPTED, states.WAITING, states.FETCHING,
+              states.WAITING_FOR_GPU):
         ctx.store.transition(job["id"], st, states.CANCELLED, "lorad cancel")  # refused if it moved on
         return p.JobActionReply(job=job["id"], state=states.CANCELLED, message="cancelled")
     if st == states.RUNNING:
@@ -325,21 +334,43 @@ def exports(ctx: Context, req: p.Exports) -> p.ExportsReply:
     """`lorad export`: the committed checkpoints on disk and their export files, as their manifests list them (the
     client checks each file's sha256 as it copies it)."""
     job = _job(ctx, req.job)
-    saved = [c for c in committed_checkpoints(Path(job["workdir"])) if c.exports]
-    if req.step is not None:
-        steps = ", ".join(str(c.step) for c in saved) or "none yet"
-        saved = [c for c in saved if c.step == req.step]
-        if not saved:
-            raise p.ProtocolError("not_found", f"job {job['id']} has no saved step {req.step} (saved steps: {steps})")
-    return p.ExportsReply(job=job["id"], state=job["state"], steps=[
-        p.SavedStep(step=c.step, path=str(c.path), files=[p.ExportFile(name=f.name, size=f.size, sha256=f.sha256)
-                                                          for f in c.exports]) for c in saved])
+    try:
+        saved = saved_exports(Path(job["workdir"]), req.step)
+    except LookupError as e:
+        raise p.ProtocolError("not_found", f"job {job['id']} {e}") from None
+    return p.ExportsReply.of(job["id"], job["state"], saved)
+
+
+def gpu(ctx: Context, req: p.Gpu) -> p.GpuReply:
+    """`lorad gpu [clear N]`: each GPU's health; with clear, GPU N's faults forgotten first (scheduled again
+    unless a fault still holds)."""
+    sup = ctx.supervisor
+    if req.clear is None:
+        return p.GpuReply(gpus=sup.gpu_views() if sup is not None else gpu_health(ctx))
+    try:
+        if sup is None:
+            raise KeyError("no supervisor")
+        view = sup.clear_gpu(req.clear)
+    except KeyError as e:
+        raise p.ProtocolError("refused", str(e.args[0])) from None
+    msg = (f"GPU {req.clear} cleared: scheduled again" if view["state"] == "ok" else
+           f"GPU {req.clear} cleared, but it is still out: {view['reason']}")
+    return p.GpuReply(gpus=sup.gpu_views(), cleared=req.clear, message=msg)
+
+
+def gpu_health(ctx: Context) -> list[dict[str, Any]]:
+    """Each GPU's health as the supervisor last wrote it (meta gpu_health), [] without readings."""
+    try:
+        out = json.loads(ctx.store.get_meta("gpu_health") or "[]")
+    except ValueError:
+        return []
+    return out if isinstance(out, list) else []
 
 
 HANDLERS: dict[str, Callable[[Context, Any], Any]] = {
     "ping": ping, "submit": submit, "status": status, "logs": logs, "pause": pause, "resume": resume,
     "cancel": cancel, "retry": retry, "priority": priority, "drain": drain, "power": power, "web-url": web_url,
-    "export": exports,
+    "export": exports, "gpu": gpu,
 }
 
 

@@ -180,7 +180,7 @@ def reconcile(home: Path, cfg: DaemonConfig, store: Store, log, intake=None,
     #    (disk full, ...) stays in incoming/ and the service loop retries it: it never stops the start.
     if intake is not None:
         try:
-            r.intake_finished = sum(1 for o in intake.recover() if not o.stuck)
+            r.intake_finished = sum(1 for o in intake.recover() if not (o.stuck or o.pending))
         except Exception as e:  # noqa: BLE001
             log.error("intake_recovery_failed", error=f"{type(e).__name__}: {e}",
                       message="files stay in incoming/; the service loop retries them")

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import ConfigInvalid, DaemonConfig, load_config
+from daemon.gpu_health.watcher import open_watcher
 from daemon.intake.accept import Intake
 from daemon.intake.inbox import InboxWatcher
 from daemon.intake.prune import RejectedPruner
@@ -49,6 +50,7 @@ from daemon.system.notify import SystemdNotifier
 from engine.storage.fsio import RealFs, ensure_dir_durable
 from engine.version import lorad_version
 
+CHECK_WAIT_S = 0.2  # how long the loop waits for one job's check before asking again on a later tick
 EXIT_CONFIG = 78  # EX_CONFIG: systemd will not help by restarting with the same config (or the same state.db)
 
 
@@ -186,6 +188,7 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     """Intake, reconcile what the last run left, then the policy, devices, inbox, notifications and supervisor."""
     notifier = SystemdNotifier()
     intake = Intake(home, cfg, store, log)
+    intake.check_wait_s = CHECK_WAIT_S  # recovery and the loop never wait on one job's files (daemon/intake/checks.py)
     log.info("starting", version=lorad_version(), home=str(home), pid=os.getpid(), config=config_path)
     notifier.status("reconciling")
     try:
@@ -201,9 +204,14 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     inbox = InboxWatcher(home / "inbox", cfg.inbox_settle_s, cfg.inbox_rescan_s)
     notifications = Notifications(cfg.notify, log)
     mirrors = Mirrors(home, cfg, store, log)
+    health = open_watcher(cfg, policy, devs, store.get_meta("gpu_held"), log)  # daemon/gpu_health/
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
-                     notifications=notifications, mirrors=mirrors,
-                     prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log))
+                     notifications=notifications, mirrors=mirrors, health=health,
+                     prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log,
+                                                    store))
+    if health is not None:
+        health.groups = lambda: {c.pid for c in list(sup.children.values())}  # trainers lead their process groups
+        health.start()
     mirrors.resume(sup.wake.set)  # what the last run left behind: uploads not caught up, downloads cut short
     sup.shutting_down = stop.is_set()
     for st in reconciled.stuck:  # orphans that outlived SIGKILL: reported, their GPUs kept out of scheduling
@@ -246,6 +254,8 @@ def stop_parts(parts: Parts, server: SocketServer, web, cfg: DaemonConfig, log, 
     parts.notifier.stopping(f"stopping: checkpointing {n} job(s)" if n else "stopping")
     parts.inbox.stop()
     parts.sup.shutdown(cfg.stop_grace_s)
+    if parts.sup.health is not None:
+        parts.sup.health.stop()
     server.close()
     if web is not None:
         web.close()

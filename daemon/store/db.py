@@ -166,7 +166,8 @@ class Store:
                 plan: Callable[[dict[str, Any]], tuple[list[tuple[str, str, dict[str, Any]]], Any]]) -> Any:
         """Close the open attempt and move a running job on, in one transaction; returns plan's result.
 
-        plan(the job's row as it is now, inside the transaction) → (moves, result), moves being
+        plan(the job's row as it is now, inside the transaction, with `previous_errors`: the errors of its last
+        two closed attempts, newest first) → (moves, result), moves being
         [(dst, reason, fields), ...] walked from RUNNING (e.g. interrupted, then queued). Nothing another
         thread writes (a cancel, say) can land between reading the row and the last move.
         """
@@ -174,7 +175,11 @@ class Store:
             row = db.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
                 raise UnknownJob(job_id)
-            moves, result = plan(dict(row))
+            job = dict(row)
+            job["previous_errors"] = [r["error"] for r in db.execute(
+                "SELECT error FROM attempts WHERE job_id=? AND ended_at IS NOT NULL ORDER BY n DESC LIMIT 2",
+                (job_id,))]
+            moves, result = plan(job)
             sql.end_attempt(db, job_id, exit_code, end_step, error)
             src = states.RUNNING
             for dst, reason, fields in moves:
@@ -235,11 +240,26 @@ class Store:
         with self._tx() as db:
             sql.add_event(db, job_id, kind, data)
 
+    def prune_jobless_events(self, before: float, keep: int) -> int:
+        """Events of no job (rejections) older than `before` (time.time()) and all but the newest `keep`: pruned
+        as rejected/ is (daemon/intake/prune.py), so a flood of bad job files cannot grow state.db for ever."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM events WHERE job_id IS NULL AND (ts < ? OR id NOT IN "
+                              "(SELECT id FROM events WHERE job_id IS NULL ORDER BY id DESC LIMIT ?))",
+                              (before, keep)).rowcount
+
     def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         with self._lock:
             rows = self.db.execute("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?",
                                    (job_id, limit)).fetchall()
         return [dict(r, data=json.loads(r["data"])) for r in reversed(rows)]
+
+    def first_event(self, job_id: str, kind: str) -> dict[str, Any] | None:
+        """The job's first event of this kind (e.g. imported), its data decoded; None when it has none."""
+        with self._lock:
+            row = self.db.execute("SELECT * FROM events WHERE job_id=? AND kind=? ORDER BY id LIMIT 1",
+                                  (job_id, kind)).fetchone()
+        return dict(row, data=json.loads(row["data"])) if row else None
 
     def get_meta(self, key: str, default: str | None = None) -> str | None:
         with self._lock:

@@ -65,12 +65,15 @@ CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, id);
 
 # Columns added after the first release: (name, declaration), added to an older state.db when it is opened.
 ADDED_COLUMNS = (("wait_bytes", "INTEGER"),  # a job waiting for disk space: how much it needs
-                 ("val_loss", "REAL"), ("val_step", "INTEGER"))  # the last validation loss (data.validation)
+                 ("val_loss", "REAL"), ("val_step", "INTEGER"),  # the last validation loss (data.validation)
+                 # after an out-of-memory: the floors each attempt is given (engine/memory_plan/attempt.py, JSON),
+                 # and the plan the last attempt ran under, in words
+                 ("memory", "TEXT"), ("memory_plan", "TEXT"))
 
 # Progress columns a heartbeat may update without a state change.
 PROGRESS_COLUMNS = {"step", "total", "loss", "s_per_step", "eta_s", "last_checkpoint", "checkpoint_step",
                     "output", "pid", "pid_start", "gpu", "last_error", "requested", "not_before", "retries",
-                    "priority", "wait_bytes", "val_loss", "val_step"}
+                    "priority", "wait_bytes", "val_loss", "val_step", "memory", "memory_plan"}
 
 
 def create_or_upgrade(db: sqlite3.Connection) -> None:

@@ -15,8 +15,9 @@ SUCCEEDED = "succeeded"
 FAILED = "failed"
 CANCELLED = "cancelled"
 FETCHING = "fetching"  # lorad submit --from: its checkpoint is being downloaded from the mirror
+WAITING_FOR_GPU = "waiting_for_gpu"  # its GPU was quarantined (daemon/gpu_health/): waits for a healthy one
 
-STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, WAITING, SUCCEEDED, FAILED, CANCELLED, FETCHING)
+STATES = (QUEUED, RUNNING, PAUSED, INTERRUPTED, WAITING, SUCCEEDED, FAILED, CANCELLED, FETCHING, WAITING_FOR_GPU)
 FINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 
 # (from, to) -> when it happens. The only place a job's state may change.
@@ -44,6 +45,10 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     (FETCHING, FAILED): "the mirror's checkpoints are refused (another job's settings, a newer lorad's format)",
     (FETCHING, CANCELLED): "lorad cancel while it downloads",
     (FAILED, FETCHING): "lorad retry of a job brought over with --from whose checkpoint never landed: downloads again",
+    (RUNNING, WAITING_FOR_GPU): "its GPU was quarantined (lost, Xid, ECC, unknown error): never counted as a crash",
+    (WAITING_FOR_GPU, QUEUED): "enough healthy GPUs again (another one, or this one back or cleared)",
+    (WAITING_FOR_GPU, PAUSED): "lorad pause while it waits for a GPU",
+    (WAITING_FOR_GPU, CANCELLED): "lorad cancel while it waits for a GPU",
 }
 
 # The one way out of a final state: a person asks for it (`lorad retry`); the daemon never leaves one by itself.

@@ -77,6 +77,18 @@ def committed_checkpoints(workdir: Path) -> list[Committed]:
     return sorted(out, key=lambda c: c.step, reverse=True)
 
 
+def saved_exports(workdir: Path, step: int | None = None) -> list[Committed]:
+    """The committed checkpoints that hold export files, newest first; with `step`, that one alone (LookupError,
+    naming the saved steps, when it is not there). `lorad export` reads them through the daemon or, with none
+    serving the home, straight from the job directory."""
+    saved = [c for c in committed_checkpoints(workdir) if c.exports]
+    if step is None:
+        return saved
+    if not (one := [c for c in saved if c.step == step]):
+        raise LookupError(f"has no saved step {step} (saved steps: {', '.join(str(c.step) for c in saved) or 'none yet'})")
+    return one
+
+
 def open_export(workdir: Path, step: int, name: str) -> int:
     """A read descriptor of checkpoints/step-N/export/NAME, reached from the job directory through directory
     descriptors that never follow a symlink (the trainer user writes below it); the caller checks `name` against

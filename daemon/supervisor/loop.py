@@ -4,6 +4,8 @@
 
     reap        children that exited → succeeded / failed / retried / paused / ... (daemon/supervisor/exit_policy.py)
     heartbeats  progress lines from the children; hung trainers are killed
+    gpus        GPU health: trainers on a quarantined GPU stopped, jobs waiting for a GPU requeued
+                (daemon/supervisor/gpu_path.py)
     requests    pause / cancel / drain asked for over the socket → SIGTERM
     inbox       complete job files → accepted or rejected
     disk waits  jobs that found the disk full → queued again once their disk has the space (daemon/supervisor/disk_wait.py)
@@ -32,6 +34,7 @@ from daemon.store.bookkeeping import PendingWrites
 from daemon.store.db import Store
 from daemon.supervisor import disk_wait
 from daemon.supervisor.beats import BeatQueue
+from daemon.supervisor.gpu_path import GpuSupervision
 from daemon.supervisor.lock_contention import TrainerLockContention
 from daemon.supervisor.reap_path import ReapPath
 from daemon.supervisor.shutdown import shut_down
@@ -51,10 +54,10 @@ COMPILE_FALLBACKS = 4  # compile_fallback events stored per attempt (one per blo
 INTAKE_SHARE_WHILE_TRAINING = 0.25
 
 
-class Supervisor(ReapPath, StartPath):
+class Supervisor(ReapPath, StartPath, GpuSupervision):
     def __init__(self, home: Path, cfg: DaemonConfig, store: Store, devices: list[int | None], log,
                  intake=None, inbox=None, policy: Policy | None = None, notifier=None, notifications=None,
-                 prune_rejected=None, mirrors=None):
+                 prune_rejected=None, mirrors=None, health=None):
         self.home = Path(home)
         self.cfg = cfg
         self.store = store
@@ -67,6 +70,8 @@ class Supervisor(ReapPath, StartPath):
         self.notifier = notifier
         self.notifications = notifications  # daemon.supervisor.notifications.Notifications: webhook / command per event
         self.mirrors = mirrors  # daemon.mirror.service.Mirrors: told of commits and successes, never waited for
+        self.health = health  # daemon.gpu_health.watcher.HealthWatcher: GPUs that are out are not scheduled
+        self.gpu_notes: dict[str, str] = {}
         self.children: dict[str, Child] = {}
         self.pending = PendingWrites(log)  # job id → bookkeeping not yet written (trainer already gone)
         self.locks = TrainerLockContention(self.home, store, log)
@@ -94,6 +99,7 @@ class Supervisor(ReapPath, StartPath):
         ok = all([
             self._step("reap", self.reap),
             self._step("heartbeats", self.heartbeats),
+            self._step("gpus", self._gpus),
             self._step("requests", self._requests),
             self._step("inbox", self._inbox),
             self._step("disk waits", self._disk_waits),
@@ -241,6 +247,7 @@ class Supervisor(ReapPath, StartPath):
                 self._backlog[path] = None
         if self._backlog and time.monotonic() >= self._intake_rest_until:
             self._take_batch()
+        self.intake.poll_pending()  # files whose checks run off the loop (daemon/intake/checks.py)
         # A file that could not be taken (disk full, ...) waits in incoming/ (or in the inbox, for the next
         # rescan); it is tried again every inbox_rescan_s, and `lorad status` says it is stuck and why.
         now = time.monotonic()

@@ -12,12 +12,13 @@ from typing import Any
 
 from daemon.store import states
 from daemon.supervisor import disk_wait
-from daemon.supervisor.exit_policy import decide_exit, describe_exit
+from daemon.supervisor.exit_policy import decide_exit, describe_exit, same_error_in_a_row
 from daemon.supervisor.notifications import event_of_exit
+from daemon.supervisor.oom_replan import OomReplan, after_oom
 from daemon.supervisor.stuck import StuckTrainer
 from daemon.supervisor.trainer import Child
 from daemon.system.log import job_event
-from engine.training.stop import EXIT_STOPPED
+from engine.training.stop import EXIT_INVALID, EXIT_OK, EXIT_OUT_OF_MEMORY, EXIT_STOPPED
 
 
 class ReapPath:
@@ -38,22 +39,36 @@ class ReapPath:
 
     def _finish(self, c: Child, code: int | None) -> None:
         error = c.exit_error(code)
+        # A trainer that died by itself (or hung) while its GPU failed: the GPU's fault, not the job's.
+        gpu_fault = self.gpu_fault_of(c.devices) \
+            if c.stop_reason in (None, "hung") and code not in (EXIT_OK, EXIT_STOPPED, EXIT_INVALID) else None
 
         def plan(job: dict[str, Any]):
             # Runs inside the store's transaction, on the job as it is now: a pause or cancel that lands while
             # the exit is being written is either seen here or refused afterwards, never lost in between.
             stop_reason = None if c.stop_reason == "hung" else c.stop_reason
+            if gpu_fault is not None:
+                stop_reason = gpu_fault
             if job["requested"] in ("pause", "cancel"):
                 # The user's latest word wins over drain, a power policy or shutdown (and over an earlier pause),
                 # and over an exit the trainer came to on its own just before the stop.
                 stop_reason = job["requested"]
             elif stop_reason is None and self.shutting_down and code == EXIT_STOPPED:
                 stop_reason = "shutdown"  # SIGTERM reached it with ours (systemd signals the whole unit)
-            d = decide_exit(code, stop_reason, job["retries"], self.cfg, error, progressed=c.new_checkpoint)
+            err, oom = error, None
+            if code == EXIT_OUT_OF_MEMORY:  # a smaller memory plan from the store's floors (oom_replan.py)
+                oom = after_oom(job["memory"], c.oom)
+                err = oom.failure or err
+            d = decide_exit(code, stop_reason, job["retries"], self.cfg, err, progressed=c.new_checkpoint,
+                            repeats=same_error_in_a_row(error, job["previous_errors"]), replanned=oom and oom.lever)
             fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
-                                          requested=None, last_error=error if error else job["last_error"])
+                                          requested=None, last_error=err if err else job["last_error"])
+            if oom is not None and oom.memory is not None and d.state == states.QUEUED:
+                fields["memory"] = oom.memory
             if d.state == states.WAITING:
                 fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
+            if d.state == states.WAITING_FOR_GPU:
+                fields["last_error"] = d.reason  # which GPU, and its fault: what it waits on
             if d.state == states.SUCCEEDED:
                 fields.update(output=str(c.workdir / "output"), eta_s=0.0, last_error=None)
             if d.retry_in is not None:
@@ -63,9 +78,11 @@ class ReapPath:
                 # Interrupted is a waypoint: back in the queue at once (same transaction), resumed from its
                 # last checkpoint.
                 moves.append((states.QUEUED, "requeued to resume", {}))
-            return moves, d
+            return moves, (d, oom)
 
-        d = self.store.end_run(c.job_id, code, c.step, error, plan)
+        d, oom = self.store.end_run(c.job_id, code, c.step, error, plan)
+        if oom is not None and oom.lever is not None and d.state == states.QUEUED:
+            self._oom_replanned(c, oom)
         level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
         refused = {"refused_lines": n} if (n := c.refusals.total()) else {}  # each kind was said once already
         getattr(self.log, level)("trainer_exited", job=c.job_id, exit=describe_exit(code),
@@ -78,6 +95,18 @@ class ReapPath:
             self._tell(what, c.job_id, c.name, state=d.state, reason=d.reason, step=c.step, total=c.total,
                        exit_code=code, workdir=str(c.workdir))
         self._tell_policy("on_job_end", c.job_id, code)
+
+    def _oom_replanned(self, c: Child, oom: OomReplan) -> None:
+        """Said where `lorad status` (the store's events) and `lorad logs` (events.jsonl) show it."""
+        ev = c.oom or {}
+        what = dict(step=ev.get("step", c.step), phase=ev.get("phase"), needed_bytes=ev.get("needed_bytes"),
+                    before=oom.before, lever=oom.lever, after=oom.memory)
+        try:
+            self.store.event(c.job_id, "oom_replan", **what)
+        except Exception as e:  # noqa: BLE001 — the re-plan itself is written (end_run); only its note is lost
+            self.log.error("oom_replan_not_recorded", job=c.job_id, error=f"{type(e).__name__}: {e}")
+        self.log.warning("oom_replan", job=c.job_id, **what)
+        job_event(c.workdir, c.job_id, "oom_replan", level="warning", **what)
 
     def _give_up_on(self, c: Child) -> None:
         """A trainer SIGKILLed kill_wait_s ago that has not exited: listed as stuck, its job settled as a crash.

@@ -51,7 +51,8 @@ def to_preempt(first: Waiter | None, running: list[Runner], free: int, enabled: 
     return []  # not enough lower-priority work to make room: nobody yields for nothing
 
 
-STATE_RANK = {"running": 0, "queued": 1, "waiting": 2, "interrupted": 2, "fetching": 2, "paused": 3}  # the rest: last
+STATE_RANK = {"running": 0, "queued": 1, "waiting": 2, "waiting_for_gpu": 2, "interrupted": 2, "fetching": 2,
+              "paused": 3}  # the rest: last
 
 
 def status_order(jobs: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:

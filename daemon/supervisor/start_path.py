@@ -25,6 +25,7 @@ from daemon.system import proc
 from daemon.system import trainer_user as trainer_user_mod
 from daemon.system.lock import write_pid
 from daemon.system.log import job_event
+from engine.memory_plan.attempt import PLAN_ENV
 
 
 def warm_trainer_for(cfg, log) -> WarmTrainer | None:
@@ -66,7 +67,13 @@ class StartPath:
             tried.add(job["id"])
             doc = accepted_doc(self.store, job)  # never jobs/ID/job.yaml: the trainer user may replace it
             gpus = gang.job_gpus(doc)
-            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy)
+            busy |= self.gpu_out()  # quarantined GPUs (daemon/gpu_health/)
+            short = self.vram_short(doc, [d for d in self.devices if d not in busy])
+            plan = gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy | set(short))
+            if short and not plan.starts and not plan.impossible \
+                    and gang.plan_starts([gang.Want(job["id"], gpus)], self.devices, busy).starts:
+                self._say_vram_wait(job, short)  # gpu_memory_policy: wait; the jobs behind it wait too
+                return
             if plan.impossible:
                 self._fail_unstartable(job, f"resources.gpus: the job needs {gpus} devices at once and this machine "
                                             f"has {len(self.devices)} (daemon devices: {self.devices})")
@@ -138,6 +145,9 @@ class StartPath:
             return False  # paused or cancelled over the socket in the meantime
         self.locks.started(job_id)
         env = trainer.trainer_env(self.cfg.trainer_env, devs, workdir)
+        env.update(self.vram_budget_env(job_id, workdir, devs))  # gpu_memory_policy: plan
+        if job.get("memory"):  # floors after an out-of-memory (daemon/supervisor/oom_replan.py): this attempt's input
+            env[PLAN_ENV] = job["memory"]
         shutil.rmtree(workdir / trainer.RANKS_DIR, ignore_errors=True)  # the last attempt's: not this one's ranks
         power = trainer.power_section(doc)
         try:
@@ -148,7 +158,10 @@ class StartPath:
         except OSError as e:
             msg = f"could not start the trainer: {e}"
             self.log.error("spawn_failed", job=job_id, error=msg)
-            p = self.pending.add(job_id, devs, "failed start", lambda: self._requeue_unstarted(job_id, job["step"], msg))
+            # A trainer user that cannot enter the job directory: every retry would fail the same way.
+            to = states.FAILED if isinstance(e, trainer.CannotEnter) else states.QUEUED
+            p = self.pending.add(job_id, devs, "failed start",
+                                 lambda: self._requeue_unstarted(job_id, job["step"], msg, to))
             self.pending.settle(p)  # if this write fails too, the next tick's reap tries again
             return False
         # The trainer runs: track it (and read its stdout) before anything else can fail.
@@ -173,7 +186,7 @@ class StartPath:
         self._tell_policy("on_job_start", c.running_job())
         return True
 
-    def _requeue_unstarted(self, job_id: str, step: int, msg: str) -> None:
+    def _requeue_unstarted(self, job_id: str, step: int, msg: str, to: str = states.QUEUED) -> None:
         fields = dict(last_error=msg, gpu=None, pid=None, pid_start=None,
                       not_before=time.time() + self.cfg.backoff_base_s)
-        self.store.end_run(job_id, None, step, msg, lambda job: ([(states.QUEUED, msg, fields)], None))
+        self.store.end_run(job_id, None, step, msg, lambda job: ([(to, msg, fields)], None))

@@ -85,6 +85,14 @@ def power_section(doc: dict[str, Any]) -> dict[str, Any]:
     return dict(power) if isinstance(power, dict) else {}
 
 
+class CannotEnter(OSError):
+    """The trainer user cannot reach its job directory: a configuration error (the job fails, saying how to fix
+    it), never a crash to retry."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
           cfg: DaemonConfig | None = None, warm: WarmTrainer | None = None) -> subprocess.Popen | WarmPopen:
     """Start a trainer leading a session of its own, stdout piped (heartbeats), stderr appended to trainer.log.
@@ -103,6 +111,8 @@ def spawn(cmd: list[str], workdir: Path, env: dict[str, str], lock_fd: int,
     trainer_user_mod.protect_job_files(workdir, JOB_DIR_MODE, JOB_FILE_MODE)
     extra: dict[str, Any] = {}
     if run_as is not None:
+        if (why := trainer_user_mod.way_in(workdir, run_as)) is not None:
+            raise CannotEnter(why)
         trainer_user_mod.hand_over(workdir, run_as)
         extra = run_as.popen_kwargs()
         env = {**env, **run_as.env()}  # root's HOME would send its caches (~/.cache, ~/.triton) where it cannot write
@@ -187,6 +197,8 @@ class Child:
     ranks: RankWatch = field(default_factory=RankWatch)  # its ranks' liveness files, timed on the monotonic clock
     refusals: trainer_output.Refusals = field(default_factory=trainer_output.Refusals)  # stdout lines dropped
     doc: dict[str, Any] = field(default_factory=dict)  # the job as accepted (daemon/supervisor/accepted_job.py)
+    memory_plan: str | None = None  # the attempt's memory plan in words (its `memory_plan` event)
+    oom: dict[str, Any] | None = None  # its `out_of_memory` event: where, what it needed, the plan it ran under
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -251,7 +263,13 @@ class Child:
             # Progress: the crash count starts again (in the store too, for a restart after an outage).
             self.new_checkpoint = True
             return {"last_checkpoint": ev.get("path"), "checkpoint_step": step, "retries": 0}
-        elif kind in ("invalid_job", "disk_error"):
+        elif kind in ("invalid_job", "disk_error", "internal_error"):
+            self.last_error = str(ev.get("message", kind))
+        elif kind == "memory_plan":
+            self.memory_plan = str(ev.get("summary", ""))[:1000] or None
+            self.dirty = True
+        elif kind == "out_of_memory":
+            self.oom = ev
             self.last_error = str(ev.get("message", kind))
         elif kind == "done":
             self.step = int(ev.get("step", self.step))
@@ -263,6 +281,8 @@ class Child:
         out = dict(step=self.step, total=self.total, loss=self.loss, s_per_step=self.s_per_step, eta_s=self.eta_s)
         if self.val_step is not None:  # a resumed attempt keeps the last value until it validates again
             out.update(val_loss=self.val_loss, val_step=self.val_step)
+        if self.memory_plan is not None:
+            out["memory_plan"] = self.memory_plan
         return out
 
     # ------------------------------------------------------------ hang, stop, kill

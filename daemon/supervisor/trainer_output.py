@@ -70,10 +70,38 @@ class _Phase(_Event):
     phase: Annotated[str, Field(max_length=64)] = ""
 
 
+class _PlanReport(BaseModel):
+    """The memory plan an attempt ran under (engine/memory_plan/choose.py MemoryPlan.report), as far as the
+    daemon's re-plan reads it."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    blocks: Annotated[int, Field(ge=0, le=100_000)] = 0
+    swap: Annotated[int, Field(ge=0, le=100_000)] = 0
+    keep: Annotated[int, Field(ge=0, le=100_000)] = 0
+    attention: Annotated[int, Field(ge=0, le=100_000)] = 0
+    recompute: Annotated[int, Field(ge=0, le=100_000)] = 0
+    samples: Annotated[str, Field(max_length=16)] = "none"
+    micro_batch: Annotated[int, Field(ge=1, le=4096)] = 1
+    grad_accum: Annotated[int, Field(ge=1, le=1 << 20)] = 1
+    summary: Text = ""
+
+
+class _MemoryPlan(_Event, _PlanReport):
+    pass
+
+
+class _OutOfMemory(_Event):
+    step: Step = 0
+    phase: Annotated[str, Field(max_length=64)] = ""
+    needed_bytes: Annotated[int, Field(ge=0, le=1 << 60)] | None = None
+    plan: _PlanReport | None = None
+    message: Text = ""
+
+
 # The events whose fields the daemon reads (daemon/supervisor/trainer.py Child.heard, the loop, the power policy).
 CHECKED: dict[str, type[_Event]] = {
     "step": _Step, "validation": _Validation, "resumed": _Resumed, "checkpoint_committed": _Committed,
     "done": _AtStep, "checkpoint_slow": _AtStep, "invalid_job": _Message, "disk_error": _Message, "phase": _Phase,
+    "memory_plan": _MemoryPlan, "out_of_memory": _OutOfMemory,
 }
 
 

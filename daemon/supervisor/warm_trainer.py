@@ -29,14 +29,15 @@ from typing import Any
 from daemon.supervisor import zygote
 from daemon.supervisor.warm_fingerprint import REPO, fingerprint
 from engine.distributed.liveness import LIVENESS_DIR
+from engine.memory_plan.attempt import BUDGET_ENV, PLAN_ENV
 
 WARMING_WAIT_S = 30.0  # a queued job waits this long for a zygote still importing, then starts cold
 ANSWER_WAIT_S = 30.0
 STATUS_LOST = 255  # a warm trainer that outlived its zygote: its exit status went to init (treated as a crash)
 # What may differ between the zygote's environment and a trainer's: read after import (CUDA at its first use,
-# OMP_NUM_THREADS re-applied by the child, the liveness dir by engine.run). Anything else may have been read
+# OMP_NUM_THREADS re-applied by the child, the liveness dir by engine.run, the memory plan's inputs by the recipe). Anything else may have been read
 # while the zygote imported (HF_HOME, PYTORCH_*, ...): a trainer that needs it different starts cold.
-PER_TRAINER_ENV = {LIVENESS_DIR, "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS"}
+PER_TRAINER_ENV = {LIVENESS_DIR, "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", PLAN_ENV, BUDGET_ENV}
 
 
 def forkable(cmd: list[str]) -> bool:

@@ -32,11 +32,14 @@ import sys
 import time
 
 from engine.imports import unwalked_imports
+from engine.training.stop import EXIT_INVALID
 
 # What a trainer imports before its first step, whatever its family (tests/helpers/forked.py keeps a like list).
+# A family's training code is its package's family.py (the package itself is plain data: engine/registry/).
 PRELOAD = ["engine.recipe", "engine.config.job", "engine.distributed.ddp", "engine.families.image.base",
-           "engine.families.image.flux2", "engine.families.image.qwen_image", "engine.families.image.z_image",
-           "engine.families.image.chroma", "engine.families.image.flux", "engine.families.causal_lm", "peft",
+           "engine.families.image.flux2.family", "engine.families.image.qwen_image.family",
+           "engine.families.image.z_image.family", "engine.families.image.chroma.family",
+           "engine.families.image.flux.family", "engine.families.causal_lm.family", "peft",
            "torch.utils.tensorboard", "diffusers.pipelines.flux2.pipeline_flux2_klein",
            "diffusers.pipelines.qwenimage.pipeline_qwenimage", "diffusers.pipelines.z_image.pipeline_z_image",
            "diffusers.pipelines.chroma.pipeline_chroma", "diffusers.models.transformers.transformer_flux",
@@ -66,7 +69,15 @@ def _child(req: dict, fds: list[int]) -> None:
             os.close(fd)
         sys.stdout = os.fdopen(1, "w", buffering=1)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        os.chdir(req["cwd"])
+        try:
+            os.chdir(req["cwd"])
+        except PermissionError as e:
+            # The trainer user cannot enter its job directory: a configuration error (docs/security.md), which
+            # every retry would meet again. 65, as an invalid job: failed with this line, never retried.
+            print(f"configuration error: the trainer (uid {os.getuid()}) cannot enter its job directory "
+                  f"{req['cwd']}: {e.strerror}", file=sys.stderr)
+            code = EXIT_INVALID
+            return
         os.environ.clear()
         os.environ.update(req["env"])
         if "OMP_NUM_THREADS" in req["env"]:  # torch read it at import: apply it as a new interpreter would

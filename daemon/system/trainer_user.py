@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,3 +97,40 @@ def hand_over(workdir: Path, who: RunAs) -> None:
                 os.chown(name, who.uid, who.gid, dir_fd=root_fd, follow_symlinks=False)
             except FileNotFoundError:
                 pass  # removed by the trainer user meanwhile
+
+
+def may_search(st: os.stat_result, who: RunAs) -> bool:
+    """Whether WHO may enter a directory of this stat (the permission bits that apply to it, as the kernel picks)."""
+    if st.st_uid == who.uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == who.gid or st.st_gid in who.groups:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
+
+
+def way_in(workdir: Path, who: RunAs) -> str | None:
+    """Before every start: the trainer user gets a way into its job directory, whatever umask made the daemon's
+    directories (a root daemon under the unit's UMask=0007 makes its home 0770 and jobs/ 0750, root's): the home
+    gets search permission only (o+x: enter, never list), jobs/ the user's group (enter and list, never write).
+    Nothing is taken from anyone. None when the user can now reach its job directory; else why not, in one line:
+    a configuration error (a directory above the home it cannot enter), not a crash to retry."""
+    workdir = Path(workdir)
+    with opened_dir(workdir.parent.parent, follow=True) as d:  # the home: the daemon's own (maybe through a link)
+        st = os.fstat(d)
+        if not may_search(st, who):
+            os.fchmod(d, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+    with opened_dir(workdir.parent) as d:  # HOME/jobs: the daemon's, never a symlink
+        st = os.fstat(d)
+        if not may_search(st, who):
+            os.fchown(d, -1, who.gid)
+            os.fchmod(d, (stat.S_IMODE(st.st_mode) | stat.S_IRGRP | stat.S_IXGRP) & ~stat.S_IWGRP)
+    for p in [*reversed(workdir.parents), workdir]:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"configuration error: trainer_user {who.name} cannot reach {p} ({e.strerror})"
+        if p != workdir and not may_search(st, who):
+            return (f"configuration error: trainer_user {who.name} cannot enter {p} (owner {st.st_uid}:{st.st_gid}, "
+                    f"mode {stat.S_IMODE(st.st_mode):04o}), on the way to its job directory: give it search "
+                    f"permission (chmod o+x {p}) or put the home where it can")
+    return None

@@ -73,6 +73,11 @@ class Dashboard:
                             "<p>Open the address that <code>lorad web-url</code> prints.</p>")
         return HTMLResponse(body, status_code=status)
 
+    @staticmethod
+    def _cookie(request: Request) -> str:
+        """The session cookie's name: bound to the port this dashboard listens on (its socket's, not the Host's)."""
+        return auth.cookie_name((request.scope.get("server") or (None, None))[1])
+
     def check(self, request: Request) -> Response | None:
         """None when the request may proceed; else the response that refuses it (or signs a browser in)."""
         given = request.query_params.get("token")
@@ -84,7 +89,7 @@ class Dashboard:
                 q = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
                 target = request.url.path + ("?" + "&".join(f"{quote(k)}={quote(v)}" for k, v in q) if q else "")
                 resp = RedirectResponse(target, status_code=303)
-                resp.set_cookie(auth.COOKIE, auth.new_session(self.token), max_age=SESSION_DAYS * 86400,
+                resp.set_cookie(self._cookie(request), auth.new_session(self.token), max_age=SESSION_DAYS * 86400,
                                 httponly=True, samesite="strict", path="/")
                 return resp
             return None
@@ -94,7 +99,7 @@ class Dashboard:
             if kind.lower() != "bearer" or not auth.token_ok(self.token, value.strip()):
                 return self._denied(403, "wrong token")
             return None
-        cookie = request.cookies.get(auth.COOKIE)
+        cookie = request.cookies.get(self._cookie(request))
         if cookie is None:
             return self._denied(401, "this dashboard needs its token")
         if not auth.session_ok(self.token, cookie):
@@ -111,12 +116,12 @@ class Dashboard:
         own = f"{request.url.scheme}://{request.url.netloc}"
         if origin is not None and origin != own:
             return self._denied(403, f"cross-site request refused (origin {origin})")
-        if not auth.csrf_ok(self.token, request.cookies.get(auth.COOKIE), form.get("csrf")):
+        if not auth.csrf_ok(self.token, request.cookies.get(self._cookie(request)), form.get("csrf")):
             return self._denied(403, "missing or wrong CSRF token: reload the page and try again")
         return None
 
     def csrf(self, request: Request) -> str:
-        cookie = request.cookies.get(auth.COOKIE)
+        cookie = request.cookies.get(self._cookie(request))
         return auth.csrf_for(self.token, cookie) if cookie and auth.session_ok(self.token, cookie) else ""
 
     # ---------------------------------------------------------------- helpers
@@ -140,7 +145,10 @@ class Dashboard:
     def jobs(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:
             return denied
-        return self._page(request, "Jobs", pages.jobs_table(self.view.jobs()), extra="<h2>Jobs</h2>")
+        notes = self.view.meta_json("gpu_notes", {})  # daemon/gpu_health/supervision.py
+        jobs = [{**j, "gpu_note": notes.get(j["id"])} for j in self.view.jobs()]
+        gpus = pages.gpu_health_table(self.view.meta_json("gpu_health", []))
+        return self._page(request, "Jobs", gpus + pages.jobs_table(jobs), extra="<h2>Jobs</h2>")
 
     def job(self, request: Request) -> Response:
         if (denied := self.check(request)) is not None:

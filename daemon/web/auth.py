@@ -2,7 +2,7 @@
 
 The token travels once (`?token=` on the URL `lorad web-url` prints, or an
 `Authorization: Bearer` header for scripts and Prometheus); a browser then
-keeps a session cookie (HttpOnly, SameSite=Strict) of the form SID.MAC, where
+keeps a session cookie (HttpOnly, SameSite=Strict, named for the dashboard's port) of the form SID.MAC, where
 MAC = HMAC(token, SID). Every POST carries a CSRF token HMAC(token, "csrf:"+SID)
 in a hidden field and, when the browser sends one, an Origin equal to the
 page's own. Nothing is kept on the server: a restart keeps sessions valid, and
@@ -20,6 +20,12 @@ from pathlib import Path
 
 TOKEN_FILE = "web.token"
 COOKIE = "lorad_session"
+
+
+def cookie_name(port: int | None) -> str:
+    """The session cookie's name on the dashboard listening on PORT: browsers send a host's cookies to every port
+    of it, so two services on 127.0.0.1 (two users' dashboards) would overwrite one another's under one name."""
+    return f"{COOKIE}_{port}" if port else COOKIE
 
 
 def ensure_token(home: Path, group: str | None = None, log=None) -> str:

@@ -141,7 +141,32 @@ class StoreCollector:
                 thr.add_metric([str(idx), reason], 1.0)
             sim.add_metric([str(idx)], float(s["simulated"] or 0))
         out.extend([*gpu.values(), thr, sim])
+        out.extend(_gpu_health(self.view.meta_json("gpu_health", [])))
         return out
+
+
+def _gpu_health(gpus: list[dict[str, Any]]) -> list[Metric]:
+    """Each GPU's health as the supervisor last wrote it (daemon/gpu_health/): state, faults, slowdown, others' VRAM."""
+    state = GaugeMetricFamily("lorad_gpu_health", "1 for the GPU's health state: ok, quarantined (a fault; taken "
+                              "back when it reads healthy) or held (repeated faults; until lorad gpu clear)",
+                              labels=["gpu", "state"])
+    ok = GaugeMetricFamily("lorad_gpu_healthy", "1 while the GPU is scheduled, 0 while it is held out", labels=["gpu"])
+    faults = GaugeMetricFamily("lorad_gpu_faults", "faults within gpu_health.fault_window_s", labels=["gpu"])
+    slow = GaugeMetricFamily("lorad_gpu_slowdown", "1 while the GPU slows itself down (kind: thermal, hardware)",
+                             labels=["gpu", "kind"])
+    foreign = GaugeMetricFamily("lorad_gpu_foreign_vram_bytes", "VRAM held by processes that are not lorad's "
+                                "(to 0.1 GiB)",
+                                labels=["gpu"])
+    for g in gpus:
+        gpu = str(g.get("gpu"))
+        for st in ("ok", "quarantined", "held"):
+            state.add_metric([gpu, st], 1.0 if g.get("state") == st else 0.0)
+        ok.add_metric([gpu], 1.0 if g.get("state") == "ok" else 0.0)
+        faults.add_metric([gpu], float(g.get("faults") or 0))
+        for kind in ("thermal", "hardware"):
+            slow.add_metric([gpu, kind], 1.0 if kind in (g.get("slowdown") or []) else 0.0)
+        foreign.add_metric([gpu], float(g.get("foreign_gb") or 0) * (1 << 30))  # to 0.1 GiB
+    return [state, ok, faults, slow, foreign]
 
 
 def _mirrors(lags: dict[str, dict[str, Any]]) -> Iterator[Metric]:

@@ -109,6 +109,8 @@ def note_of(j: dict[str, Any]) -> str:
         return f"{j['requested']} requested"
     if j["state"] in ("succeeded", "cancelled"):
         return ""
+    if j.get("gpu_note") and j["state"] in ("queued", "running"):  # gpu_memory_policy: what was decided
+        return j["gpu_note"]
     return j.get("last_error") or ""
 
 
@@ -130,6 +132,25 @@ def jobs_table(jobs: Sequence[dict[str, Any]]) -> str:
     return ("<table id='jobs'><thead><tr><th>ID</th><th>Name</th><th>State</th><th>Progress</th>"
             "<th class=num>Step</th><th class=num>Loss</th><th class=num>s/step</th><th class=num>ETA</th>"
             "<th class=num>W</th><th class=num>J/step</th><th>Note</th></tr></thead><tbody>"
+            + "".join(rows) + "</tbody></table>")
+
+
+def gpu_health_table(gpus: Sequence[dict[str, Any]]) -> str:
+    """Each GPU's health (daemon/gpu_health/): state and why, slowdown (thermal, hardware), VRAM others hold."""
+    if not gpus:
+        return ""
+    rows = []
+    for g in gpus:
+        why = g.get("reason") or "" if g.get("state") != "ok" else ""
+        if g.get("state") == "held":
+            why += f" (lorad gpu clear {g['gpu']})"
+        rows.append(f"<tr data-gpu='{e(g['gpu'])}'><td>{e(g['gpu'])}</td><td>{state_badge(g.get('state') or '')}</td>"
+                    f"<td>{e(why)}</td><td class=num>{e(g.get('faults'))}</td>"
+                    f"<td>{e(' and '.join(g.get('slowdown') or []) or '-')}</td>"
+                    f"<td class=num>{num(g.get('foreign_gb'), '{:.1f}')}</td>"
+                    f"<td class=num>{num(g.get('free_gb'), '{:.1f}')}</td></tr>")
+    return ("<table id='gpu-health'><thead><tr><th>GPU</th><th>Health</th><th>Why</th><th class=num>Faults</th>"
+            "<th>Slowdown</th><th class=num>Others' VRAM GiB</th><th class=num>Free GiB</th></tr></thead><tbody>"
             + "".join(rows) + "</tbody></table>")
 
 

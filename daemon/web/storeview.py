@@ -126,6 +126,14 @@ class StoreView:
             out[r["gpu"]] = r  # ordered by ts: the last one wins
         return out
 
+    def meta_json(self, key: str, default: Any) -> Any:
+        """A meta value the daemon keeps as JSON (gpu_health, gpu_notes: daemon/supervisor/gpu_path.py)."""
+        rows = self.query("SELECT value FROM meta WHERE key=?", (key,))
+        try:
+            return json.loads(rows[0]["value"]) if rows else default
+        except ValueError:
+            return default
+
     def state_counts(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in self.query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
 

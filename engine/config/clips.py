@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config.bounded import CheckTimedOut, open_regular, tick
 from engine.config.sources import IMAGE_EXTS, VIDEO_EXTS, list_media
 from engine.errors import JobInvalid
 
@@ -28,9 +29,10 @@ def _timestamps(path: Path) -> tuple[list[float], int, int]:
         from PIL import Image, UnidentifiedImageError
 
         try:
-            with Image.open(path) as im:
+            with _open(path) as f, Image.open(f) as im:
                 times, t = [], 0.0
                 for i in range(getattr(im, "n_frames", 1)):
+                    tick("data.path", path)
                     im.seek(i)
                     times.append(t)
                     t += (im.info.get("duration") or 100) / 1000.0
@@ -40,7 +42,8 @@ def _timestamps(path: Path) -> tuple[list[float], int, int]:
     import av
 
     try:
-        with av.open(str(path)) as box:
+        # opened here, as a regular file only (engine/config/bounded.py); PyAV reads it through the file object
+        with _open(path) as f, av.open(f) as box:
             if not box.streams.video:
                 raise ClipUnreadable("has no video stream")
             stream = box.streams.video[0]
@@ -52,13 +55,30 @@ def _timestamps(path: Path) -> tuple[list[float], int, int]:
                 n = round(seconds * rate)
             if n and rate:  # a file cut short behind a whole index passes here: its windows are skipped when cached
                 return [k / rate for k in range(n)], width, height
-            times = sorted(float(p.pts * stream.time_base) for p in box.demux(stream)
+            times = sorted(float(p.pts * stream.time_base) for p in _ticking(box.demux(stream), path)
                            if p.pts is not None and p.size > 0)
     except av.error.FFmpegError as e:
         raise ClipUnreadable(f"cannot be read as a video ({e})") from None
     if not times:
         raise ClipUnreadable("has no frames")
     return [t - times[0] for t in times], width, height
+
+
+def _open(path: Path):
+    """The clip opened as a regular file only (engine/config/bounded.py): a FIFO or a device is unreadable."""
+    try:
+        return open_regular(path, "data.path")
+    except CheckTimedOut:
+        raise
+    except JobInvalid:
+        raise ClipUnreadable("is not a regular file that can be read") from None
+
+
+def _ticking(packets, path: Path):
+    for n, packet in enumerate(packets):
+        if n % 256 == 0:
+            tick("data.path", path)
+        yield packet
 
 
 def frames_at(times: list[float], fps: float) -> int:
@@ -70,6 +90,8 @@ def frames_at(times: list[float], fps: float) -> int:
 
 def probe(path: Path, fps: float) -> tuple[int, int, int, bool]:
     """(frames at fps, width, height, still) of one file of a video dataset; ClipUnreadable when it cannot be read."""
+    if not path.is_file():  # a FIFO or a device (swapped in since the folder was listed): never opened
+        raise ClipUnreadable("is not a regular file that can be read")
     if path.stat().st_size == 0:
         raise ClipUnreadable("is empty (0 bytes)")
     suffix = path.suffix.lower()
@@ -84,7 +106,7 @@ def _still_size(path: Path) -> tuple[list[float], int, int]:
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
+        with _open(path) as f, Image.open(f) as im:
             w, h = ImageOps.exif_transpose(im).size
     except (UnidentifiedImageError, OSError) as e:
         raise ClipUnreadable(f"is not a readable image ({e})") from None
@@ -98,7 +120,7 @@ def check_video_folder(folder: Path, fps: float, frames: list[int], key: str = "
     folder = Path(folder)
     if not folder.is_dir():
         raise JobInvalid(f"{key}: {folder} must be a folder of clips and images with same-stem captions")
-    files = list_media(folder)
+    files = list_media(folder, key)
     if not files:
         raise JobInvalid(f"{key}: {folder} contains no clips or images ({', '.join(VIDEO_EXTS + IMAGE_EXTS)})")
     shortest = min(frames)

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config.bounded import CheckTimedOut, open_regular, read_capped, tick
 from engine.config.buckets import assign_bucket
 from engine.config.sources import IMAGE_EXTS, list_images
 from engine.errors import JobInvalid
@@ -52,8 +53,13 @@ class ControlSource:
 
 def pipeline_class(model_dir: Path) -> str | None:
     """The pipeline class a diffusers directory names (model_index.json), None where there is none."""
+    index = Path(model_dir) / "model_index.json"
     try:
-        return json.loads((Path(model_dir) / "model_index.json").read_text()).get("_class_name")
+        return json.loads(read_capped(index, "model.path", 1 << 20)).get("_class_name")
+    except JobInvalid:
+        if index.exists() and not index.is_file():  # a FIFO or a device in its place: named, never opened
+            raise
+        return None
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -95,11 +101,19 @@ def upright_size(path: Path, key: str = KEY) -> tuple[int, int]:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as im:
-            im.verify()  # the file's own checksums (PNG chunks): a truncated or damaged file fails here
-        with Image.open(path) as im:  # verify leaves the image unusable: the header again, for the size
-            w, h = im.size
-            turned = im.getexif().get(0x0112) in (5, 6, 7, 8)
+        f = open_regular(path, key)  # a FIFO or a device is refused, not read (engine/config/bounded.py)
+    except CheckTimedOut:
+        raise
+    except JobInvalid as e:
+        raise JobInvalid(f"{key}: {path} is not a readable image ({str(e).removeprefix(f'{key}: {path} ')})") from None
+    try:
+        with f:
+            with Image.open(f) as im:
+                im.verify()  # the file's own checksums (PNG chunks): a truncated or damaged file fails here
+            f.seek(0)
+            with Image.open(f) as im:  # verify leaves the image unusable: the header again, for the size
+                w, h = im.size
+                turned = im.getexif().get(0x0112) in (5, 6, 7, 8)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise JobInvalid(f"{key}: {path} is not a readable image ({e})") from None
     return (h, w) if turned else (w, h)
@@ -138,8 +152,17 @@ def pair_controls(target_folder: Path, targets: dict[str, tuple[int, int]], fold
             size = upright_size(p)
             if check_sizes:
                 _check_size(p, size, targets[rel], target_folder / rel)
-            out[rel].append(ControlSource(p, hashlib.sha256(p.read_bytes()).hexdigest()))
+            out[rel].append(ControlSource(p, _sha256(p)))
     return {rel: tuple(c) for rel, c in out.items()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open_regular(path, KEY) as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            tick(KEY, path)
+    return h.hexdigest()
 
 
 def _check_size(path: Path, size: tuple[int, int], target: tuple[int, int], target_path: Path) -> None:

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from engine.config.captions import CaptionerConfig
 from engine.config.declare import (
     EDIT_FAMILIES,
     IMAGE_FAMILIES,
@@ -74,6 +75,16 @@ class DataConfig(Strict):
     trigger: str | None = key(None, max_length=200, families=IMAGE_FAMILIES)
     caption_ext: str = key("txt", pattern=r"^[A-Za-z0-9_]{1,16}$", families=IMAGE_FAMILIES)
     caption_dropout: float = key(0.0, ge=0.0, le=1.0, families=IMAGE_FAMILIES)
+    # Captions written by a vision-language model as the job's first stage (engine/captioning/): `auto` for every
+    # image, `files-else-auto` for those without a caption file; kept in the home's cache, never in data.path.
+    # (None is `files`, as None is `off` for dedupe: a key some families do not read yet is unset there, not set)
+    captions: Literal["files", "auto", "files-else-auto"] | None = key(None, families=IMAGE_FAMILIES,
+                                                                        read_by=STILL_FAMILIES, dump_default=False)
+    captioner: CaptionerConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
+                                            dump_default=False)
+    # Near-duplicate images (perceptual hashes, engine/captioning/dedupe.py): listed (warn), or one kept (skip).
+    dedupe: Literal["off", "warn", "skip"] | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
+                                                        dump_default=False)
     flip: bool = key(False, families=IMAGE_FAMILIES)
     repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
     # the image families' quality features (engine/data/image_sets.py)
@@ -88,6 +99,24 @@ class DataConfig(Strict):
     control_path: (str | Annotated[list[str], Field(min_length=1, max_length=4)] | None) = key(
         None, families=IMAGE_FAMILIES, read_by=EDIT_FAMILIES, dump_default=False)
     validation: ValidationConfig | None = key(None, identity=PARTS)
+
+    @property
+    def caption_mode(self) -> str:
+        return self.captions or "files"
+
+    @property
+    def dedupe_mode(self) -> str:
+        return self.dedupe or "off"
+
+    def captioner_or_default(self) -> CaptionerConfig:
+        return self.captioner if self.captioner is not None else CaptionerConfig()
+
+    @model_validator(mode="after")
+    def _captioner_with_auto_captions(self):
+        if self.captioner is not None and self.caption_mode == "files":
+            raise ValueError("captioner: set data.captions to auto or files-else-auto to use it (it is files, "
+                             "which reads caption files only)")
+        return self
 
     @model_validator(mode="after")
     def _frames_fit_the_vae(self):

@@ -11,15 +11,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-LM = ("causal_lm",)
-# The families that train on images (engine/families/image/).
-IMAGE_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video")
+from engine.registry.families import edit_families, names
+
+# Derived from the family packages' declarations (engine/registry/families.py), in the order families joined.
+LM = names("text")
+# The families that train on images (engine/families/image/), video included.
+IMAGE_FAMILIES = names("image", "edit", "video")
 # Of those, the ones that train on clips (engine/families/video/), and the ones that train on stills only.
-VIDEO_FAMILIES = ("wan", "hunyuan_video")
+VIDEO_FAMILIES = names("video")
 STILL_FAMILIES = tuple(f for f in IMAGE_FAMILIES if f not in VIDEO_FAMILIES)
 FAMILIES = (*LM, *IMAGE_FAMILIES)
 # The image families that train edit LoRAs on an edit base (data.control_path; engine/config/controls.py).
-EDIT_FAMILIES = ("flux", "qwen_image", "flux2")
+EDIT_FAMILIES = edit_families()
 
 # identity=PARTS: the section's presence alone does not change the weights; only its own identity keys count,
 # and the section is left out of the identity when none of them is set.

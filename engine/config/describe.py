@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 
 from pydantic import BaseModel, ValidationError
 
 # pydantic reports union members as extra path parts; they are dropped for a readable key.
 _UNION_PART = re.compile(r"^(list\[.*\]|literal\[.*\]|int|str|float|bool|function-.*|constrained-.*)$")
+SHOWN_CHARS = 200  # of a value echoed back in an error (a YAML alias bomb's value is megabytes)
+SHOWN_PROBLEMS = 20  # problems listed in one message; the rest counted
+_REPR = reprlib.Repr()  # a bounded repr: only the shown part of a huge value is ever formatted
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, SHOWN_CHARS, SHOWN_CHARS, SHOWN_CHARS
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 8
+
+
+def shown(value: object, most: int = SHOWN_CHARS) -> str:
+    """A value as an error message echoes it: its repr, cut to `most` characters (computed bounded, never whole)."""
+    r = _REPR.repr(value)
+    return r if len(r) <= most else f"{r[:most]}… ({len(r) - most} more)"
 
 
 def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
@@ -30,10 +42,10 @@ def _describe(err: dict, models: dict[str, type[BaseModel]]) -> str:
         # A top-level validator names its keys in the message itself.
         return err["msg"].replace("Value error, ", "")
     if typ == "literal_error":
-        return f"{key}: {err['msg'].replace('Input should be', 'must be')} (got {got!r})"
+        return f"{key}: {err['msg'].replace('Input should be', 'must be')} (got {shown(got)})"
     msg = err["msg"].replace("Value error, ", "").replace("Input should be", "must be")
     if got is not None and not isinstance(got, dict):
-        return f"{key}: {msg} (got {got!r})"
+        return f"{key}: {msg} (got {shown(got)})"
     return f"{key}: {msg}"
 
 
@@ -43,6 +55,7 @@ def describe_errors(e: ValidationError, models: dict[str, type[BaseModel]]) -> s
     models: dotted section path ("" for the top) → its model, where an unknown key's neighbours are looked up.
     The daemon config's errors are worded by this too (daemon/config/daemon.py).
     """
-    problems = [_describe(err, models) for err in e.errors()]
-    # Several union branches may fail for one key; keep the distinct messages, in order.
-    return "; ".join(dict.fromkeys(problems))
+    problems = list(dict.fromkeys(_describe(err, models) for err in e.errors(include_url=False)))
+    # Several union branches may fail for one key; keep the distinct messages, in order (and a bounded number).
+    more = f"; … and {len(problems) - SHOWN_PROBLEMS} more problems" if len(problems) > SHOWN_PROBLEMS else ""
+    return "; ".join(problems[:SHOWN_PROBLEMS]) + more

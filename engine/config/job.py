@@ -72,7 +72,10 @@ def load_job(path: str | Path, check_paths: bool = True, policy: JobPolicy | Non
     raw = load_yaml_text(text, str(path.name))
     if policy is not None and isinstance(raw, dict):
         policy.check(raw, path.parent.resolve())
-    return parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
+    cfg = parse_job(raw, path.parent.resolve(), source=path.name, check_paths=check_paths)
+    if policy is not None:
+        policy.check_parsed(cfg)
+    return cfg
 
 
 def dump_job(cfg: JobConfig) -> str:

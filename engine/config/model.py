@@ -6,12 +6,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from engine.config.declare import Strict, key
+from engine.config.declare import FAMILIES, Strict, key
 
 
 class ModelConfig(Strict):
-    family: Literal["causal_lm", "flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan",
-                    "hunyuan_video"] = "causal_lm"
+    family: Literal[FAMILIES] = "causal_lm"  # every family package's name (engine/registry/families.py)
     path: str = Field(description="local directory, hub id (org/name) or builtin:NAME")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"

@@ -10,6 +10,7 @@ from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from engine.config.declare import IMAGE_FAMILIES, VIDEO_FAMILIES
 from engine.config.sources import check_image_folder, check_text_source
 from engine.errors import JobInvalid
+from engine.registry.families import display
 
 if TYPE_CHECKING:
     from engine.config.schema import JobConfig
@@ -81,9 +82,7 @@ def check_paths(cfg: JobConfig) -> None:
             check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
     elif cfg.model.family in IMAGE_FAMILIES:
         if Path(mp).is_absolute() and not (Path(mp) / "transformer" / "config.json").is_file():
-            what = {"flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image", "z_image": "Z-Image",
-                    "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2", "wan": "Wan",
-                    "hunyuan_video": "HunyuanVideo 1.5"}[cfg.model.family]
+            what = display(cfg.model.family)
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no transformer/config.json)")
         if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it
             from engine.config.clips import check_video_folder

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.config.bounded import tick
 from engine.errors import JobInvalid
 
 # Keys whose value is a local path the trainer reads; a hub id (org/name) for model.path is not a path.
@@ -48,6 +49,7 @@ def _outside(top: Path, roots: tuple[Path, ...]) -> tuple[Path, Path] | None:
         if real in seen:
             continue
         seen.add(real)
+        tick(None, shown)  # a tree of a million folders ends at the check's deadline (engine/config/bounded.py)
         try:
             entries = list(os.scandir(real))
         except OSError:
@@ -76,12 +78,22 @@ class JobPolicy:
     cache_max_bytes: int | None = None  # HOME/cache's size limit (engine/storage/cache_evict.py); None: none
 
     def check(self, raw: dict[str, Any], base_dir: Path) -> None:
-        """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping)."""
+        """Raise JobInvalid naming the first key the policy refuses (raw: the parsed YAML mapping). Its switches
+        are checked again on the validated job (check_parsed): here, before anything reads a path."""
         model = raw.get("model")
-        if isinstance(model, dict) and model.get("trust_remote_code") is True and not self.allow_trust_remote_code:
+        if isinstance(model, dict):  # 'true' or 1 pass this; check_parsed sees them as the validator reads them
+            self.check_switches(model.get("trust_remote_code") is True)
+        self.check_roots(raw, base_dir)
+
+    def check_parsed(self, cfg: Any) -> None:
+        """The policy's switches on the validated job (engine.config.schema.JobConfig): the values the trainer
+        acts on, whatever spelling the file used."""
+        self.check_switches(cfg.model.trust_remote_code is True)
+
+    def check_switches(self, trust_remote_code: bool) -> None:
+        if trust_remote_code and not self.allow_trust_remote_code:
             raise JobInvalid("model.trust_remote_code: true is not allowed by this daemon "
                              "(set allow_trust_remote_code: true in the daemon config to permit it)")
-        self.check_roots(raw, base_dir)
 
     def check_roots(self, raw: dict[str, Any], base_dir: Path) -> None:
         """Local paths (after following symlinks) must lie under an allowed root; checked before anything reads them."""

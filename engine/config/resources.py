@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from engine.config.declare import Strict
+from engine.config.declare import Strict, key
 
 
 class PowerConfig(Strict):
@@ -23,3 +23,7 @@ class ResourcesConfig(Strict):
     nodes: int = Field(1, ge=1, le=64)
     # The fewest machines it may go on with when one is lost (torchrun --nnodes MIN:MAX); null = nodes.
     min_nodes: int | None = Field(None, ge=1, le=64)
+    # The GPU memory this job may plan for, in GiB (engine/memory_plan/): block swap, which blocks keep their
+    # activations, compile. Not identity: a plan changes where bytes live and what is recomputed, never the weights.
+    # Unset: the daemon's free-VRAM figure (LORAD_VRAM_BUDGET_GB), else the card's free memory, else no limit (CPU).
+    vram_gb: float | None = key(None, gt=0.0, le=4096.0, identity=False, dump_default=False)

@@ -8,10 +8,12 @@ the others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
+from engine.config.buckets import bucket_step, buckets_for
 from engine.config.declare import (
     IMAGE_FAMILIES,
     VIDEO_FAMILIES,
@@ -19,7 +21,9 @@ from engine.config.declare import (
     keys_set_but_not_for,
     read_only_by,
 )
+from engine.config.describe import shown
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
+from engine.registry.families import families, spatial_multiple
 
 if TYPE_CHECKING:
     from engine.config.schema import JobConfig
@@ -108,18 +112,11 @@ def image_output_formats(cfg: JobConfig) -> list[Problem]:
     return out
 
 
-# lora.type per image family: the types whose files lorad writes so that the loaders apply them as trained (the
-# format rules in image_output_formats: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file). A family
-# not named here trains plain LoRA only until its exports are checked.
-IMAGE_LORA_TYPES = {"flux": ("lora", "dora", "lokr", "loha"), "chroma": ("lora", "dora", "lokr", "loha"),
-                    "qwen_image": ("lora", "dora", "lokr", "loha"), "z_image": ("lora", "dora", "lokr", "loha"),
-                    "flux2": ("lora", "dora"), "krea2": ("lora", "dora", "lokr", "loha"),
-                    "flux3": ("lora", "dora", "lokr", "loha")}
-_WHY_NOT = {
-    "flux2": "ComfyUI's FLUX.2 model fuses q, k and v (and the single blocks' q, k, v and MLP input) into one "
-             "linear and maps FLUX.2 LoRA keys by those fused BFL names only; a LoKr or LoHa update of each part "
-             "is no LyCORIS update of the fused weight, and diffusers' load_lora_weights reads neither",
-}
+# lora.type per image family: the types whose files lorad writes so that the loaders apply them as trained (the format
+# rules in image_output_formats: DoRA in the diffusers file, LoKr and LoHa in the ComfyUI file), and why the others
+# are refused. Derived from the family packages' declarations (engine/registry/families.py).
+IMAGE_LORA_TYPES = {name: families()[name].adapter_types for name in IMAGE_FAMILIES}
+_WHY_NOT = {name: families()[name].why_not_others for name in IMAGE_FAMILIES}
 
 
 def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
@@ -131,9 +128,9 @@ def keys_are_read_by_the_family(cfg: JobConfig) -> list[Problem]:
     if unread := keys_not_read_by(cfg, family):
         keys = ", ".join(unread)
         out.append(Problem(keys, f"{keys}: not read by model.family {family} yet"))
-    types = IMAGE_LORA_TYPES.get(family, ("lora",))
+    types = IMAGE_LORA_TYPES[family]
     if cfg.lora.type not in types:
-        why = _WHY_NOT.get(family, "its exports are not yet checked against diffusers' and ComfyUI's loaders")
+        why = _WHY_NOT[family]
         out.append(Problem("lora.type", f"lora.type: {cfg.lora.type} is not supported for model.family {family} "
                                         f"(it trains {', '.join(types)}): {why}"))
     return out
@@ -176,10 +173,38 @@ def samples_can_render(cfg: JobConfig) -> list[Problem]:
         elif files and len(files) != len(cfg.data.control_paths()):
             out.append(Problem(f"sample.prompts[{i}].control", f"sample.prompts[{i}].control: one image per "
                                                                f"data.control_path folder ({len(cfg.data.control_paths())})"))
+    step = math.lcm(16, spatial_multiple(cfg.model.family, cfg.model.path))
     for k in ("width", "height"):
-        if getattr(s, k) % 16:
-            out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of 16 (got {getattr(s, k)})"))
+        if getattr(s, k) % step:
+            out.append(Problem(f"sample.{k}", f"sample.{k}: must be a multiple of {step} (got {getattr(s, k)})"))
     return out
+
+
+def frames_fit_the_family(cfg: JobConfig) -> list[Problem]:
+    """A video family's windows are t·k + 1 frames, t its VAE's temporal factor (declared in its package); data.py
+    checks 4k + 1 for every job, this the family's own factor."""
+    family = cfg.model.family
+    t = families()[family].temporal
+    if family not in VIDEO_FAMILIES or t is None:
+        return []
+    if bad := [f for f in cfg.data.frames if f % t != 1 % t]:
+        return [Problem("data.frames", f"data.frames: {', '.join(map(str, bad))} not {t}k + 1, the windows "
+                                       f"model.family {family}'s VAE encodes (temporal factor {t})")]
+    return []
+
+
+def resolutions_have_buckets(cfg: JobConfig) -> list[Problem]:
+    """Every bucket side is a multiple of the family's spatial multiple (VAE factor × patch; engine/config/buckets.py):
+    a resolution below it has no bucket to train at."""
+    if cfg.model.family not in IMAGE_FAMILIES:
+        return []
+    multiple = spatial_multiple(cfg.model.family, cfg.model.path)
+    if small := [r for r in cfg.data.resolution if not buckets_for(r, multiple)]:
+        return [Problem("data.resolution", f"data.resolution: {', '.join(map(str, small))} is below the smallest "
+                                           f"bucket of model.family {cfg.model.family} at {cfg.model.path}: every "
+                                           f"side is a multiple of {multiple} px (its VAE factor × patch); use "
+                                           f"at least {bucket_step(min(small), multiple)}")]
+    return []
 
 
 def video_jobs_read_what_they_can(cfg: JobConfig) -> list[Problem]:
@@ -233,7 +258,7 @@ def optimizer_args_are_known(cfg: JobConfig) -> list[Problem]:
     betas = args.get("betas")
     if betas is not None and (not isinstance(betas, list) or len(betas) != 2 or not all(0 <= b < 1 for b in betas)):
         out.append(Problem("train.optimizer_args.betas",
-                           f"train.optimizer_args.betas: must be two numbers in [0, 1) (got {betas!r})"))
+                           f"train.optimizer_args.betas: must be two numbers in [0, 1) (got {shown(betas)})"))
     return out
 
 
@@ -304,7 +329,7 @@ RULES: tuple[Callable[[JobConfig], list[Problem]], ...] = (
     builtin_model_is_of_the_family, keys_are_for_the_family, image_family_has_no_quantize, image_output_formats,
     keys_are_read_by_the_family, dop_needs_trigger, samples_can_render, optimizer_args_are_known, schedulefree_keys,
     fsdp_can_shard_it, min_nodes_keep_the_batch, chroma_batches_keep_their_mask, video_jobs_read_what_they_can,
-    edit_jobs_pair_every_image,
+    edit_jobs_pair_every_image, resolutions_have_buckets, frames_fit_the_family,
 )
 
 

@@ -19,6 +19,7 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.data.images import ImageRecord, Item, MaskSource, make_items, scan
+from engine.registry.families import spatial_multiple
 
 
 def training_masks(cfg: JobConfig, records: list[ImageRecord], log) -> dict[str, MaskSource] | None:
@@ -35,7 +36,8 @@ def regularisation_items(cfg: JobConfig, log) -> list[Item]:
     if reg is None:
         return []
     records = scan(Path(reg.path), cfg.data.caption_ext, None, log)
-    return make_items(records, cfg.data.resolution, None, loss_weight=reg.weight, repeats=reg.repeats)
+    return make_items(records, cfg.data.resolution, None, loss_weight=reg.weight, repeats=reg.repeats,
+                      multiple=spatial_multiple(cfg.model.family, cfg.model.path))
 
 
 def extra_batch(items: list[Item], cache, plan, indices: list[int], latents: list[dict[str, torch.Tensor]],

@@ -11,7 +11,8 @@ trigger (data.trigger) is prepended to every caption that does not already
 start with it.
 
 Buckets. For each resolution R in data.resolution the bucket set holds the
-sizes (w, h), both multiples of the step (16 px up to R=256, 64 px above),
+sizes (w, h), both multiples of the step (16 px up to R=256, 64 px above, made
+a multiple of the family's VAE factor × patch: 32 for Wan 2.2 TI2V-5B),
 whose area is at most R² and whose aspect ratio is at most 2:1 either way.
 Every image is trained once per resolution, at the bucket whose aspect ratio
 is closest (in log space) to its own: resized to cover the bucket, then
@@ -38,13 +39,19 @@ from engine.config.sources import list_images
 from engine.errors import JobInvalid
 
 
-def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
-    """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
+def load_upright(path: Path):
+    """The image as RGB, its EXIF orientation applied."""
     from PIL import Image, ImageOps
 
     with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im).convert("RGB")
-    im = cover_crop(im, bucket)
+        return ImageOps.exif_transpose(im).convert("RGB")
+
+
+def load_for_bucket(path: Path, bucket: tuple[int, int], flip: bool = False):
+    """The image as RGB, resized to cover the bucket (Lanczos) and centre-cropped to it."""
+    from PIL import Image
+
+    im = cover_crop(load_upright(path), bucket)
     return im.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else im
 
 
@@ -136,10 +143,12 @@ def scan(folder: Path, caption_ext: str, trigger: str | None, log=None) -> list[
 
 
 def make_items(records: list[ImageRecord], resolutions: list[int], masks: dict[str, MaskSource] | None = None,
-               loss_weight: float = 1.0, repeats: int | None = None, controls: dict | None = None) -> list[Item]:
-    """Every record at each resolution; `masks` and `controls` by record.rel, `loss_weight` and `repeats` for all."""
+               loss_weight: float = 1.0, repeats: int | None = None, controls: dict | None = None,
+               multiple: int = 16) -> list[Item]:
+    """Every record at each resolution; `masks` and `controls` by record.rel, `loss_weight` and `repeats` for all;
+    bucket sides a multiple of `multiple` (the family's: engine/registry/families.py's spatial_multiple)."""
     masks, controls = masks or {}, controls or {}
-    return [Item(r, res, assign_bucket(r.width, r.height, res), masks.get(r.rel), loss_weight, repeats,
+    return [Item(r, res, assign_bucket(r.width, r.height, res, multiple), masks.get(r.rel), loss_weight, repeats,
                  controls.get(r.rel, ())) for r in records for res in sorted(set(resolutions))]
 
 

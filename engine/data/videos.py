@@ -77,14 +77,15 @@ def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None,
     return out
 
 
-def make_video_items(records: list[VideoRecord], resolutions: list[int], frames: list[int]) -> list[VideoItem]:
+def make_video_items(records: list[VideoRecord], resolutions: list[int], frames: list[int],
+                     multiple: int = 16) -> list[VideoItem]:
     """Every window of every record (module docstring) at each resolution; a still once per resolution."""
     from engine.data.images import assign_bucket
 
     out = []
     for r in records:
         for res in sorted(set(resolutions)):
-            w, h = assign_bucket(r.width, r.height, res)
+            w, h = assign_bucket(r.width, r.height, res, multiple)
             lengths = [1] if r.still else sorted(set(frames))
             for f in lengths:
                 out += [VideoItem(r, res, (f, w, h), s) for s in range(0, r.frames - f + 1, f)]

@@ -367,10 +367,10 @@ class Compiler:
                                                f"compiles cold")
 
 
-def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bool = True) -> Compiler | None:
-    """None when the job does not compile here; else a Compiler whose cache is loaded (saved by `saves` only)."""
-    if not compile_wanted(cfg.train, device):
-        return None
+def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bool = True) -> Compiler:
+    """For an attempt that compiles (its memory plan says so): a Compiler whose caches are loaded (saved by `saves`
+    only). The compiled forwards report to their own CompileState (apply_train_speedups'); this one's log says
+    what the caches served."""
     state = CompileState(log)
     path = compile_cache_file(workdir, cache_key(cfg, device))
     inductor_dir = InductorDir(path.with_suffix(".d"), log)

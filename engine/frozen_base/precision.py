@@ -23,7 +23,14 @@ import torch
 import torch.nn as nn
 
 from engine.frozen_base.blockswap import swapped_blocks
-from engine.frozen_base.fp8 import FP8Linear, fp8_tensor_cores, scaled_mm_rowwise_supported, shape_fits
+from engine.frozen_base.fp8 import (
+    FP8_MIN_ROWS,
+    FP8Linear,
+    fp8_tensor_cores,
+    scaled_mm_rowwise_supported,
+    shape_fits,
+)
+from engine.frozen_base.fp8_quant import triton_kernels_usable
 
 # Never converted: the token embedding / output head (precision-sensitive, and not matmuls LoRA
 # targets in our recipes), and for diffusion transformers the input/output projections and the
@@ -42,11 +49,15 @@ class PrecisionReport:
     converted: int = 0
     fallback_layers: list[str] = field(default_factory=list)  # fp8 layers whose shapes need dequant compute
     skipped: list[str] = field(default_factory=list)
+    quantisation: str = "n/a"  # fp8 only: "triton" (fused kernels) or "torch" (the reference)
 
     def event(self) -> dict:
-        return {"precision": self.precision, "reason": self.reason, "compute": self.compute, "rowwise": self.rowwise,
-                "converted_layers": self.converted, "shape_fallback_layers": len(self.fallback_layers),
-                "skipped_layers": self.skipped[:8]}
+        ev = {"precision": self.precision, "reason": self.reason, "compute": self.compute, "rowwise": self.rowwise,
+              "converted_layers": self.converted, "shape_fallback_layers": len(self.fallback_layers),
+              "skipped_layers": self.skipped[:8]}
+        if self.precision == "fp8":  # how activations are quantised, and below how many rows they are not
+            ev.update(quantisation=self.quantisation, weight_only_below_rows=FP8_MIN_ROWS)
+        return ev
 
 
 def resolve(choice: str, device: torch.device) -> tuple[str, str]:
@@ -158,6 +169,7 @@ def apply_base_precision(model: nn.Module, choice: str, device: torch.device, lo
                                device=device, keep_on_host=swapped_linear_weights(model, blocks_to_swap))
         if report.compute == "n/a":
             report.rowwise = scaled_mm_rowwise_supported(device)
+        report.quantisation = "triton" if triton_kernels_usable(device) else "torch"
         if fp8_compute != "auto":
             report.reason += f"; fp8 compute forced to {fp8_compute}"
     if log is not None:

@@ -52,6 +52,7 @@ class EventLog:
             ],
         ).bind(**bound)
         self.listeners: list = []
+        self.step = 0  # the newest step any event of this run named (resumed, step, checkpoint): where an error is
 
     def info(self, event: str, **kw: Any) -> None:
         self._emit("info", event, kw)
@@ -63,6 +64,9 @@ class EventLog:
         self._emit("error", event, kw)
 
     def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        for key in ("step", "from_step"):
+            if isinstance(kw.get(key), int) and not isinstance(kw[key], bool):
+                self.step = max(self.step, kw[key])
         getattr(self._log, level)(event, **kw)
         for fn in self.listeners:
             fn(level, event, kw)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-FAMILY_NAMES = {"causal_lm": "causal language model", "flux": "FLUX.1", "flux2": "FLUX.2", "qwen_image": "Qwen-Image",
-                "z_image": "Z-Image", "chroma": "Chroma", "flux3": "FLUX.3", "krea2": "Krea 2", "wan": "Wan 2.2",
-                "hunyuan_video": "HunyuanVideo 1.5"}
-VIDEO = ("wan", "hunyuan_video")
-# Wan 2.2 A14B's per-expert files (engine/families/video/wan.py): diffusers file -> (expert model, pipeline argument)
+from engine.registry.families import families, names
+
+# Derived from the family packages' declarations (engine/registry/families.py).
+FAMILY_NAMES = {name: facts.display for name, facts in families().items()}
+VIDEO = names("video")
+# Wan 2.2 A14B's per-expert files (engine/families/video/wan/family.py): diffusers file -> (expert model, pipeline argument)
 EXPERT_FILES = {"wan22_high_noise_lora.safetensors": ("high-noise", ""),
                 "wan22_low_noise_lora.safetensors": ("low-noise", ", load_into_transformer_2=True")}
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"  # engine/families/image/export.py writes it

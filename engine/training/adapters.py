@@ -64,8 +64,13 @@ def peft_config(lora, targets, task_type: str | None = None):
 
     common = dict(r=lora.rank, target_modules=targets, task_type=task_type)
     if lora.type in ("lora", "dora"):
-        return peft.LoraConfig(lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.type == "dora",
-                               init_lora_weights=True, **common)
+        config = peft.LoraConfig(lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_dora=lora.type == "dora",
+                                 init_lora_weights=True, **common)
+        if lora.type == "lora":  # an FP8 base and its LoRA as one autograd function, same names and exports
+            from engine.frozen_base.fp8_lora import lorad_custom_modules
+
+            config._register_custom_module(lorad_custom_modules())
+        return config
     if lora.type == "lokr":
         return peft.LoKrConfig(alpha=lora.alpha, decompose_factor=lora.factor, decompose_both=lora.decompose_both,
                                **common)

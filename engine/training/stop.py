@@ -14,7 +14,9 @@ import threading
 import time
 
 EXIT_OK = 0
+EXIT_OUT_OF_MEMORY = 69  # EX_UNAVAILABLE: the GPU ran out of memory; the daemon re-plans memory and resumes
 EXIT_INVALID = 65  # EX_DATAERR: the job can never run as written; not retried
+EXIT_INTERNAL = 70  # EX_SOFTWARE: an error inside lorad or a library; one line on stderr, the traceback in trainer.log
 EXIT_IO = 74  # EX_IOERR: disk full or unwritable; retried by the daemon after backoff
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped cleanly after a final checkpoint; resumable
 EXIT_INTERRUPTED_HARD = 130

@@ -33,7 +33,7 @@ def test_serve_starts_the_dashboard_and_web_url_signs_a_browser_in(tmp_path):
         with browser.open(url, timeout=10) as r:  # ?token= → a session cookie → /jobs
             assert r.status == 200 and "No jobs yet" in r.read().decode()
             assert r.url.endswith("/jobs")
-        assert any(c.name == "lorad_session" for c in jar)
+        assert [c.name for c in jar] == [f"lorad_session_{url.split(':')[2].split('/')[0]}"]  # its port's
         base = url.split("?")[0]
         with browser.open(base + "metrics", timeout=10) as r:
             assert "lorad_up 1.0" in r.read().decode()

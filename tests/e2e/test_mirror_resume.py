@@ -73,18 +73,20 @@ def test_a_machine_lost_mid_run_resumes_elsewhere_from_the_mirror_bit_identical(
         j = b.wait_state(new, {"succeeded", "failed"}, 180)
         b.sigkill()
         assert j["state"] == "succeeded", j
-        assert not remote.exists(f"{jid}/output/lorad-output.json")
+        assert not remote.exists(f"{new}/output/lorad-output.json")
         b.env.pop("LORAD_DEBUG_MIRROR_FILE_DELAY_S")
         b.start()
         workdir = Path(j["workdir"])
         assert adapter_file(workdir) == svc_reference  # bit-identical to the run that never moved
         resumed = [e for e in job_events(workdir) if e.get("event") == "resumed"]
         assert resumed and 0 < resumed[0]["from_step"] < 24, resumed  # from the mirror, mid-run
-        # It goes on mirroring under the job's first key: its output lands there, and the status says caught up.
+        # It goes on mirroring under its own id (the key it came from is only read): its output lands there, and
+        # the status says caught up.
         lag = wait_until(lambda: (m := b.job(new)["mirror"]) and m["caught_up"] and m, 60, "the output mirrored")
-        assert remote.get(f"{jid}/output/adapter_model.safetensors") == svc_reference
-        assert remote.exists(f"{jid}/output/lorad-output.json") and newest_remote(remote, jid) == 24
-        assert lag["key"] == jid and lag["last_error"] is None and lag["output_mirrored"]
+        assert remote.get(f"{new}/output/adapter_model.safetensors") == svc_reference
+        assert remote.exists(f"{new}/output/lorad-output.json") and newest_remote(remote, new) == 24
+        assert lag["key"] == new and lag["last_error"] is None and lag["output_mirrored"]
+        assert not remote.exists(f"{jid}/output/lorad-output.json") and newest_remote(remote, jid) < 24
         assert "mirror behind" not in b.cli("status").stdout
         status = b.cli("status").stdout + b.cli("status", new).stdout
         if backend == "s3":

@@ -240,6 +240,32 @@ def test_a_crashing_trainer_is_retried_with_backoff_then_failed_with_its_error(t
     assert "last error" in human and "not a valid JSON file" in human and "failed" in human
 
 
+def test_an_internal_error_that_repeats_at_the_same_step_fails_the_job_after_three_attempts(tmp_path, daemons,
+                                                                                            micro_model):
+    # A budget of 5 would retry a crash five times; the same internal error at the same step is a bug or a job that
+    # can never pass that step, and is given up on after its third time, with its one line.
+    d = daemons(tmp_path / "home", retry_budget=5, backoff_base_s=0.2, backoff_max_s=0.4)
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ this is not json")
+    write_yaml(tmp_path / "bug.yaml", daemon_job(broken, steps=5, name="bug"))
+    shutil.copy(tmp_path / "bug.yaml", d.home / "inbox")
+    (jid,) = accepted(d)
+    final = d.wait_state(jid, {"failed", "succeeded"}, 180)
+    assert final["state"] == "failed"
+    assert [a["exit_code"] for a in final["attempts"]] == [70, 70, 70]
+    reason = [e for e in final["events"] if e["kind"] == "transition"][-1]["data"]["reason"]
+    assert reason.startswith("internal error at step 1 (") and "not a valid JSON file" in reason
+    assert reason.endswith("the same error 3 times in a row, not retried again (lorad retry starts it again)")
+    log = (d.home / "jobs" / jid / "trainer.log").read_text()
+    assert log.count("lorad: internal error at step 1 (") == 3 and "Traceback (most recent call last)" in log
+    # `lorad retry` starts the count again: one more attempt, not failed at once by the history
+    assert d.cli("retry", jid).returncode == 0
+    again = wait_until(lambda: (j := d.job(jid))["state"] == "failed" and len(j["attempts"]) > 3 and j, 180,
+                       "the retried job to fail again")
+    assert len(again["attempts"]) == 6
+
+
 # ================================================================ 4. malformed inputs
 def test_bad_job_files_and_bad_messages_are_refused_while_the_daemon_keeps_serving(tmp_path, daemons):
     d = daemons(tmp_path / "home", max_job_file_bytes=8192)

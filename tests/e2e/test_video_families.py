@@ -297,8 +297,7 @@ def test_editing_one_caption_re_encodes_that_caption_only(runs, tmp_path):
 
 def test_hunyuan_video_files_load_into_its_transformer_and_reproduce_it(runs):
     """diffusers 0.42's HunyuanVideo15Pipeline has no load_lora_weights: its transformer's own loader
-    (load_lora_adapter, prefix transformer) reads the diffusers file. The ComfyUI file keeps diffusers' module
-    paths under diffusion_model., with .alpha = lora.alpha: its update (alpha / r)·B·A is the trained one."""
+    (load_lora_adapter, prefix transformer) reads the diffusers file. The ComfyUI file: hunyuan_comfy_update."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     from engine.families import get_family
@@ -321,14 +320,50 @@ def test_hunyuan_video_files_load_into_its_transformer_and_reproduce_it(runs):
         got = fresh(**x)[0]
     assert not torch.allclose(base, want, atol=1e-4), "training changed nothing"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    sd = load_file(str(ref / "output" / FILES["hunyuan"][1]))
     deltas = {n: m.get_delta_weight("default") for n, m in mem.named_modules() if hasattr(m, "lora_A")}
-    assert set(sd) == {f"diffusion_model.{n}.{x}" for n in deltas for x in ("lora_A.weight", "lora_B.weight", "alpha")}
-    for n, delta in deltas.items():
-        k = f"diffusion_model.{n}"
-        assert dict(mem.named_modules())[n].get_base_layer().weight.shape == delta.shape
-        torch.testing.assert_close(float(sd[f"{k}.alpha"]) / 4 * sd[f"{k}.lora_B.weight"] @ sd[f"{k}.lora_A.weight"],
-                                   delta, rtol=1e-5, atol=1e-7)
+    hunyuan_comfy_update(load_file(str(ref / "output" / FILES["hunyuan"][1])), deltas, mem)
+
+
+def _docstring_rules() -> dict[str, str]:
+    """diffusers sub-path of transformer_blocks.N -> ComfyUI name, read from the family's docstring as written
+    (`diffusion_model.double_blocks.N.img_mlp.0 | .2 ← transformer_blocks.N.ff.net.0.proj | ff.net.2`)."""
+    from engine.families.video.hunyuan_video import family
+
+    out = {}
+    for left, right in re.findall(r"^ +diffusion_model\.(\S+(?: \| \.\S+)?) +← transformer_blocks\.N\.(.+?)"
+                                  r"(?: \(fused\))?$", family.__doc__, re.M):
+        first, *more = left.split(" | ")
+        names = [first] + [first.rsplit(".", 1)[0] + m for m in more]
+        if " + " in right:  # fused: every part goes into the one ComfyUI linear
+            head, *tail = right.split(" + ")
+            out.update({p: names[0] for p in [head] + [head.rsplit(".", 1)[0] + "." + t for t in tail]})
+        else:
+            out.update(zip(right.split(" | "), names, strict=True))
+    return out
+
+
+def hunyuan_comfy_update(sd: dict, deltas: dict, mem) -> None:
+    """Every key of the ComfyUI file is a trained module's name by the docstring's rules (comfy/lora.py's generic
+    diffusion_model.<name> rule then maps it to ComfyUI's weight), and each key's update as ComfyUI's load_lora
+    computes it, (alpha / rows of lora_A) · lora_B @ lora_A, is its parts' trained updates stacked in order."""
+    rules = _docstring_rules()
+    assert len(rules) == 12, rules  # q, k, v, out, 2 MLP linears, for image and text
+    fused: dict[str, list[str]] = {}
+    for n in deltas:
+        block, rest = re.match(r"^transformer_blocks\.(\d+)\.(.+)$", n).groups()
+        fused.setdefault(f"diffusion_model.{rules[rest].replace('N', block)}", []).append(n)
+    assert set(sd) == {f"{k}.{x}" for k in fused for x in ("lora_A.weight", "lora_B.weight", "alpha")}
+    for key, parts in fused.items():
+        a, b = sd[f"{key}.lora_A.weight"], sd[f"{key}.lora_B.weight"]
+        got = float(sd[f"{key}.alpha"]) / a.shape[0] * b @ a
+        want = torch.cat([deltas[p] for p in sorted(parts, key=lambda p: _ORDER.index(p.split(".", 2)[2]))])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert got.shape[1] == dict(mem.named_modules())[parts[0]].get_base_layer().weight.shape[1]
+
+
+_ORDER = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+          "attn.to_out.0", "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+          "ff_context.net.2"]
 
 
 def _doc_key_rules(page: str) -> list[tuple[str, str]]:
@@ -341,6 +376,7 @@ def _doc_key_rules(page: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("run,page", [("wan-a14b", "wan.md"), ("hunyuan", "hunyuan-video.md")])
 def test_the_key_rules_the_family_page_states_are_the_ones_the_files_follow(run, page, runs):
+    from engine.families.video.hunyuan_video import comfyui_name as hunyuan_name
     from engine.families.video.wan import comfyui_name
 
     rules = _doc_key_rules(page)
@@ -356,9 +392,9 @@ def test_the_key_rules_the_family_page_states_are_the_ones_the_files_follow(run,
             for i in range(2):
                 want = comfy.replace("N", str(i))
                 got = "diffusion_model." + (comfyui_name(module.replace("N", str(i))) if run == "wan-a14b"
-                                            else module.replace("N", str(i)))
+                                            else hunyuan_name(module.replace("N", str(i)))[0])
                 assert got == want
-        if run == "wan-a14b":  # the table names every module the file holds
+        if run == "wan-a14b" or run == "hunyuan":  # the table names every module the file holds
             assert keys == stated
 
 
@@ -402,3 +438,15 @@ def test_i2v_keeps_the_first_latent_frame_clean_at_t0_and_out_of_the_loss(runs, 
     t = seen["timestep"].view(2, 3, -1)
     assert bool((t[:, 0] == 0).all()) and bool((t[:, 1:] > 0).all())
     assert torch.equal(losses[0], losses[1])
+
+
+def test_a_hunyuan_target_without_a_comfyui_name_is_refused_before_training(runs, tmp_path):
+    from engine.errors import JobInvalid
+    from engine.families import get_family
+
+    _model, job, _ref, _ = runs["hunyuan"]
+    d = yaml.safe_load(job.read_text())
+    d["lora"]["targets"] = r"^transformer_blocks\.\d+\.(attn\.to_q|norm1\.linear)$"  # norm1: a modulation linear
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
+    with pytest.raises(JobInvalid, match=r"lora.targets: transformer_blocks.0.norm1.linear has no name in ComfyUI"):
+        get_family("hunyuan_video").load_model(load_job(tmp_path / "job.yaml"), tmp_path, torch.device("cpu"), Quiet())

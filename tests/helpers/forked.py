@@ -25,22 +25,23 @@ from typing import Any
 from tests.helpers.processes import CHILD_ENV, WAIT_S
 
 # What any forked trainer imports before its first step (image families, FLUX.1, the micro Llama, TensorBoard's
-# writer). multiprocessing starts one fork server per session, with the preload of the first trainer: one list for
+# writer; a family's training code is its package's family.py, the package itself being plain data).
+# multiprocessing starts one fork server per session, with the preload of the first trainer: one list for
 # every test, so that no later trainer imports in each child what the first test's list left out.
-PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2",
-           "engine.families.image.qwen_image", "engine.families.image.z_image", "engine.families.image.chroma",
-           "engine.families.image.krea2", "diffusers.pipelines.krea2.pipeline_krea2",
+PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image.flux2.family",
+           "engine.families.image.qwen_image.family", "engine.families.image.z_image.family", "engine.families.image.chroma.family",
+           "engine.families.image.krea2.family", "diffusers.pipelines.krea2.pipeline_krea2",
            "transformers.models.qwen3_vl.modeling_qwen3_vl",
-           "engine.families.image.flux", "engine.families.causal_lm", "peft", "torch.utils.tensorboard",
+           "engine.families.image.flux.family", "engine.families.causal_lm.family", "peft", "torch.utils.tensorboard",
            "diffusers.pipelines.flux2.pipeline_flux2_klein", "diffusers.pipelines.qwenimage.pipeline_qwenimage",
            "diffusers.pipelines.z_image.pipeline_z_image", "diffusers.pipelines.chroma.pipeline_chroma",
            "diffusers.models.transformers.transformer_flux", "transformers.models.qwen3.modeling_qwen3",
            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "transformers.models.t5.modeling_t5",
            "transformers.models.clip.modeling_clip", "transformers.models.llama.modeling_llama",
-           "engine.families.image.flux3", "diffusers.modular_pipelines.flux3.encoders",
+           "engine.families.image.flux3.family", "diffusers.modular_pipelines.flux3.encoders",
            "diffusers.modular_pipelines.flux3.before_denoise", "transformers.models.qwen3_vl.modeling_qwen3_vl",
            "transformers.models.got_ocr2.processing_got_ocr2",
-           "engine.families.video.wan", "engine.families.video.base", "diffusers.pipelines.wan.pipeline_wan",
+           "engine.families.video.wan.family", "engine.families.video.base", "diffusers.pipelines.wan.pipeline_wan",
            "transformers.models.umt5.modeling_umt5", "av"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,18 @@ def adapter_bytes(workdir: Path) -> dict[str, bytes]:
 
     tensors = load_file(str(Path(workdir) / "output" / "adapter_model.safetensors"))
     return {k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()}
+
+
+EXPORT_FILES = {"pytorch_lora_weights.safetensors": b"diffusers-bytes", "raw/pytorch_lora_weights.safetensors": b"raw"}
+
+
+def commit_checkpoint(workdir: Path, step: int, files: dict[str, bytes] = EXPORT_FILES) -> Path:
+    """checkpoints/step-N/ with export/ files and the manifest listing them (and a checkpoint file of its own)."""
+    d = workdir / "checkpoints" / f"step-{step:08d}"
+    every = {"state.json": b"{}", **{f"export/{n}": data for n, data in files.items()}}
+    for name, data in every.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(data)
+    (d / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {
+        n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in every.items()}}))
+    return d

@@ -11,7 +11,7 @@ latents (flux2, qwen_image) is an `ImageFamily` holding a small per-model
   embeddings padded to the longest in the batch with a mask (Qwen-Image's
   captions keep their own length; FLUX.2 pads every caption to a fixed
   length, so its mask is all ones);
-- the loss: rectified flow, as in engine/families/image/flux.py's docstring —
+- the loss: rectified flow, as in engine/families/image/flux/family.py's docstring —
   x_σ = (1 − σ)·x0 + σ·ε, target ε − x0, a plain MSE on the packed tokens —
   with every random draw (flip, caption dropout, noise, σ) from the
   checkpointed generator, in that order; data.masks and the regularisation
@@ -81,7 +81,7 @@ class ImageFamily(ImageData):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         pipeline = check_edit_model(cfg, path)
-        self.records, self.items, self.n_train = scan_images(cfg, log)
+        self.records, self.items, self.n_train = scan_images(cfg, log, workdir)
         check_edit_items(pipeline, self.items)
         enc = PipelineEncoder(self.model, path, cfg)
         self.cache, self.plan, self.report = fill_cache(

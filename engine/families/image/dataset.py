@@ -14,16 +14,23 @@ from engine.families.image.model import ImageModel
 from engine.training.dtypes import pick_device, torch_dtype
 
 
-def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
+def scan_images(cfg: JobConfig, log, workdir: Path | None = None) -> tuple[list, list, int]:
     """(records, items, n_train): the image records of data.path trained on and their (image, bucket) items, one
     per resolution, with their loss masks (data.masks); then the regularisation images' items
     (data.regularisation; engine/data/image_sets.py); then, after the first n_train, data.validation's items (a
-    fraction of whole images held out by seed, or the images of its own path)."""
+    fraction of whole images held out by seed, or the images of its own path). With `workdir`, near-duplicates
+    are handled (data.dedupe) and captions written first (data.captions; engine/captioning/)."""
     from engine.data.image_sets import regularisation_items, training_masks
     from engine.data.images import make_items, scan
+    from engine.registry.families import spatial_multiple
     from engine.training.heldout import holdout
 
     records = scan(Path(cfg.data.path), cfg.data.caption_ext, cfg.data.trigger, log)
+    if workdir is not None:
+        from engine.captioning.dedupe import dedupe_records
+        from engine.captioning.stage import caption_records
+
+        records = caption_records(cfg, dedupe_records(cfg.data.dedupe_mode, records, log), workdir, log)
     masks = training_masks(cfg, records, log)
     controls = None
     if cfg.data.control_path is not None:  # edit pairs, checked again here as at submit (before anything is cached)
@@ -38,9 +45,12 @@ def scan_images(cfg: JobConfig, log) -> tuple[list, list, int]:
         records, held = [records[i] for i in train], [records[i] for i in held_i]
     elif val is not None:  # a folder of its own: no masks (the training masks stay with the training images)
         held, held_masks = scan(Path(val.path), cfg.data.caption_ext, cfg.data.trigger, log), None
-    items = make_items(records, cfg.data.resolution, masks, controls=controls) + regularisation_items(cfg, log)
+    multiple = spatial_multiple(cfg.model.family, cfg.model.path)
+    items = make_items(records, cfg.data.resolution, masks, controls=controls, multiple=multiple)
+    items += regularisation_items(cfg, log)
     n_train = len(items)
-    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls), n_train
+    return records, items + make_items(held, cfg.data.resolution, held_masks, controls=controls,
+                                       multiple=multiple), n_train
 
 
 def bucket_order(cfg: JobConfig, records: list, items: list, log, n_train: int | None = None):

@@ -201,12 +201,14 @@ def _out_features(model: torch.nn.Module, path: str) -> int:
 
 
 def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, target: Callable,
-                       swap_halves: set[str]) -> dict[str, torch.Tensor]:
+                       swap_halves: set[str], key: Callable[[str], str] = lambda bfl: "lora_unet_" + bfl.replace(".", "_"),
+                       suffixes: tuple[str, str] = ("lora_down.weight", "lora_up.weight")) -> dict[str, torch.Tensor]:
     """kohya/ComfyUI keys over BFL names; fused linears get stacked downs and block-diagonal ups (the layout:
     engine/families/image/flux_export.py's docstring).
 
     `target` maps a diffusers module to its BFL name and fused parts (the family's bfl_target),
-    `swap_halves` names the BFL linears whose output halves are in the other order.
+    `swap_halves` names the BFL linears whose output halves are in the other order; `key` and `suffixes` the
+    file's layout (kohya's by default; HunyuanVideo 1.5: diffusion_model.<name>.lora_A.weight / .lora_B.weight).
     """
     groups: dict[str, tuple[str, tuple[str, ...] | None]] = {}
     for name in mods:
@@ -217,7 +219,7 @@ def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, ta
         groups[bfl] = (prefix, parts)
     sd: dict[str, torch.Tensor] = {}
     for bfl, (prefix, parts) in sorted(groups.items()):
-        key = "lora_unet_" + bfl.replace(".", "_")
+        name = key(bfl)
         if parts is None:
             a, b, _ = mods[prefix]
             up = b
@@ -238,7 +240,7 @@ def comfyui_state_dict(model: torch.nn.Module, mods, rank: int, alpha: float, ta
                     up[row : row + size, col : col + rank] = mods[prefix + p][1]
                     col += rank
                 row += size
-        sd[f"{key}.lora_down.weight"] = down.contiguous()
-        sd[f"{key}.lora_up.weight"] = up.contiguous()
-        sd[f"{key}.alpha"] = torch.tensor(float(alpha) * k)
+        sd[f"{name}.{suffixes[0]}"] = down.contiguous()
+        sd[f"{name}.{suffixes[1]}"] = up.contiguous()
+        sd[f"{name}.alpha"] = torch.tensor(float(alpha) * k)
     return sd

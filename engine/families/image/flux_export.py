@@ -167,7 +167,7 @@ def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any], com
            base_version: str = "flux1") -> list[str]:
     """Write the formats in cfg.output.formats into out_dir; return the file names.
 
-    Chroma (engine/families/image/chroma.py) writes the same two layouts under its own ComfyUI file name and
+    Chroma (engine/families/image/chroma/family.py) writes the same two layouts under its own ComfyUI file name and
     kohya base-model version: its modules are a subset of FLUX.1's, by the same names in diffusers and ComfyUI."""
     mods = lora_modules(model)
     md = metadata(cfg, meta)

@@ -38,7 +38,7 @@ def qwen_vae_latent(pipe, pixels: torch.Tensor) -> torch.Tensor:
 
 
 class ImageModel(Protocol):
-    """What one image model contributes to an ImageFamily (engine/families/image/flux2.py, qwen_image.py).
+    """What one image model contributes to an ImageFamily (engine/families/image/flux2/family.py, qwen_image.py).
 
     A model whose pipeline is not a DiffusionPipeline (FLUX.3's is modular only) also has
     `load_pipeline(model_path, revision, dtype, keep)` (the cache's encoders: dataset.PipelineEncoder) and

@@ -1,7 +1,7 @@
 """train.timestep_bias: emphasise a band of noise levels by reweighting the σ sampling density.
 
 train.timestep_sampling picks a base density p(σ) on [0, 1] (logit-normal,
-uniform or shifted uniform; engine/families/image/flux.py). A bias multiplies it by
+uniform or shifted uniform; engine/families/image/flux/family.py). A bias multiplies it by
 a step weight w(σ) = multiplier inside a band [a, b] and 1 outside, and
 samples from
 

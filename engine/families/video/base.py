@@ -37,6 +37,22 @@ def mask_name(name: str) -> str:
     return name.replace("_embeds", "_mask")
 
 
+def model_multiple(cfg: JobConfig, path: str) -> int:
+    """The spatial multiple of the base at path (engine/registry/families.py). A hub id's configs are fetched first
+    where the family reads them (the trainer downloads the base anyway): a TI2V-5B from the Hub gets its 32, not
+    Wan's reference 16; offline, the reference's, and the base's own load says what is wrong."""
+    from engine.registry.families import families, spatial_multiple
+
+    if families()[cfg.model.family].spatial_rule is not None and not Path(path).is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(path, revision=cfg.model.revision, allow_patterns=["*/config.json"])
+        except OSError:
+            pass
+    return spatial_multiple(cfg.model.family, path)
+
+
 class VideoDataset(CachedImages):
     """Batches of one bucket: the windows' latents, and each cached text tensor (Wan: prompt_embeds; HunyuanVideo:
     prompt_embeds and the glyph encoder's prompt_embeds_2) padded to the batch's longest (at least one token), with
@@ -53,7 +69,7 @@ class VideoDataset(CachedImages):
 
 
 class VideoFamily(ImageFamily):
-    """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan.py)."""
+    """The Family protocol for a diffusers flow-matching video model (a VideoModel: engine/families/video/wan/family.py)."""
 
     dataset_class = VideoDataset
 
@@ -67,7 +83,7 @@ class VideoFamily(ImageFamily):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
-        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames)
+        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, model_multiple(cfg, path))
         enc = PipelineEncoder(self.model, path, cfg)
         cache, plan, self.report = fill_video_cache(
             cfg, items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),

@@ -12,7 +12,7 @@ model.expert picks what trains:
   the loss of a batch is the mean over all its samples: an expert's LoRA receives gradients only from its own
   samples.
 
-Exports are one pair of files per expert (engine/families/video/wan.py: EXPERT_FILES).
+Exports are one pair of files per expert (engine/families/video/wan/family.py: EXPERT_FILES).
 """
 
 from __future__ import annotations

@@ -64,6 +64,11 @@ def test_lorad_run_says_where_it_stopped_where_it_resumed_and_where_the_adapter_
     assert "resumed" not in err
     assert err.endswith(f"lorad: done — adapter in {workdir / 'output'} (it had already finished: nothing trained)\n")
 
+    # No daemon ever served this home: `lorad export` reads the saved steps from the job directory.
+    assert lorad(["export", "tiny", "--home", str(home), "--step", "20", "--to", str(tmp_path / "lora")]) == 0
+    adapter = "adapter_model.safetensors"
+    assert (tmp_path / "lora" / adapter).read_bytes() == (workdir / "output" / adapter).read_bytes()
+
 
 def test_a_stop_before_the_first_checkpoint_says_the_run_starts_again():
     events = [{"event": "start"}, {"event": "stopped", "step": 0, "reason": "SIGINT", "checkpoint": 0}]
@@ -80,3 +85,24 @@ def test_only_this_runs_events_are_read_even_after_a_line_torn_by_a_kill(tmp_pat
         f.write(json.dumps({"event": "start"}) + "\n" + json.dumps({"event": "stopped", "step": 3}) + "\n" + "{")
     assert read_events(tmp_path, offset) == [{"event": "start"}, {"event": "stopped", "step": 3}]
     assert read_events(tmp_path / "missing", 0) == []
+
+
+def test_an_internal_error_is_one_line_on_the_terminal_with_exit_70_and_the_traceback_in_trainer_log(tmp_path,
+                                                                                                    micro_model,
+                                                                                                    capsys):
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{ this is not json")  # valid as a job, fails inside transformers
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(tiny_job_dict(broken, QUICKSTART_DATA)))
+    home = tmp_path / "home"
+    assert lorad(["run", str(job), "--home", str(home), "--quiet"]) == 70
+    err = capsys.readouterr().err
+    log = job_dir(home, "tiny") / "trainer.log"
+    assert all(line.startswith("lorad: ") for line in err.splitlines()), err  # no Python traceback on the terminal
+    (line,) = [x for x in err.splitlines() if "internal error" in x]
+    assert line.startswith("lorad: internal error at step 1 (") and "not a valid JSON file" in line
+    assert line.endswith(f"); the traceback is in {log}")
+    assert "Traceback (most recent call last)" in log.read_text()
+    (event,) = [e for e in read_events(job_dir(home, "tiny")) if e["event"] == "internal_error"]
+    assert event["step"] == 1 and event["message"] == line

@@ -10,8 +10,9 @@ import os
 import time
 
 from daemon.config.daemon import DaemonConfig
-from daemon.intake.accept import Intake, recent_rejections
+from daemon.intake.accept import Intake
 from daemon.intake.prune import RejectedPruner
+from daemon.intake.rejections import recent_rejections
 from daemon.store.db import Store
 from daemon.supervisor.loop import Supervisor
 from tests.helpers.fakes import RecLog

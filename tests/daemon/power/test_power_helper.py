@@ -249,3 +249,26 @@ def test_only_a_daemon_that_is_not_root_on_a_real_gpu_goes_through_the_helper():
     assert caps_seam(sim, "/run/x.sock", euid=1000) is sim  # the simulated device needs no root
     assert caps_seam(None, "/run/x.sock", euid=1000) is None
     assert isinstance(caps_seam(real, "/run/x.sock", euid=1000), ThroughHelper)
+
+
+def test_the_helper_caps_only_the_devices_of_the_daemon_config_it_is_given(open_dir):
+    from daemon.power.gpu import CapRefused
+    from daemon.power.helper_client import HelperLimits
+
+    sock, state, cfg = open_dir / "power.sock", open_dir / "state" / "changed.json", open_dir / "daemon.yaml"
+    cfg.write_text("devices: [1]\n")
+    user = os.environ.get("USER") or __import__("pwd").getpwuid(os.getuid()).pw_name
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.client.cli", "power-helper", "--simulated", "2",
+                             "--user", user, "--socket", str(sock), "--state", str(state), "--config", str(cfg)],
+                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: sock.exists() or proc.poll() is not None, 30, "the helper's socket")
+        with pytest.raises(CapRefused, match=r"GPU 0 is not one of the daemon's devices \[1\]"):
+            HelperLimits(sock).set_limit_w(0, 250)
+        HelperLimits(sock).set_limit_w(1, 250)  # one of its devices: capped
+        assert json.loads(state.read_text()) == {"changed": [1]}  # GPU 0 was never touched
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out

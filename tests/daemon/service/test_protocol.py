@@ -22,7 +22,7 @@ def test_every_verb_round_trips_through_its_typed_request():
     reqs = [p.Ping(), p.Submit(name="a.yaml", text="x: 1"), p.Status(), p.Status(job="a-1"), p.Logs(job="a"),
             p.Pause(job="a"), p.Resume(job="a"), p.Cancel(job="a"), p.Cancel(job="a", expect="running"), p.Retry(job="a"), p.SetPriority(job="a", priority=3),
             p.Drain(on=False), p.Power(), p.Power(limit_w=250, gpu=0), p.Power(clear=True), p.WebUrl(),
-            p.Exports(job="a"), p.Exports(job="a", step=4)]
+            p.Exports(job="a"), p.Exports(job="a", step=4), p.Gpu(), p.Gpu(clear=1)]
     assert {r.verb for r in reqs} == p.VERBS
     for r in reqs:
         assert p.parse_request(p.encode(r)) == r
@@ -217,7 +217,7 @@ def test_every_verb_has_a_reply_type_and_its_handlers_reply_validates_against_it
         reqs = [p.Ping(), p.Submit(name="c.yaml", text=quick_job_yaml("c")), p.Status(), p.Status(job=queued),
                 p.Logs(job=queued), p.Pause(job=queued), p.Resume(job=queued), p.Cancel(job=queued),
                 p.Retry(job=failed), p.SetPriority(job=failed, priority=3), p.Drain(on=False), p.Power(),
-                p.Power(clear=True), p.WebUrl(), p.Exports(job=queued)]
+                p.Power(clear=True), p.WebUrl(), p.Exports(job=queued), p.Gpu()]
         assert {type(r) for r in reqs} == set(p.REQUEST_TYPES)
         for req in reqs:
             reply = HANDLERS[req.verb](site.ctx, req)

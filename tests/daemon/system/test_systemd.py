@@ -194,7 +194,7 @@ def test_install_service_dry_run_prints_both_units_lorad_unprivileged_the_helper
         "ExecStart=/opt/venv/bin/lorad serve --home /var/lib/lorad --config /etc/lorad/daemon.yaml"]
     assert [ln for ln in helper.splitlines() if ln.startswith("ExecStart=")] == [
         "ExecStart=/opt/venv/bin/lorad power-helper --user lorad --socket /run/lorad-power/lorad-power.sock "
-        "--state /var/lib/lorad-power/changed.json"]
+        "--state /var/lib/lorad-power/changed.json --config /etc/lorad/daemon.yaml"]
     assert "/usr/local/bin/lorad" in unit  # the comment that explains the substitution, as shipped
 
     def settings(text: str) -> dict[str, list[str]]:

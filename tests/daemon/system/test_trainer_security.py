@@ -119,6 +119,9 @@ def test_a_root_daemon_starts_trainers_as_trainer_user_and_hands_it_the_job_dir_
     except KeyError:
         pytest.skip("no user `nobody` here")
     monkeypatch.setattr(os, "geteuid", lambda: 0)  # the drop itself is subprocess's; here we see it asked for
+    # The way in (home, jobs/) with a real second user: tests/daemon/system/test_trainer_user_dirs.py. Here the home
+    # is under pytest's root-only temp dir, which `nobody` could never enter.
+    monkeypatch.setattr(trainer_user_mod, "way_in", lambda workdir, who: None)
     chowned = []
 
     def record(p, uid, gid, *, dir_fd=None, follow_symlinks=True):

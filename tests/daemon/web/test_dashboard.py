@@ -42,7 +42,7 @@ def test_every_page_needs_the_token(site, client):
         assert client.get(path).status_code == 401, path
     assert client.get("/jobs?token=wrong").status_code == 403
     assert client.get("/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 403
-    forged = TestClient(site.app, base_url=BASE, cookies={auth.COOKIE: "forged.0123"})
+    forged = TestClient(site.app, base_url=BASE, cookies={auth.cookie_name(8742): "forged.0123"})
     assert forged.get("/jobs").status_code == 401
     assert client.post("/jobs/x/pause", data={"csrf": "x"}).status_code == 401
 
@@ -410,3 +410,25 @@ def test_the_view_reads_a_store_no_daemon_has_open_and_never_writes_it(tmp_path)
     with pytest.raises(sqlite3.OperationalError, match="readonly"):
         view.query("DELETE FROM jobs")
     view.close()
+
+
+def test_the_session_cookie_is_bound_to_the_dashboards_port_so_two_on_one_host_keep_their_own(tmp_path):
+    # A browser keeps one cookie per (host, path, name), whatever the port: two users' dashboards on 127.0.0.1
+    # under one name overwrote each other's session (and each was sent the other's).
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    sites = [Site(tmp_path / "a"), Site(tmp_path / "b")]
+    try:
+        jar: dict[str, str] = {}
+        for port, s in zip((8742, 8743), sites, strict=True):
+            with TestClient(s.app, base_url=f"http://127.0.0.1:{port}") as c:
+                r = c.get(f"/jobs?token={s.token}", follow_redirects=False)
+                assert r.status_code == 303
+                jar.update(r.cookies)  # what the browser's jar for 127.0.0.1 holds, by name
+        assert sorted(jar) == [auth.cookie_name(8742), auth.cookie_name(8743)]
+        for port, s in zip((8742, 8743), sites, strict=True):
+            with TestClient(s.app, base_url=f"http://127.0.0.1:{port}", cookies=jar) as c:
+                assert c.get("/jobs").status_code == 200, port  # each still signed in to its own
+    finally:
+        for s in sites:
+            s.close()

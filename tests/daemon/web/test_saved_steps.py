@@ -7,7 +7,6 @@ written last); no trainer runs here (tests/e2e/test_checkpoint_exports.py trains
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
@@ -16,21 +15,9 @@ from starlette.testclient import TestClient
 
 from daemon.client import export as export_verb
 from daemon.service import handlers
+from tests.helpers.jobs import EXPORT_FILES as FILES
+from tests.helpers.jobs import commit_checkpoint
 from tests.helpers.web import BASE, Site, signed_in
-
-FILES = {"pytorch_lora_weights.safetensors": b"diffusers-bytes", "raw/pytorch_lora_weights.safetensors": b"raw"}
-
-
-def commit_checkpoint(workdir: Path, step: int, files: dict[str, bytes] = FILES) -> Path:
-    """checkpoints/step-N/ with export/ files and the manifest listing them (and a checkpoint file of its own)."""
-    d = workdir / "checkpoints" / f"step-{step:08d}"
-    every = {"state.json": b"{}", **{f"export/{n}": data for n, data in files.items()}}
-    for name, data in every.items():
-        (d / name).parent.mkdir(parents=True, exist_ok=True)
-        (d / name).write_bytes(data)
-    (d / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {
-        n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in every.items()}}))
-    return d
 
 
 @pytest.fixture

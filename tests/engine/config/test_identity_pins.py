@@ -39,6 +39,8 @@ EXAMPLE_HASHES = {
     "wan-lora-tiny.yaml": "e536ca32db8971f8",
     "wan22-a14b-24gb.yaml": "b21ccd2db3c438da",
     "wan22-ti2v-5b-720p.yaml": "40993f195f703227",
+    "flux2-klein-4b-lora.yaml": "a8ccf5b04cbcd6dc",
+    "flux2-klein-9b-lora.yaml": "ad2b1135f37ac85b",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",

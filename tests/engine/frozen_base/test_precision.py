@@ -188,6 +188,7 @@ def test_fp8_job_runs_end_to_end_and_resumes_bit_exactly_after_sigterm(fp8_job, 
     assert uninterrupted.finish(timeout=300) == 0, uninterrupted.events[-3:]
     [ev] = [e for e in read_events(ref) if e["event"] == "base_precision"]
     assert ev["precision"] == "fp8" and ev["compute"] == "scaled_mm" and ev["converted_layers"] == 14
+    assert ev["quantisation"] == "torch" and ev["weight_only_below_rows"] == 16  # the CPU: the torch reference
 
     a, b = adapter_bytes(ref), adapter_bytes(wd)
     assert sorted(a) == sorted(b) and a

@@ -80,7 +80,7 @@ def test_lora_on_lm_head_is_refused_with_chunked_loss_naming_both_keys(micro_mod
 
 
 def test_auto_stays_off_below_the_vocabulary_threshold_and_for_an_lm_head_lora(micro_model, tmp_path):
-    from engine.families import causal_lm
+    from engine.families.causal_lm import family as causal_lm  # where the code reads AUTO_MIN_VOCAB
 
     family = CausalLM()
     family.load_model(tiny_job(micro_model, tmp_path), tmp_path, torch.device("cpu"), RecLog())

@@ -1,5 +1,5 @@
 """FLUX.3's training forward is its modular pipeline's: the velocity the pipeline integrates, at the pipeline's
-shift, each caption at its own text window (engine/families/image/flux3.py)."""
+shift, each caption at its own text window (engine/families/image/flux3/family.py)."""
 
 from __future__ import annotations
 

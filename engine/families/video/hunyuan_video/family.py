@@ -16,15 +16,29 @@ What is HunyuanVideo 1.5's own:
   tokens). Each is cached at its real length and padded per batch with its mask (`encoder_attention_mask`,
   `encoder_attention_mask_2`), which the transformer reads.
 - LoRA targets: the double-stream blocks' attention (image and text q/k/v/out) and both MLPs.
-- Export: the diffusers file (engine/families/image/export.py) and `hunyuan_video15_lora_comfyui.safetensors`:
+- Export: the diffusers file (engine/families/image/export.py) and `hunyuan_video15_lora_comfyui.safetensors` in
+  the names of ComfyUI's HunyuanVideo model (comfy/ldm/hunyuan_video/model.py: `double_blocks` of comfy/ldm/flux/
+  layers.py's DoubleStreamBlock, whose image and text attention each hold one fused `qkv` linear):
 
-      diffusion_model.<diffusers module path>.lora_A.weight / .lora_B.weight / .alpha   (scale alpha / r)
+      diffusion_model.double_blocks.N.img_attn.qkv   ← transformer_blocks.N.attn.to_q + to_k + to_v (fused)
+      diffusion_model.double_blocks.N.img_attn.proj  ← transformer_blocks.N.attn.to_out.0
+      diffusion_model.double_blocks.N.txt_attn.qkv   ← transformer_blocks.N.attn.add_q_proj + add_k_proj + add_v_proj
+      diffusion_model.double_blocks.N.txt_attn.proj  ← transformer_blocks.N.attn.to_add_out
+      diffusion_model.double_blocks.N.img_mlp.0 | .2 ← transformer_blocks.N.ff.net.0.proj | ff.net.2
+      diffusion_model.double_blocks.N.txt_mlp.0 | .2 ← transformer_blocks.N.ff_context.net.0.proj | ff_context.net.2
+      each with .lora_A.weight [r, in], .lora_B.weight [out, r] and .alpha (lora.alpha)
 
-  the generic layout ComfyUI's loader maps to `diffusion_model.<path>.weight` for a model that keeps diffusers'
-  module names, and that diffusers' own loader reads back (it strips `diffusion_model.`). ComfyUI's native
-  HunyuanVideo 1.5 model uses the original checkpoint's names; no converter for those exists in diffusers to
-  check a renaming against, so this file is for loaders that take diffusers' names (ComfyUI's diffusers-format
-  loading included) until one does.
+  How ComfyUI reads it (comfy/lora.py): `model_lora_keys_unet` maps `diffusion_model.<name>` to the model weight
+  `diffusion_model.<name>.weight` for every weight the model has (its generic rule, no per-model table), and
+  `load_lora` takes `<key>.lora_B.weight` as the up and `<key>.lora_A.weight` as the down, with the update
+  (alpha / rows of the down) · up @ down. A fused qkv gets the three parts' downs stacked ([3r, in]) and their ups
+  block-diagonal ([3·out, 3r], q's rows first, as the fused weight holds them), with .alpha = 3 · lora.alpha, so
+  that its update is exactly the three trained updates one above the other (a part not trained contributes zero
+  rows). FLUX.2's ComfyUI file fuses the same way (engine/families/image/export.py: comfyui_state_dict). A module
+  outside these rules has no name in ComfyUI's model and is refused before training (lora.targets).
+  diffusers 0.42's HunyuanVideo15Pipeline has no load_lora_weights; its transformer's load_lora_adapter reads the
+  diffusers file. The fused q/k/v layout of ComfyUI's HunyuanVideo 1.5 model itself is as the issue (41) reports
+  it and as third-party converters write it; this tree holds no ComfyUI to load the file into (unverified there).
 """
 
 from __future__ import annotations
@@ -35,7 +49,8 @@ from typing import Any
 import torch
 
 from engine.config.job import JobConfig
-from engine.families.image.export import diffusion_model_comfyui_file, output_files
+from engine.errors import JobInvalid
+from engine.families.image.export import bfl_target, comfyui_state_dict, lora_modules, output_files, save
 from engine.families.image.flow_lora import load_lora_transformer, sample_sigmas
 
 DEFAULT_TARGETS = (r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj"
@@ -43,6 +58,34 @@ DEFAULT_TARGETS = (r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0|
 FP8_SKIP = r"^(x_embedder|image_embedder|context_embedder|context_embedder_2|time_embed|norm_out|proj_out)(\.|$)"
 COMFYUI_FILE = "hunyuan_video15_lora_comfyui.safetensors"
 GLYPH_LEN = 256  # the pipeline's tokenizer_2_max_length
+
+_QKV = ("attn.to_q", "attn.to_k", "attn.to_v")
+_TXT_QKV = ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+# The key rules of the module docstring: diffusers sub-path of transformer_blocks.N -> (ComfyUI name, fused parts).
+COMFY_RULES = {"transformer_blocks": {
+    **{p: ("double_blocks.{i}.img_attn.qkv", _QKV) for p in _QKV},
+    **{p: ("double_blocks.{i}.txt_attn.qkv", _TXT_QKV) for p in _TXT_QKV},
+    "attn.to_out.0": ("double_blocks.{i}.img_attn.proj", None),
+    "attn.to_add_out": ("double_blocks.{i}.txt_attn.proj", None),
+    "ff.net.0.proj": ("double_blocks.{i}.img_mlp.0", None),
+    "ff.net.2": ("double_blocks.{i}.img_mlp.2", None),
+    "ff_context.net.0.proj": ("double_blocks.{i}.txt_mlp.0", None),
+    "ff_context.net.2": ("double_blocks.{i}.txt_mlp.2", None),
+}, "single_transformer_blocks": {}}
+
+
+def comfyui_name(module: str) -> tuple[str, tuple[str, ...] | None]:
+    """(ComfyUI module name, the diffusers sub-paths fused into it in row order, or None) of a diffusers module."""
+    return bfl_target(module, COMFY_RULES, {})
+
+
+def comfyui_file(model: torch.nn.Module, cfg: JobConfig, out_dir: Path, md: dict[str, str]) -> str:
+    sd = comfyui_state_dict(model, lora_modules(model), cfg.lora.rank, cfg.lora.alpha, target=comfyui_name,
+                            swap_halves=set(), key=lambda name: f"diffusion_model.{name}",
+                            suffixes=("lora_A.weight", "lora_B.weight"))
+    kohya = {"ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.alpha),
+             "ss_base_model_version": "hunyuan_video15"}
+    return save(sd, Path(out_dir) / COMFYUI_FILE, {**md, **kohya})
 
 
 class HunyuanVideo15Model:
@@ -97,8 +140,19 @@ class HunyuanVideo15Model:
 
     # ---------------------------------------------------------------- the transformer
     def load(self, path: str, cfg: JobConfig, device: torch.device, log) -> torch.nn.Module:
-        return load_lora_transformer(self.transformer_class(), path, cfg, device, log, fp8_skip=FP8_SKIP,
-                                     default_targets=DEFAULT_TARGETS)
+        model = load_lora_transformer(self.transformer_class(), path, cfg, device, log, fp8_skip=FP8_SKIP,
+                                      default_targets=DEFAULT_TARGETS)
+        if "comfyui" in cfg.output.formats:  # refused now, not when the finished LoRA is exported
+            for name, mod in model.named_modules():
+                if "default" in getattr(mod, "lora_A", {}):  # a LoRA layer, as export.lora_modules finds them
+                    try:
+                        comfyui_name(name)
+                    except ValueError:
+                        raise JobInvalid(f"lora.targets: {name} has no name in "
+                                         "ComfyUI's HunyuanVideo 1.5 model (its file takes the attention and MLP "
+                                         "linears of the double blocks); leave it out or write output.formats: "
+                                         "[diffusers]") from None
+        return model
 
     def sigmas(self, cfg: JobConfig, sched: dict[str, Any], batch: int, generator: torch.Generator) -> torch.Tensor:
         shift = float(sched.get("shift", 1.0)) if cfg.train.timestep_sampling == "shift" else 1.0
@@ -145,8 +199,7 @@ class HunyuanVideo15Model:
         return out
 
     def export(self, model, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
-        return output_files(model, cfg, out_dir, meta, lambda md: diffusion_model_comfyui_file(
-            model, cfg, out_dir, md, COMFYUI_FILE, "hunyuan_video15"))
+        return output_files(model, cfg, out_dir, meta, lambda md: comfyui_file(model, cfg, out_dir, md))
 
 
 def HunyuanVideo():  # noqa: N802 - reads as the family's class at get_family's call site

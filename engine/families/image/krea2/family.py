@@ -7,7 +7,7 @@ sequence. What is Krea 2's own, all through diffusers' `Krea2Pipeline`:
 
 - Latents: Qwen-Image's VAE (`AutoencoderKLQwenImage`, 16 channels), the posterior mode normalised by its
   latents_mean / latents_std — the inverse of what the pipeline decodes (Krea 2 has no img2img pipeline; the
-  mode comes from Qwen-Image's `retrieve_latents`, as engine/families/image/qwen_image.py does).
+  mode comes from Qwen-Image's `retrieve_latents`, as engine/families/image/qwen_image/family.py does).
 - Tokens and positions: the pipeline's `_pack_latents` (2×2 patches, [B, h/2·w/2, 64]) and its static
   `prepare_position_ids` (text rows at the origin, image rows (0, row, col)); the image ids do not depend on
   the caption's length.

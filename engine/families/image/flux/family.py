@@ -137,7 +137,7 @@ class Flux(ImageData):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         pipeline = check_edit_model(cfg, path)
-        self.records, self.items, self.n_train = scan_images(cfg, log)
+        self.records, self.items, self.n_train = scan_images(cfg, log, workdir)
         check_edit_items(pipeline, self.items)
         self.cache, self.plan, self.report = fill_cache(cfg, self.items, workdir, path, log, bar=bar)
 

@@ -1,0 +1,8 @@
+"""Captioning: the job's first stage for data.captions auto / files-else-auto, before the latent cache.
+
+- captioner.py: the vision-language model (transformers), checked before it is loaded, and greedy captions.
+- store.py: captions committed atomically in HOME/cache/captions/, keyed by the image's sha256 and the
+  captioner's identity, so a kill loses at most the batch in flight and another job on the same images reuses them.
+- stage.py: which images need a caption, in fixed batches, with progress and ETA in the events.
+- dedupe.py: near-duplicate images by perceptual hash (data.dedupe).
+"""
