@@ -47,7 +47,6 @@ from engine.errors import DiskError, OutOfMemory
 from engine.families import get_family
 from engine.families.base import Family, hub_refusal
 from engine.families.image.sample import sample_due
-from engine.frozen_base.compiling import TEXT_MULTIPLE, Compiler, start_compiler
 from engine.frozen_base.prefetch import Prefetcher
 from engine.memory_plan.oom import debug_oom, first_line, needed_bytes
 from engine.memory_plan.setup import AttemptMemory, MemoryPlan, load_planned, micro_batch, samples_config
@@ -158,7 +157,6 @@ class Run:
     store: CheckpointStore
     plan: MemoryPlan  # this attempt's memory plan (engine/memory_plan/): where bytes live, never the numerics
     floor: AttemptMemory  # what the daemon asked of this attempt after an out-of-memory
-    compiler: Compiler | None = None  # compile: the cache it started from, saved after steps that compiled
 
 
 def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
@@ -187,11 +185,6 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
     # -- model and optimizer
     log.info("phase", phase="load_model")
     model, plan = load_planned(family, cfg, workdir, device, floor, share.batch_size, share.grad_accum, log)
-    compiler = None
-    if plan.compile:  # the compile cache loaded before the first step; a few text lengths, not one compile each
-        compiler = start_compiler(cfg, workdir, device, log, saves=world.is_main)
-        if hasattr(family, "bound_shapes"):
-            family.bound_shapes(TEXT_MULTIPLE)
     if (blocks := ranks.shard(model)) is not None:  # fsdp: before the optimizer, which must hold the shards
         log.info("sharded", blocks=blocks, processes=world.size)
     params = trainable(model)
@@ -202,7 +195,7 @@ def set_up(cfg: JobConfig, workdir: Path, fs: FileLayer, log: EventLog) -> Run:
         say(f"lorad: warning: {advice}")
     store = CheckpointStore(workdir / "checkpoints", cfg.identity_hash(), cfg.checkpoint.keep, fs, cfg.identity())
     return Run(world, share, ranks, device, family, dataset, validation, generator, model, params, optimizer, ema,
-               store, plan, floor, compiler)
+               store, plan, floor)
 
 
 def _warn_at_start(cfg: JobConfig, world: World, share: BatchShare, log: EventLog) -> None:
@@ -291,8 +284,6 @@ class Loop:
             if run.ema is not None:
                 run.ema.update(at.step)
             self.report(loss, lr, grad_norm, time.monotonic() - t0)
-            if run.compiler is not None:
-                run.compiler.after_step()  # what this step compiled, saved for the next start
             debug_pause()  # tests: a kill a few steps after an event lands before the job ends
             if run.validation is not None and validation_due(self.cfg.data.validation.every_steps, at.step):
                 self.validate()  # every rank its share, before the stop decision: a checkpointed step has its value

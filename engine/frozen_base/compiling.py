@@ -347,8 +347,8 @@ class Compiler:
         self.state, self.cache, self.inductor_dir = state, cache, inductor_dir
 
     def after_step(self) -> None:
-        """After an optimizer step that compiled something: say what the caches served (`compile_stats`), and save
-        the cache (where this process saves: rank 0)."""
+        """After a step that compiled something (called before each forward: cheap when nothing was compiled): say
+        what the caches served (`compile_stats`), and save the cache (where this process saves: rank 0)."""
         if _graphs() == self.state.graphs_at_save:
             return
         self.state.graphs_at_save = _graphs()
@@ -365,6 +365,16 @@ class Compiler:
                 self.state.log.warning("compile_cache", status="unsaved", reason=e.strerror or str(e),
                                        message=f"compile cache not saved ({e.strerror or e}); the next start "
                                                f"compiles cold")
+
+
+def start_compiling(model: torch.nn.Module, family, cfg, workdir: Path, device: torch.device, log=None) -> Compiler:
+    """An attempt whose memory plan compiles: its caches loaded before the first step, text padded to a few lengths
+    where the family allows it, and what a step compiled saved before the next forward (rank 0 saves)."""
+    compiler = start_compiler(cfg, workdir, device, log, saves=int(os.environ.get("RANK", "0")) == 0)
+    if hasattr(family, "bound_shapes"):
+        family.bound_shapes(TEXT_MULTIPLE)
+    model.register_forward_pre_hook(lambda module, args: compiler.after_step())
+    return compiler
 
 
 def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bool = True) -> Compiler:

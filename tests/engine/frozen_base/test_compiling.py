@@ -221,6 +221,9 @@ def test_a_qwen_image_job_with_varied_captions_and_two_buckets_stays_within_a_fi
     recompiles = [e for e in events if e["event"] == "recompile"]
     assert 1 <= graphs <= MAX_COMPILES, (graphs, recompiles)
     assert len(recompiles) <= MAX_COMPILES - 1
+    # the caches were looked up before the first step, and what was compiled was reported after it
+    assert [e["status"] for e in events if e["event"] == "compile_cache"][:2] == ["cold", "cold"]
+    assert [e for e in events if e["event"] == "compile_stats"][-1]["graphs"] >= 1
 
 
 def test_qwen_image_text_padded_under_its_mask_predicts_the_same(tiny_image_model):
