@@ -522,8 +522,7 @@ def run_config(shape: Shape, cfg: Config, rank: int, device: torch.device, dtype
         row.joules_per_step = (mj[1] - mj[0]) / 1000.0 / args.steps
     if device.type == "cuda":
         row.peak_gib = torch.cuda.max_memory_allocated(device) / GiB
-    if swapper is not None:
-        swapper.remove()
+    # No swapper.remove(): the swapped blocks' registered host buffers are released with the model.
     del model, optimizer, params, prefetcher, swapper, blocks, train_step
     cleanup(device)
     return row

@@ -215,6 +215,10 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         oom = ev.get("data") or {}
         rows.append(("out-of-memory", f"step {oom.get('step')} ({oom.get('phase')}): {oom.get('before')} → "
                                       f"{oom.get('lever')}"))
+    for ev in j.events:  # a block type that fell back to eager this job (engine/frozen_base/compiling.py)
+        if ev.get("kind") == "compile_fallback":
+            data = ev.get("data") or {}
+            rows.append(("compile", f"eager: {data.get('block')} ({data.get('reason')})"))
     if j.mirror is not None:
         rows.append(("mirror", mirror_note(j.state, j.mirror, detail=True) or ("caught up" if j.mirror.mirror else "-")))
         if j.mirror.hub_repo:

@@ -48,6 +48,7 @@ from daemon.system.log import job_event
 PROGRESS_FLUSH_S = 1.0  # step heartbeats reach the DB at most this often (checkpoints at once)
 INTAKE_PER_TICK = 50  # inbox files taken per tick at most, and for at most INTAKE_BUDGET_S
 INTAKE_BUDGET_S = 0.5
+COMPILE_FALLBACKS = 4  # compile_fallback events stored per attempt (one per block type; a model has one or two)
 # While a trainer runs, intake takes at most this share of the loop's time: on a 2-core machine a flood taken
 # back to back cost the training job 20% of its step time (bench/inbox_flood.py); rested, the flood takes longer.
 INTAKE_SHARE_WHILE_TRAINING = 0.25
@@ -198,6 +199,12 @@ class Supervisor(ReapPath, StartPath, GpuSupervision):
             self.notifier.extend_timeout(self.cfg.stop_grace_s)
         if kind == "checkpoint_slow":
             self._tell("checkpoint_slow", c.job_id, c.name, step=ev.get("step"), seconds=ev.get("seconds"))
+        if kind == "compile_fallback" and c.compile_fallbacks < COMPILE_FALLBACKS:
+            # A block type the trainer runs eagerly now (engine/frozen_base/compiling.py): kept for `lorad status
+            # JOB`. Said once per block type by the engine; bounded here, as every trainer line is.
+            c.compile_fallbacks += 1
+            self.store.event(c.job_id, "compile_fallback", block=str(ev.get("block"))[:100],
+                             reason=str(ev.get("reason"))[:300])
         if c.dirty and kind != "step":
             self._flush(c)
         self._tell_policy("on_heartbeat", c.job_id, ev)

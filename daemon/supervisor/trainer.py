@@ -188,6 +188,7 @@ class Child:
     stop_deadline: float | None = None
     killed_at: float | None = None  # monotonic time of the first SIGKILL to its group
     training_recorded: bool = False  # its real start step is in the store and the earlier attempt's note cleared
+    compile_fallbacks: int = 0  # compile_fallback events kept in the store this attempt (bounded: COMPILE_FALLBACKS)
     pid_recorded: bool = False  # the pid is in the store (jobs and attempts); retried every tick until it is
     dirty: bool = False
     flushed_at: float = 0.0

@@ -74,7 +74,8 @@ class TrainConfig(Strict):
     max_grad_norm: float | None = Field(1.0, gt=0)
     # Not identity (nor compile): they trade speed for memory; a job may resume with more swapping after an OOM.
     blocks_to_swap: int = key(0, ge=0, identity=False)
-    compile: bool = key(False, identity=False)
+    # auto: regional torch.compile on CUDA, eager on the CPU (engine/frozen_base/compiling.py).
+    compile: Literal["auto"] | bool = key("auto", identity=False)
     # causal_lm only: LM head + cross-entropy in chunks, never the full logits (engine/training/chunked_loss.py).
     # auto = on from a vocabulary of engine.training.chunked_loss.AUTO_MIN_VOCAB (65,536) tokens.
     chunked_loss: Literal["auto"] | bool = key("auto", families=LM)

@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from engine.errors import JobInvalid
-from engine.frozen_base.swap_ops import CudaOps, HostOps
+from engine.frozen_base.swap_ops import CudaOps, HostOps, LastUse, owned_host_buffer
 
 
 @dataclass
@@ -102,6 +102,7 @@ class BlockSwapper:
         self._flat: dict[int, torch.Tensor] = {}
         self._offsets: dict[int, list[int]] = {}  # byte offset of each param in the flat buffer (fixed)
         self._host: dict[int, list[torch.Tensor]] = {}
+        self._last_use: dict[int, LastUse] = {}  # the last upload from each host buffer, waited for at its release
         self._resident: dict[int, object] = {}
         self._hooks = []
         self._frozen_linears: list[nn.Linear] = []
@@ -109,7 +110,7 @@ class BlockSwapper:
             params = [p for p in blocks[i].parameters() if not p.requires_grad]
             self._params[i] = params
             self._offsets[i] = _layout(params)
-            self._flat[i] = self._pack_host(params, self._offsets[i])
+            self._flat[i], self._last_use[i] = self._pack_host(params, self._offsets[i])
             self._host[i] = _views(self._flat[i], params, self._offsets[i])
             for p, h in zip(params, self._host[i], strict=True):
                 p.data = h
@@ -123,12 +124,15 @@ class BlockSwapper:
         if self.cuda:
             torch.cuda.empty_cache()  # hand the freed block memory back before training allocates
 
-    def _pack_host(self, params: list[nn.Parameter], offsets: list[int]) -> torch.Tensor:
-        """One exactly-sized (page-locked, on CUDA) byte buffer with every param's bytes at ALIGN-aligned offsets."""
-        flat = self._ops.host_buffer(offsets[-1])
+    def _pack_host(self, params: list[nn.Parameter], offsets: list[int]) -> tuple[torch.Tensor, LastUse]:
+        """One exactly-sized (page-locked, on CUDA) byte buffer with every param's bytes at ALIGN-aligned offsets.
+
+        Its registration lives as long as the buffer (swap_ops.owned_host_buffer): dropping the model releases it.
+        """
+        flat, last_use = owned_host_buffer(self._ops, offsets[-1])
         for p, v in zip(params, _views(flat, params, offsets), strict=True):
             v.copy_(p.data)  # from the host (place_model left it there) or from the GPU
-        return flat
+        return flat, last_use
 
     # -- residency
     def _load(self, i: int) -> None:
@@ -141,6 +145,7 @@ class BlockSwapper:
         self.stats.loads += 1
         self.stats.note("load", i)
         dev, ready = self._ops.upload(self._flat[i])
+        self._last_use[i].event = ready
         self._resident[i] = (ready, dev)
         for p, v in zip(self._params[i], _views(dev, self._params[i], self._offsets[i]), strict=True):
             p.data = v
@@ -199,17 +204,19 @@ class BlockSwapper:
         return sorted(self._resident)
 
     def remove(self) -> None:
-        """Detach the hooks and bring every swapped block back to the device."""
+        """Detach the hooks; the swapped blocks' frozen weights stay in their host buffers.
+
+        Nothing is loaded: bringing every swapped block to the device at once is exactly what a card that needed
+        swapping cannot hold. A caller that wants them there moves them itself. The host buffers are released with
+        the model (owned_host_buffer), so dropping the model needs no call here at all.
+        """
         for h in self._hooks:
             h.remove()
+        self._hooks.clear()
         for m in self._frozen_linears:
             del m.forward  # back to nn.Linear.forward
-        for i in self.swapped:
-            self._wait(i)
-        self._resident.clear()
-        self._released.clear()
-        for flat in self._flat.values():
-            self._ops.release_host(flat)
+        self._frozen_linears.clear()
+        self._evict_except(set())
 
 
 class _FrozenLinear(torch.autograd.Function):

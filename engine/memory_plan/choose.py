@@ -116,10 +116,12 @@ def plan_for(cfg, costs: BlockCosts, budget: Budget, floor: AttemptMemory, micro
     The daemon's jobs/ID/job.yaml is normalised, defaults written out, so "explicit" means "not the default":
     train.blocks_to_swap above 0 and train.gradient_checkpointing: true are kept as written; at their defaults the
     plan picks. train.compile: true may be turned off on CUDA when nothing else fits, as the last lever."""
+    from engine.frozen_base.compiling import compile_wanted  # train.compile: auto is on CUDA only
+
     t = cfg.train
     samples = "on" if (cfg.sample.every_steps and cfg.sample.prompts) else "none"
     return choose_plan(costs, budget,
                        swap=t.blocks_to_swap or None,
                        checkpointing=True if t.gradient_checkpointing else None,
-                       compile_=bool(t.compile), compile_explicit=not cuda,
+                       compile_=compile_wanted(t, "cuda" if cuda else "cpu"), compile_explicit=not cuda,
                        floor=floor, samples=samples, micro_batch=micro_batch, grad_accum=grad_accum)

@@ -18,6 +18,7 @@ import torch
 
 from engine.errors import OutOfMemory
 from engine.frozen_base.blockswap import find_blocks
+from engine.frozen_base.compiling import start_compiling
 from engine.frozen_base.speedups import apply_train_speedups
 from engine.memory_plan.apply import checkpoint_blocks
 from engine.memory_plan.attempt import AttemptMemory, attempt_memory
@@ -53,6 +54,8 @@ def load_planned(family, cfg, workdir, device: torch.device, floor: AttemptMemor
     # A model without blocks keeps the job's swap, refused there as before (JobInvalid).
     apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap or cfg.train.blocks_to_swap,
                                            compile=plan.compile).train, device, log)
+    if plan.compile:  # the compile caches in the home: loaded now, saved after a step that compiled
+        start_compiling(model, family, cfg, workdir, device, log)
     return model, plan
 
 

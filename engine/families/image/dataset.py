@@ -99,6 +99,10 @@ class ImageDataset(CachedImages):
     """The ImageFamily batches: text embeddings padded to the batch's longest, with a mask; and the masks, loss
     weights and DOP class prompts of the job's quality features (engine/data/image_sets.py)."""
 
+    # While compiling, for a family whose transformer masks padded text (ImageData.bound_shapes): the batch's text
+    # length rounded up to a multiple of this, so that captions fall on a few lengths, not one compile each.
+    text_multiple = 1
+
     def collate(self, indices: list[int]) -> dict[str, Any]:
         from engine.data.image_sets import extra_batch
 
@@ -108,6 +112,7 @@ class ImageDataset(CachedImages):
         empties = [self.cache.load(self.plan.item_empty_text[i]) for i in indices] if self.plan.item_empty_text \
             else [self.empty]
         length = max(e["prompt_embeds"].shape[0] for e in entries + empties)
+        length = -(-length // self.text_multiple) * self.text_multiple
         for name, group in (("", entries), ("empty_", empties)):
             batch[f"{name}prompt_embeds"], batch[f"{name}prompt_mask"] = pad_texts(
                 [e["prompt_embeds"] for e in group], length)
@@ -148,6 +153,15 @@ class ImageData:
         order = bucket_order(cfg, self.records, self.items, log, self.n_train)
         self.dataset = self.dataset_class(self.items, order, self.cache, self.plan)
         return self.dataset
+
+    def bound_shapes(self, multiple: int) -> bool:
+        """Pad text to multiples of `multiple` tokens while compiling, where the model's `text_masked` says its
+        attention masks padded tokens out (Qwen-Image); True when it does. Elsewhere padding would change what
+        the model computes (FLUX's text is fixed-length already), and automatic dynamic shapes bound the compiles."""
+        if not getattr(getattr(self, "model", None), "text_masked", False) or self.dataset is None:
+            return False
+        self.dataset.text_multiple = multiple
+        return True
 
     def dataset_hash(self) -> str:
         from engine.data.images import dataset_hash

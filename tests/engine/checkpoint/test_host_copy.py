@@ -3,14 +3,16 @@ background writer waits on before it serialises; plain synchronous copies on the
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 import torch
 
-from engine.checkpoint.host_copy import CopyDone, to_host
+from engine.checkpoint.host_copy import CopyDone, pinned_like, to_host
 from engine.checkpoint.store import CheckpointStore, Snapshot
 from engine.checkpoint.writer import AsyncCheckpointer
+from engine.frozen_base.swap_ops import LastUse
 
 
 class CopyInFlight(CopyDone):
@@ -54,6 +56,57 @@ def test_on_the_cpu_host_copies_are_plain_independent_copies_complete_at_once():
     assert torch.equal(host["b"], torch.arange(6, dtype=torch.int32))
 
 
+class FakeCudart:
+    def __init__(self):
+        self.calls = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class FakeEvent:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def synchronize(self):
+        self.calls.append(("synchronize",))
+
+
+def test_snapshot_buffers_are_exactly_sized_and_unregistered_after_the_copies_once_dropped(monkeypatch):
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*args, **kw):
+        asked.append(kw)
+        return real_empty(*args, **kw)
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    last = LastUse()
+    # 4,000 and 6,006 bytes: the pinned allocator would hand out 4,096 and 8,192
+    like = [torch.zeros(1000), torch.zeros(3, 1001, dtype=torch.bfloat16)]
+    host = [pinned_like(t, last) for t in like]
+    assert not any(kw.get("pin_memory") for kw in asked)
+    assert [c[2] for c in cudart.calls] == [4000, 6006]
+    for h, t in zip(host, like, strict=True):
+        assert h.shape == t.shape and h.dtype == t.dtype and h.untyped_storage().nbytes() == t.numel() * t.element_size()
+    host[0].copy_(torch.arange(1000.0))
+    assert torch.equal(host[0], torch.arange(1000.0))
+    ptrs = [h.data_ptr() for h in host]
+    last.event = FakeEvent(cudart.calls)  # to_host records it after queuing the copies
+    del host, h
+    gc.collect()
+    after = cudart.calls[2:]
+    assert after[0::2] == [("synchronize",)] * 2  # each waits for the copies before it lets its buffer go
+    assert sorted(c[1] for c in after[1::2]) == sorted(ptrs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_gpu_host_copies_are_pinned_and_queued_without_waiting_for_the_device():
@@ -62,6 +115,7 @@ def test_on_gpu_host_copies_are_pinned_and_queued_without_waiting_for_the_device
     [host], done = to_host([src])
     assert not done.query()  # queued behind the busy stream: the call returned before the copy ran
     assert host["a"].is_pinned() and host["step"].item() == 7.0
+    assert host["a"].untyped_storage().nbytes() == 1024 * 1024 * 4  # exactly, not a pinned-cache block
     expected = src["a"].cpu()
     done.wait()
     assert torch.equal(host["a"], expected)

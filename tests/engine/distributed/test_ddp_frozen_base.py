@@ -43,3 +43,27 @@ def test_with_the_frozen_base_ignored_ddp_wraps_it_and_manages_only_the_adapter(
     wrapped = DDP(model)
     assert wrapped.device_type == "cpu"
     assert [p.shape for p in wrapped._module_parameters] == [torch.Size([4, 4]), torch.Size([4])]
+
+
+class Rope(nn.Module):
+    """A base with buffers, as FP8Linear (weight_scale) and the families' RoPE tables have them."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.base.requires_grad_(False)
+        self.base.register_buffer("weight_scale", torch.ones(4))
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)
+        self.lora = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.lora(self.base(x) * self.base.weight_scale + self.freqs)
+
+
+def test_ddp_broadcasts_none_of_the_frozen_bases_buffers(one_process_group):
+    model = Rope()
+    assert set(ignore_frozen(model)) >= {"base.weight_scale", "freqs"}
+    wrapped = DDP(model)
+    assert wrapped.modules_buffers == []  # nothing left for broadcast_buffers to send before each forward
+    assert [p.shape for p in wrapped._module_parameters] == [torch.Size([4, 4])]  # the adapter alone
+    wrapped(torch.randn(2, 4)).sum().backward()

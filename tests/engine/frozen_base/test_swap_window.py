@@ -6,6 +6,8 @@ object; this fake does what the CPU's HostOps does and records each call in orde
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -39,9 +41,23 @@ class RecordingOps(swap_ops.HostOps):
         self.calls.append(("wait_for", ev))
 
 
-def swapped_stack(n_blocks=6, swap=4, checkpointing=False):
+class ReleaseRecordingOps(RecordingOps):
+    """Also records releases (by address) and gives each upload its own event, to tell which one was waited for."""
+
+    def upload(self, flat):
+        dev, _ = super().upload(flat)
+        return dev, ("ready", self.calls[-1][1], len(self.calls))
+
+    def use(self, dev, ready):
+        assert ready[0] == "ready"
+
+    def release_host(self, flat):
+        self.calls.append(("release", flat.data_ptr()))
+
+
+def swapped_stack(n_blocks=6, swap=4, checkpointing=False, ops_type=RecordingOps):
     model = make_stack(n=n_blocks, checkpointing=checkpointing)
-    ops = RecordingOps()
+    ops = ops_type()
     swapper = BlockSwapper(list(model.blocks), swap, torch.device("cpu"), ops=ops)
     ops._block_of = {id(f): i for i, f in swapper._flat.items()}
     return model, swapper, ops
@@ -78,6 +94,39 @@ def test_each_swapped_block_has_one_host_buffer_of_exactly_its_aligned_size():
     expected = [_layout([p for p in model.blocks[i].parameters() if not p.requires_grad])[-1] for i in range(2, 6)]
     assert ops.buffers == expected
     assert all(swapper._flat[i].numel() == n for i, n in zip(range(2, 6), expected, strict=True))
+
+
+def test_dropping_the_model_releases_every_host_buffer_after_waiting_for_its_last_upload_with_no_remove_call():
+    model, swapper, ops = swapped_stack(n_blocks=6, swap=4, ops_type=ReleaseRecordingOps)
+    run_steps(model, steps=2)
+    address = {f.data_ptr(): i for i, f in swapper._flat.items()}
+    assert not [c for c in ops.calls if c[0] == "release"]  # in use: nothing released while the model lives
+    del model, swapper
+    gc.collect()
+    released = [(k, c[1]) for k, c in enumerate(ops.calls) if c[0] == "release"]
+    assert sorted(ptr for _, ptr in released) == sorted(address)  # each buffer once
+    for k, ptr in released:
+        block = address[ptr]
+        last_upload = max(j for j, c in enumerate(ops.calls[:k]) if c == ("upload", block))
+        # the release waits for the last copy out of that very buffer, right before letting it go
+        assert ops.calls[k - 1] == ("wait_for", ("ready", block, last_upload + 1))
+
+
+def test_remove_loads_nothing_and_leaves_the_swapped_weights_in_their_host_buffers():
+    model, swapper, ops = swapped_stack(n_blocks=6, swap=4)
+    with torch.no_grad():
+        model(torch.randn(2, 32))  # leaves the window's last block resident
+    assert swapper.resident()
+    ops.calls.clear()
+    swapper.remove()
+    # never more than the window on the device: nothing is loaded to take the hooks off
+    assert not [c for c in ops.calls if c[0] == "upload"] and swapper.resident() == []
+    for i in swapper.swapped:
+        lo, hi = swapper._flat[i].data_ptr(), swapper._flat[i].data_ptr() + swapper._flat[i].numel()
+        assert all(lo <= p.data_ptr() < hi for p in swapper._params[i])
+    with torch.no_grad():
+        model(torch.randn(2, 32))  # hooks gone: the model runs from the host copies, loading nothing
+    assert not [c for c in ops.calls if c[0] == "upload"]
 
 
 class FakeCudart:

@@ -74,6 +74,9 @@ class QwenImageModel:
 
     name = "qwen_image"
     text_sees_controls = True  # the edit pipelines encode the instruction with the control image(s)
+    # Padded text tokens are masked out of the joint attention (encoder_hidden_states_mask builds the mask, and the
+    # text RoPE positions of real tokens do not move), so text may be padded to a few lengths while compiling.
+    text_masked = True
     default_targets = DEFAULT_TARGETS
     fp8_skip = FP8_SKIP
 
