@@ -56,6 +56,14 @@ def resolve_paths(cfg: JobConfig, base_dir: Path) -> None:
         cfg.data.validation.path = _resolve(cfg.data.validation.path, base_dir)
 
 
+def single_file_refusal(mp: str) -> str:
+    """The one line refusing a single-file checkpoint as model.path (the importers say it too, word for word)."""
+    # diffusers' from_single_file reads one only with the base's config from the hub (the network)
+    return (f"model.path: {mp} is a single-file checkpoint; lorad trains on diffusers directories: convert it once "
+            "where the hub is reachable (e.g. StableDiffusionXLPipeline.from_single_file(FILE).save_pretrained(DIR)) "
+            "and give DIR")
+
+
 def _check_model_path(mp: str) -> None:
     if mp.startswith(BUILTIN_PREFIX):
         name = mp[len(BUILTIN_PREFIX):]
@@ -65,10 +73,7 @@ def _check_model_path(mp: str) -> None:
         if not Path(mp).exists():
             raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
         if Path(mp).is_file() and mp.endswith(".safetensors"):
-            # diffusers' from_single_file reads one only with the base's config from the hub (the network)
-            raise JobInvalid(f"model.path: {mp} is a single-file checkpoint; lorad trains on diffusers directories: "
-                             "convert it once where the hub is reachable (e.g. StableDiffusionXLPipeline"
-                             ".from_single_file(FILE).save_pretrained(DIR)) and give DIR")
+            raise JobInvalid(single_file_refusal(mp))
         if not Path(mp).is_dir():
             raise JobInvalid(f"model.path: {mp} is not a directory")
 

@@ -223,7 +223,7 @@ def _finish(out: Imported) -> None:
         out.set("name", "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in stem).strip("-._")[:64]
                 or "imported", f"the file name {out.source}")
     mp = out.get("model.path")
-    if mp is None:
+    if mp is None and not any("model.path: " in p for p in out.problems):  # its refusal says it already
         out.problems.append("model: the source names no base model (set model.path)")
     refused = any("unsupported model family" in p for p in out.problems)
     if out.get("model.family") is None and mp is not None and not refused:

@@ -31,7 +31,7 @@ NAME = "ai-toolkit"
 ARCH = {"flux": "flux", "flux_kontext": "flux", "flex1": "flux", "flux2": "flux2", "flux2_klein_4b": "flux2",
         "flux2_klein_9b": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image",
         "qwen_image_edit_plus": "qwen_image", "zimage": "z_image", "wan22_5b": "wan", "wan22_14b": "wan",
-        "wan21": "wan", "krea2": "krea2"}
+        "wan21": "wan", "krea2": "krea2", "sdxl": "sdxl"}
 
 
 def detect(doc: Any) -> bool:
@@ -179,8 +179,11 @@ TABLE: list[Key] = [
     Key("performance_log_every", None, why=OUTPUT),
     Key("device", None, why=other_way("resources.gpus", "the daemon gives the job its GPU")),
     Key("model.arch", "model.family", _family, doc="flux, flux_kontext, flex1 → flux; flux2, flux2_klein_* → flux2; "
-        "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; others refused"),
+        "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; sdxl; others refused"),
     Key("model.is_flux", "model.family", _is_flux, doc="true → flux"),
+    Key("model.is_xl", "model.family", lambda v, ctx: "sdxl" if v else None, doc="true → sdxl"),
+    Key("model.is_v_pred", "model.prediction", c.when_true("v"), doc="SDXL: true → v; false: unset (the base's "
+        "scheduler decides)"),
     Key("model.name_or_path", "model.path", c.model_path, doc="hub id as is, a local path made absolute"),
     Key("model.quantize", "model.base_precision", _quantize, doc="true → fp8"),
     Key("model.qtype", None, carried_in("model.base_precision")),
@@ -244,7 +247,7 @@ TABLE: list[Key] = [
     Key("train.content_or_style", None, why=other_way("train.timestep_bias")),
     Key("train.switch_boundary_every", None, why=other_way("model.expert", "each sample goes to the expert "
         "owning its σ; no switching by steps")),
-    Key("train.noise_scheduler", None, why=not_applicable("each family has its own flow-matching scheduler")),
+    Key("train.noise_scheduler", None, why=not_applicable("each family has its own noise scheduler")),
     Key("train.train_unet", None, why=not_applicable("lorad always trains the transformer's LoRA")),
     Key("train.train_text_encoder", None, _on_only(f"{NO_FEATURE} (a text-encoder LoRA)")),
     Key("train.skip_first_sample", None, why=other_way("sample.every_steps", "samples come every N steps")),

@@ -8,9 +8,18 @@ import re
 from pathlib import Path
 from typing import Any
 
-from engine.importers.table import Context, NotCarried, Problem, other_way
+from engine.importers.table import (
+    NO_FEATURE,
+    CarriedIn,
+    Context,
+    NotCarried,
+    Problem,
+    not_applicable,
+    other_way,
+)
 
-LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video")
+LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video",
+                  "sdxl")
 
 # Substrings of a model name or path (lower case, '-', '_', '.' and ' ' removed) → family; first match wins, so the
 # more specific come first. What lorad cannot train is named so that the refusal says which model it is.
@@ -18,13 +27,17 @@ _NAME_FAMILIES = (
     ("flux2", "flux2"), ("flux.2", "flux2"), ("flux3", "flux3"), ("krea2", "krea2"), ("chroma", "chroma"),
     ("qwenimage", "qwen_image"), ("zimage", "z_image"), ("wan2", "wan"), ("wanai", "wan"),
     ("hunyuanvideo15", "hunyuan_video"), ("hunyuanvideo1.5", "hunyuan_video"), ("flux1", "flux"), ("flux", "flux"),
+    # SDXL and its fine-tunes' names (Illustrious, NoobAI, Pony), after every other family's
+    ("stablediffusionxl", "sdxl"), ("sdxl", "sdxl"), ("illustriousxl", "sdxl"), ("noobaixl", "sdxl"),
+    ("ponydiffusion", "sdxl"),
 )
 UNSUPPORTED = {
-    "sdxl": "SDXL", "stablediffusionxl": "SDXL", "sd3": "Stable Diffusion 3", "stablediffusion3": "Stable Diffusion 3",
+    "sd3": "Stable Diffusion 3", "stablediffusion3": "Stable Diffusion 3",
     "sd15": "Stable Diffusion 1.5", "stablediffusionv15": "Stable Diffusion 1.5", "sd2": "Stable Diffusion 2",
     "pixart": "PixArt", "ltx": "LTX-Video", "hidream": "HiDream", "lumina": "Lumina", "framepack": "FramePack",
     "cosmos": "Cosmos", "hunyuanvideo": "HunyuanVideo 1.0", "auraflow": "AuraFlow", "sana": "Sana",
     "omnigen": "OmniGen", "kandinsky": "Kandinsky", "wuerstchen": "Würstchen", "stablecascade": "Stable Cascade",
+    "sd1": "Stable Diffusion 1.5",
 }
 
 
@@ -52,6 +65,48 @@ def unsupported(what: str, name: str) -> Problem:
     known = next((v for k, v in UNSUPPORTED.items() if k in s), None)
     said = f"{name!r} ({known})" if known else repr(name)
     return Problem(f"unsupported model family: {said}; lorad trains {', '.join(LORAD_FAMILIES)}")
+
+
+# ---------------------------------------------------------------- SDXL's prediction type (model.prediction)
+def _sdxl_only(v: Any, ctx: Context) -> bool:
+    """True for an SDXL job; for another family a prediction setting that is on does not apply, one off is nothing."""
+    if ctx.job.get("model", {}).get("family") == "sdxl":
+        return True
+    if v and str(v).lower() not in ("false", "0", "none"):
+        raise NotCarried(not_applicable("each family predicts what its model was trained to"))
+    return False
+
+
+def v_or_epsilon(v: Any, ctx: Context) -> str | None:
+    """A v-prediction switch whose off is epsilon (kohya's --v_parameterization): true → v, false → epsilon."""
+    return ("v" if v else "epsilon") if _sdxl_only(v, ctx) else None
+
+
+def when_true(prediction: str) -> Any:
+    """A switch that forces one prediction when on (OneTrainer's force_v_prediction, ai-toolkit's is_v_pred); off
+    leaves model.prediction unset: the base's scheduler config decides, as there."""
+    def conv(v: Any, ctx: Context) -> str | None:
+        return prediction if _sdxl_only(v, ctx) and v else None
+    return conv
+
+
+def prediction_type(v: Any, ctx: Context) -> str | None:
+    """A prediction type by name (SimpleTuner's --prediction_type): epsilon, v_prediction → v."""
+    if not _sdxl_only(v, ctx) or v is None:
+        return None
+    got = {"epsilon": "epsilon", "v_prediction": "v", "v": "v"}.get(str(v).lower())
+    if got is None:
+        raise Problem(f"{v}: lorad's SDXL predicts epsilon or v (model.prediction)")
+    return got
+
+
+def zero_snr(v: Any, ctx: Context) -> None:
+    """Zero terminal SNR: lorad's v-prediction rescales the betas to it always, its epsilon never."""
+    if not v:
+        return None
+    if ctx.job.get("model", {}).get("prediction") == "v":
+        raise CarriedIn("model.prediction")
+    raise NotCarried(f"{NO_FEATURE} (zero terminal SNR without v-prediction; lorad rescales for model.prediction: v)")
 
 
 OPTIMIZERS = {
@@ -183,8 +238,8 @@ SINGLE_FILES = (("flux1-dev", "black-forest-labs/FLUX.1-dev"), ("flux1-schnell",
 
 
 def model_path(v: Any, ctx: Context) -> str:
-    """A hub id or builtin name as is, a local path made absolute; a single-file checkpoint is refused (lorad loads
-    a diffusers directory), except the official FLUX.1 files, whose hub repository lorad reads instead."""
+    """A hub id or builtin name as is, a local path made absolute; a single-file checkpoint is refused with the
+    validator's own line, except the official FLUX.1 files, whose hub repository lorad reads instead."""
     s = str(v)
     if s.startswith("builtin:") or (re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", s) and not Path(s).exists()):
         return s
@@ -196,8 +251,9 @@ def model_path(v: Any, ctx: Context) -> str:
                 ctx.notes.append(f"model: {p.name} is a single-file checkpoint; lorad reads the same model's "
                                  f"diffusers layout, {repo}")
                 return repo
-        raise Problem(f"{s} is a single-file checkpoint; lorad loads a diffusers directory or a hub id "
-                      "(set model.path)")
+        from engine.config.paths import single_file_refusal
+
+        raise Problem(single_file_refusal(str(p)))  # lorad's validator's own line (exit 65), word for word
     return str(p)
 
 

@@ -190,7 +190,7 @@ BUCKETS = other_way("data.resolution", "lorad's buckets: aspect within 2:1 at th
 TABLE: list[Key] = [
     Key("_script", "model.family", doc="the training script: flux_train_network → flux, wan_train_network → wan, "
         "qwen_image_train_network → qwen_image, zimage_train_network → z_image, hv_1_5_train_network → "
-        "hunyuan_video; sd/sdxl/sd3/lumina/FramePack/HunyuanVideo 1.0 refused"),
+        "hunyuan_video, sdxl_train_network → sdxl; sd/sd3/lumina/FramePack/HunyuanVideo 1.0 refused"),
     Key("network_module", None, _module, doc="networks.lora_flux and the like name the family; lycoris.kohya "
         "takes the adapter from network_args"),
     Key("pretrained_model_name_or_path", "model.path", c.model_path, doc="a hub id or a diffusers folder; the "
@@ -279,6 +279,9 @@ TABLE: list[Key] = [
         "> 1 (sd-scripts' 3.0), else linear; uniform → linear; sigmoid; shift and the models' own *_shift → shift"),
     Key("guidance_scale", "train.guidance", c.number),
     Key("discrete_flow_shift", None, carried_in("train.timestep_sampling")),
+    Key("v_parameterization", "model.prediction", c.v_or_epsilon, doc="SDXL: true → v, false (sd-scripts' default) → "
+        "epsilon"),
+    Key("zero_terminal_snr", None, c.zero_snr, doc="carried in model.prediction: v (its schedule)"),
     Key("model_prediction_type", None, why=not_applicable("each family predicts what its model was trained to")),
     Key("sigmoid_scale", None, why=NO_FEATURE), Key("weighting_scheme", None, why=NO_FEATURE),
     Key("max_train_epochs", "train.steps", _epochs("max_train_epochs"), doc="epochs × ceil(images × repeats × "
@@ -317,6 +320,8 @@ DEFAULTS = {"lr_scheduler": "constant", "max_train_steps": 1600, "network_dim": 
 # "no": float32) and flux_train_network's --discrete_flow_shift and --guidance_scale (library/flux_train_utils.py).
 SD_SCRIPTS_DEFAULTS = {"caption_extension": ".caption", "mixed_precision": "no", "discrete_flow_shift": 3.0}
 FLUX_DEFAULTS = {"guidance_scale": 3.5}
+# sdxl_train_network's: timesteps drawn uniformly (it has no flow shift) and epsilon unless --v_parameterization.
+SDXL_DEFAULTS = {"timestep_sampling": "uniform", "v_parameterization": False}
 # musubi-tuner's own: --discrete_flow_shift 1.0; a dataset's resolution (960, 544) (dataset/config_utils.py).
 MUSUBI_DEFAULTS = {"discrete_flow_shift": 1.0}
 MUSUBI_RESOLUTION = [960, 544]
@@ -325,6 +330,8 @@ MUSUBI_RESOLUTION = [960, 544]
 def _defaults(flat: dict[str, Any], musubi: bool, family: str | None, out: Imported) -> None:
     """The tool's defaults for what the config leaves unset (see DEFAULTS), each said in the header."""
     more = MUSUBI_DEFAULTS if musubi else {**SD_SCRIPTS_DEFAULTS, **(FLUX_DEFAULTS if family == "flux" else {})}
+    if family == "sdxl":
+        more = {k: v for k, v in more.items() if k != "discrete_flow_shift"} | SDXL_DEFAULTS
     skip = {"max_train_steps": "max_train_epochs" in flat, "learning_rate": "unet_lr" in flat,
             "optimizer_type": bool(flat.get("use_8bit_adam")),
             "caption_extension": any(k.endswith("caption_extension") for k in flat)}
@@ -360,8 +367,11 @@ def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] |
         flat.pop("_script")
     elif "network_module" in flat and str(flat["network_module"]) in MODULES:
         fam = MODULES[str(flat["network_module"])]
+        if fam is None and str(flat["network_module"]) == "networks.lora":  # SD 1.5's and SDXL's: the model says
+            fam = "sdxl" if c.family_of_name(str(flat.get("pretrained_model_name_or_path", ""))) == "sdxl" else None
         if fam is None:
-            out.problems.append(f"network_module: {c.unsupported('network_module', str(flat['network_module']))}")
+            named = flat.get("pretrained_model_name_or_path") or flat["network_module"]  # the model says which
+            out.problems.append(f"network_module: {c.unsupported('network_module', str(named))}")
         else:
             out.set("model.family", fam, f"network_module = {flat['network_module']}")
     if "train_data_dir" in flat:

@@ -12,7 +12,7 @@ from engine.importers.table import Problem
 
 # The training script → family (None: a model lorad does not train), as the scripts are named in
 # kohya-ss/sd-scripts (top level) and kohya-ss/musubi-tuner (src/musubi_tuner/*_train_network.py).
-SCRIPTS = {"flux_train_network": "flux", "train_network": None, "sdxl_train_network": None, "sd3_train_network": None,
+SCRIPTS = {"flux_train_network": "flux", "train_network": None, "sdxl_train_network": "sdxl", "sd3_train_network": None,
            "lumina_train_network": None, "anima_train_network": None, "hunyuan_image_train_network": None,
            "wan_train_network": "wan", "qwen_image_train_network": "qwen_image", "flux_kontext_train_network": "flux",
            "zimage_train_network": "z_image", "hv_1_5_train_network": "hunyuan_video", "hv_train_network": None,

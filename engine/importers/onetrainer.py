@@ -26,9 +26,10 @@ from engine.importers.table import (
 )
 
 NAME = "onetrainer"
-# modules/util/enum/ModelType.py's names → family. FLUX_FILL_DEV_1 (an inpainting input of its own) is not one.
+# modules/util/enum/ModelType.py's names → family. FLUX_FILL_DEV_1 and STABLE_DIFFUSION_XL_10_BASE_INPAINTING (an
+# inpainting input of their own) are not one.
 MODEL_TYPES = {"FLUX_DEV_1": "flux", "FLUX_2": "flux2", "CHROMA_1": "chroma", "QWEN": "qwen_image",
-               "Z_IMAGE": "z_image", "KREA_2": "krea2"}
+               "Z_IMAGE": "z_image", "KREA_2": "krea2", "STABLE_DIFFUSION_XL_10_BASE": "sdxl"}
 # a model part's weight_dtype (modules/util/enum/DataType.py) → model.base_precision; the others: lorad's auto.
 WEIGHT_DTYPES = {"FLOAT_8": "fp8", "FLOAT_W8A8": "fp8", "INT_8": "int8", "INT_W8A8": "int8", "NFLOAT_4": "nf4"}
 
@@ -200,6 +201,9 @@ CACHE = other_way("the cache", "lorad always caches latents and text embeddings,
 TABLE: list[Key] = [
     Key("model_type", "model.family", _model_type, doc=", ".join(f"{k} → {v}" for k, v in MODEL_TYPES.items())
         + "; others refused"),
+    Key("force_v_prediction", "model.prediction", c.when_true("v"), doc="SDXL: true → v"),
+    Key("force_epsilon_prediction", "model.prediction", c.when_true("epsilon"), doc="SDXL: true → epsilon"),
+    Key("rescale_noise_scheduler_to_zero_terminal_snr", None, c.zero_snr, doc="carried in model.prediction: v"),
     Key("training_method", None, _method, doc="LORA only"),
     Key("base_model_name", "model.path", c.model_path),
     Key("peft_type", "lora.type", _peft),

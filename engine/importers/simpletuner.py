@@ -28,7 +28,7 @@ from engine.importers.table import (
 NAME = "simpletuner"
 # model_family (simpletuner/helpers/models/model_metadata.json; hunyuanvideo is HunyuanVideo 1.5 there) → family.
 FAMILIES = {"flux": "flux", "flux2": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image",
-            "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2"}
+            "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2", "sdxl": "sdxl"}
 
 
 def detect(doc: Any) -> bool:
@@ -62,10 +62,11 @@ FLAVOURS = {
     ("hunyuanvideo", "t2v-480p"): "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
     ("hunyuanvideo", "t2v-720p"): "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
     ("krea2", "raw"): "krea/Krea-2-Raw", ("krea2", "turbo"): "krea/Krea-2-Turbo",
+    ("sdxl", "base-1.0"): "stabilityai/stable-diffusion-xl-base-1.0",
 }
 DEFAULT_FLAVOURS = {"flux": "krea", "flux2": "klein-9b", "chroma": "base", "qwen_image": "v2.0",
                     "z_image": "turbo-ostris-v2", "wan": "t2v-480p-1.3b-2.1", "hunyuanvideo": "t2v-480p",
-                    "krea2": "raw"}
+                    "krea2": "raw", "sdxl": "base-1.0"}
 
 
 def _flavour(v: Any, ctx: Context) -> str:
@@ -182,6 +183,9 @@ TABLE: list[Key] = [
     Key("model_family", "model.family", _family, doc=", ".join(FAMILIES) + "; others refused"),
     Key("model_type", None, _model_type, doc="lora only"),
     Key("pretrained_model_name_or_path", "model.path", c.model_path),
+    Key("prediction_type", "model.prediction", c.prediction_type, doc="SDXL: epsilon; v_prediction → v; unset: "
+        "the base's scheduler decides, as there"),
+    Key("rescale_betas_zero_snr", None, c.zero_snr, doc="carried in model.prediction: v"),
     Key("model_flavour", "model.path", _flavour, doc="without a model path: the flavour's hub id"),
     Key("lora_type", None, _lora_type),
     Key("lycoris_config", "lora.type", _lycoris, doc="its algo (lokr, loha, lora) and factor"),

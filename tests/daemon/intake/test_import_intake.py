@@ -19,7 +19,8 @@ from daemon.service import handlers
 from daemon.store.db import Store
 from daemon.system.log import setup
 from engine.config.job import dump_job
-from tests.engine.importers.configs import AI_TOOLKIT_SDXL, DIFFUSION_PIPE_DATASET, DIFFUSION_PIPE_FLUX
+from tests.engine.importers.configs import DIFFUSION_PIPE_DATASET, DIFFUSION_PIPE_FLUX
+from tests.engine.importers.configs_sdxl import AI_TOOLKIT_SD15
 from tests.engine.importers.test_tools import fill
 from tests.helpers.images import make_images
 
@@ -107,7 +108,7 @@ def test_a_side_file_outside_the_allowed_roots_is_not_read(intake, tmp_path):
 
 @pytest.mark.parametrize("name,text,says", [
     ("odd.toml", "x = 1\n", "not a format lorad import knows; it reads ai-toolkit YAML"),
-    ("sdxl.yaml", AI_TOOLKIT_SDXL, "model.arch: unsupported model family: 'sdxl' (SDXL)"),
+    ("sd15.yaml", AI_TOOLKIT_SD15, "model.arch: unsupported model family: 'sd1' (Stable Diffusion 1.5)"),
 ])
 def test_a_bad_foreign_file_is_rejected_in_one_line_and_nothing_is_queued(intake, name, text, says):
     f = intake.inbox / name
@@ -129,7 +130,7 @@ def test_submit_imports_on_the_client_and_the_daemon_keeps_the_note(intake, tmp_
 @pytest.mark.parametrize("name,text,says", [
     ("odd.toml", "x = 1\n", "not a format lorad import knows"),
     ("list.yaml", "- 1\n- 2\n", "mapping"),
-    ("sdxl.yaml", AI_TOOLKIT_SDXL, "unsupported model family: 'sdxl'"),
+    ("sd15.yaml", AI_TOOLKIT_SD15, "unsupported model family: 'sd1'"),
 ])
 @pytest.mark.parametrize("verb", ["import", "submit", "check"])
 def test_bad_input_is_one_line_and_exit_65_for_import_submit_and_check(verb, name, text, says, tmp_path, capsys):

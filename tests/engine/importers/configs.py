@@ -9,6 +9,8 @@ missing), concepts/ (two `N_name` folders), reg/ (class images).
 
 from __future__ import annotations
 
+from tests.engine.importers.configs_sdxl import SDXL_CASES, SDXL_REFUSED
+
 # ---------------------------------------------------------------- ai-toolkit (ostris/ai-toolkit config/examples/)
 # the shape of train_lora_flux_24gb.yaml
 AI_TOOLKIT_FLUX = """\
@@ -180,17 +182,6 @@ config:
       sample: {sample_every: 250, num_frames: 1, fps: 16, prompts: ["sks walking"], seed: 42, guidance_scale: 3.5}
 """
 
-AI_TOOLKIT_SDXL = """\
-job: extension
-config:
-  name: sdxl
-  process:
-    - type: sd_trainer
-      network: {type: lora, linear: 8, linear_alpha: 8}
-      datasets: [{folder_path: "{root}/data"}]
-      train: {steps: 10}
-      model: {name_or_path: stabilityai/stable-diffusion-xl-base-1.0, arch: sdxl}
-"""
 
 # ---------------------------------------------------------------- kohya sd-scripts (docs/flux_train_network.md,
 # docs/config_README-en.md) and musubi-tuner (docs/wan.md, docs/qwen_image.md, docs/dataset_config.md)
@@ -272,10 +263,6 @@ save_every_n_epochs = 1
 mixed_precision = "bf16"
 """
 
-KOHYA_SDXL_CMDLINE = """\
-accelerate launch sdxl_train_network.py --pretrained_model_name_or_path sdxl.safetensors --network_dim 8 \\
-  --train_data_dir {root}/kohya --max_train_steps 10
-"""
 
 # docs/wan.md: Wan 2.2 T2V-A14B, both experts (--dit the low-noise one, --dit_high_noise the high-noise one)
 MUSUBI_WAN_CMDLINE = """\
@@ -403,10 +390,6 @@ ONETRAINER_MINIMAL = """\
  "concepts": [{{"path": "{root}/data"}}]}}
 """
 
-ONETRAINER_SDXL = """\
-{{"__version": 11, "training_method": "LORA", "model_type": "STABLE_DIFFUSION_XL_10_BASE",
- "base_model_name": "stabilityai/stable-diffusion-xl-base-1.0", "concepts": [{{"path": "{root}/data"}}]}}
-"""
 
 # ---------------------------------------------------------------- SimpleTuner (documentation/OPTIONS.md,
 # documentation/DATALOADER.md, the quickstart config.json / multidatabackend.json)
@@ -777,16 +760,14 @@ CASES = [
 
 # (case id, file name, text, dataset, what the one refusal line must name)
 REFUSED = [
-    ("ai-toolkit-sdxl", "sdxl.yaml", AI_TOOLKIT_SDXL, None, r"model\.arch: unsupported model family: 'sdxl' \(SDXL\)"),
-    ("kohya-sdxl-script", "sdxl.sh", KOHYA_SDXL_CMDLINE, None, r"sdxl_train_network\.py: unsupported model family"),
     ("musubi-wan22-i2v", "i2v.sh", MUSUBI_WAN_I2V_CMDLINE, ("ds.toml", MUSUBI_DATASET),
      r"task: i2v-A14B: Wan 2\.2 I2V-A14B .* is not among lorad's Wan models"),
-    ("onetrainer-sdxl", "sdxl.json", ONETRAINER_SDXL, None, r"model_type: unsupported model family"),
     ("simpletuner-sd3", "st.json", SIMPLETUNER_PLAIN_NO_BACKENDS, None,
      r"data_backend_config: missing.json not found.*model_family: unsupported model family: 'sd3'"),
     ("diffusion-pipe-hunyuan-1.0", "hv.toml", DIFFUSION_PIPE_HUNYUAN, None,
      r"model\.type: unsupported model family: 'hunyuan-video' \(HunyuanVideo 1\.0\)"),
     ("kohya-dataset-alone", "dataset.toml", KOHYA_DATASET, None, r"a dataset config only, naming no model"),
+    *SDXL_REFUSED,
 ]
 
 # ai-toolkit's Z-Image Turbo recipe: its training adapter (model.assistant_lora_path) becomes model.assistant_lora.
@@ -815,3 +796,4 @@ CASES.append(
       "train.lr": 1e-4, "train.steps": 3000, "train.batch_size": 1, "data.resolution": [1024],
       "train.optimizer": "adamw8bit", "checkpoint.every_steps": 250, "data.trigger": "sks", "data.path": "{root}/data"},
      {"job", "type"}))
+CASES += SDXL_CASES
