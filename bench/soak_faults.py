@@ -23,10 +23,14 @@ from tests.helpers.daemon import cli_in_process
 # in the short soak's 25.
 KINDS = {"kill_trainer": 3, "kill_daemon": 2, "kill_both": 2, "hang": 1, "power_cut": 2, "full_disk": 1,
          "corrupt_checkpoint": 1, "inbox_garbage": 1, "socket_abuse": 1, "cli": 3, "clock_jump": 1,
-         # The GPU's own faults, on the soak's simulated GPU 0 (daemon/gpu_health/). Out of memory (issue 40's
-         # re-plan) is to join them here: "out_of_memory", with its function below the GPU faults.
-         "gpu_lost": 1, "xid": 1}
-NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint", "gpu_lost", "xid"}
+         # The GPU's own faults, on the soak's simulated GPU 0 (daemon/gpu_health/), and an out-of-memory in the
+         # running trainer's step (issue 40's re-plan).
+         "gpu_lost": 1, "xid": 1, "out_of_memory": 1}
+NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint", "gpu_lost", "xid", "out_of_memory"}
+# The re-plan's levers that keep a CPU run bit-identical (where bytes live, what is recomputed): the soak raises an
+# out-of-memory only where the daemon's next lever is one of these, so every adapter still matches its one
+# uninterrupted reference. Skipped samples and a smaller micro-batch change the numerics: never drawn.
+NUMERICS_KEPT = {"swap_at_least", "activations_at_least"}
 
 
 def kill_trainer(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
@@ -229,8 +233,53 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
             "kills": state == "waiting_for_gpu", "disrupts": True}
 
 
+def out_of_memory(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """A real torch.OutOfMemoryError in the running trainer's next optimizer step (engine/memory_plan/oom.py's
+    $LORAD_DEBUG_OOM_FILE, which World sets): the trainer exits 69 with nothing half-done committed, the daemon
+    re-plans (daemon/supervisor/oom_replan.py) and resumes it from its newest checkpoint, no crash counted. Only
+    where the next lever keeps the numerics (NUMERICS_KEPT), which the daemon's `oom_replan` must confirm."""
+    from engine.memory_plan.attempt import AttemptMemory, replan
+
+    tail = w.tail(running)
+    tail.poll()
+    ran = next((e for e in reversed(tail.events) if e.get("event") == "memory_plan"), None)
+    nxt = replan(ran, AttemptMemory()) if ran else None
+    if nxt is None or not set(nxt[0].model_dump(exclude_defaults=True)) - {"tried"} <= NUMERICS_KEPT:
+        return {"skipped": f"the next lever ({nxt[1] if nxt else 'none'}) would change the numerics",
+                "kills": False, "disrupts": False}
+    before = next((j for j in w.jobs() if j["id"] == running), None)
+    t0 = time.monotonic()
+    w.oom_trigger.write_text(running)
+    try:
+        deadline = time.monotonic() + 30
+        while (ev := tail.first("trainer_exited", t0 - 0.001)) is None:
+            if time.monotonic() > deadline:
+                raise SoakFailure(f"out of memory: job {running}'s trainer did not stop within 30 s")
+            time.sleep(0.05)
+            tail.poll()
+    finally:
+        claimed = not w.oom_trigger.exists()
+        w.oom_trigger.unlink(missing_ok=True)  # the job ended before a step took it: no other job's to take
+    if not claimed:
+        return {"skipped": f"job {running} ended first ({ev[1].get('state')})", "kills": False, "disrupts": False}
+    deadline = time.monotonic() + 10
+    while (rp := tail.first("oom_replan", t0 - 0.001)) is None:
+        if time.monotonic() > deadline:
+            raise SoakFailure(f"out of memory: job {running} went {ev[1].get('state')} with no oom_replan event")
+        time.sleep(0.05)
+        tail.poll()
+    if rp[1].get("lever") != nxt[1]:
+        raise SoakFailure(f"out of memory: job {running} was re-planned with {rp[1].get('lever')!r}, not {nxt[1]!r}")
+    after = next((j for j in w.jobs() if j["id"] == running), None)
+    if before and after and after["retries"] > before["retries"]:
+        raise SoakFailure(f"out of memory: job {running} was counted as crashed ({before['retries']} → "
+                          f"{after['retries']})")
+    return {"lever": nxt[1], "state": ev[1].get("state"), "oom": True, "kills": True, "disrupts": True}
+
+
 FAULTS = {f.__name__: f for f in (kill_trainer, kill_daemon, kill_both, hang, power_cut, full_disk,
-                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump, gpu_lost, xid)}
+                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump, gpu_lost, xid,
+                                  out_of_memory)}
 assert set(FAULTS) == set(KINDS)
 
 

@@ -116,7 +116,9 @@ class World:
         if telemetry.get("backend") == "simulated":
             telemetry["simulated_faults"] = str(self.gpu_faults)
         self.config_path.write_text(yaml.safe_dump({**config, "socket": str(self.sock)}))
-        self.env = {**env, "LORAD_SOAK_CLOCK_FILE": str(self.clock_file),
+        # bench/soak_faults.py's out_of_memory: the running trainer's next step raises a real out-of-memory
+        self.oom_trigger = self.root / "oom-now"
+        self.env = {**env, "LORAD_SOAK_CLOCK_FILE": str(self.clock_file), "LORAD_DEBUG_OOM_FILE": str(self.oom_trigger),
                     "PYTHONPATH": os.pathsep.join([str(shim), str(REPO), env.get("PYTHONPATH", "")])}
         self.daemon: subprocess.Popen | None = None
         self.instances: list[dict[str, Any]] = []  # each daemon: pid, its RSS and fds when ready and at its end
