@@ -221,7 +221,8 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
     finally:
         w.set_gpu_faults({"0": {"xid": list(w.xids)}})  # healthy again (Xids delivered stay delivered)
     state = ev[1].get("state")
-    if state not in ("waiting_for_gpu", "succeeded"):
+    # paused: the soak's own `lorad pause` (the cli fault) was in flight, and the user's word wins over the fault.
+    if state not in ("waiting_for_gpu", "succeeded") and not (state == "paused" and _pausing(before)):
         raise SoakFailure(f"GPU fault {fault}: job {running} went {state}, not waiting_for_gpu")
     after = next((j for j in w.jobs() if j["id"] == running), None)
     if before and after and after["retries"] > before["retries"]:
@@ -248,6 +249,8 @@ def out_of_memory(w: World, rng: random.Random, running: str | None) -> dict[str
         return {"skipped": f"the next lever ({nxt[1] if nxt else 'none'}) would change the numerics",
                 "kills": False, "disrupts": False}
     before = next((j for j in w.jobs() if j["id"] == running), None)
+    if _pausing(before):  # the trainer is stopping for the soak's own `lorad pause`: no step may come to take it
+        return {"skipped": f"job {running} is pausing", "kills": False, "disrupts": False}
     t0 = time.monotonic()
     w.oom_trigger.write_text(running)
     try:
@@ -275,6 +278,11 @@ def out_of_memory(w: World, rng: random.Random, running: str | None) -> dict[str
         raise SoakFailure(f"out of memory: job {running} was counted as crashed ({before['retries']} → "
                           f"{after['retries']})")
     return {"lever": nxt[1], "state": ev[1].get("state"), "oom": True, "kills": True, "disrupts": True}
+
+
+def _pausing(job: dict[str, Any] | None) -> bool:
+    """A `lorad pause` (the cli fault's) is on its way: asked of the running trainer, or that trainer gone already."""
+    return bool(job) and (job.get("requested") == "pause" or job.get("state") == "paused")
 
 
 FAULTS = {f.__name__: f for f in (kill_trainer, kill_daemon, kill_both, hang, power_cut, full_disk,
