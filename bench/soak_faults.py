@@ -212,17 +212,26 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
     try:
         # The trainer's exit as the daemon recorded it: waiting_for_gpu, or the job finished just before.
         deadline = time.monotonic() + 30
+        asked = time.monotonic()
         while (ev := w.tail(running).first("trainer_exited", t0 - 0.001) if running else None) is None:
             if time.monotonic() > deadline:
                 raise SoakFailure(f"GPU fault {fault}: job {running}'s trainer did not stop within 30 s")
+            if time.monotonic() > asked + 0.5:  # its trainer had exited just before (a kill, another job's turn)
+                asked = time.monotonic()
+                now = next((j for j in w.jobs() if j["id"] == running), None)
+                if now is not None and now["state"] != "running" and w.tail(running).first("trainer_exited", t0 - 0.001) is None:
+                    ev = (asked, {"state": now["state"], "between_trainers": True})
+                    break
             time.sleep(0.05)
             w.tail(running).poll()
         time.sleep(hold)
     finally:
         w.set_gpu_faults({"0": {"xid": list(w.xids)}})  # healthy again (Xids delivered stay delivered)
     state = ev[1].get("state")
+    between = bool(ev[1].get("between_trainers"))  # no trainer of its to stop: it waits in the queue or for the GPU
     # paused: the soak's own `lorad pause` (the cli fault) was in flight, and the user's word wins over the fault.
-    if state not in ("waiting_for_gpu", "succeeded") and not (state == "paused" and _pausing(before)):
+    if state not in ("waiting_for_gpu", "succeeded") and not (state == "paused" and _pausing(before)) \
+            and not (between and state == "queued"):
         raise SoakFailure(f"GPU fault {fault}: job {running} went {state}, not waiting_for_gpu")
     after = next((j for j in w.jobs() if j["id"] == running), None)
     if before and after and after["retries"] > before["retries"]:
@@ -230,8 +239,9 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
                           f"{after['retries']})")
     # kills: the daemon killed the trainer (SIGKILL: nothing on a lost GPU can be saved), so its steps since the
     # newest checkpoint are redone, and the recovery is its next trainer's first step.
-    return {"state": state, "hold_s": hold, "gpu_killed": state == "waiting_for_gpu",
-            "kills": state == "waiting_for_gpu", "disrupts": True}
+    killed = state == "waiting_for_gpu" and not between
+    return {"state": state, "hold_s": hold, "gpu_killed": killed, "kills": killed, "disrupts": True,
+            **({"between_trainers": True} if between else {})}
 
 
 def out_of_memory(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
