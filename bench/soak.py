@@ -11,7 +11,9 @@ the daemon's hang check); a power cut of the whole home (tests/helpers/faultfs.p
 directory entries survive, sometimes with torn pages); a full disk for a while; the running job's newest
 checkpoint corrupted; garbage and half-written files in the inbox; socket abuse; `lorad pause`/`resume`/
 `priority`; a wall-clock jump (lorad's time.time(), see bench/soak_world.py); the simulated GPU lost for a while,
-or an Xid on it (the job waits as waiting_for_gpu, never counted as a crash, and resumes when the GPU is back). Jobs are submitted in rounds (one of
+or an Xid on it (the job waits as waiting_for_gpu, never counted as a crash, and resumes when the GPU is back); an
+out-of-memory in the running trainer's step (re-planned by the daemon, no crash counted; drawn only where the next
+lever keeps the numerics, so the adapter still matches its reference). Jobs are submitted in rounds (one of
 each family) through the inbox; a finished round is checked and the next one submitted, until --faults faults are
 done or the deadline comes (then the round in flight is finished and checked).
 
@@ -272,7 +274,7 @@ class Soak:
     def recover(self, rec: dict[str, Any], t0: float, t_from: float) -> None:
         """Wait for the next training step (any job's) after the fault: when the fault killed the running job's
         trainer, its next trainer's first step. The steps that job redid; a committed checkpoint it lost."""
-        job = rec["job"] if rec.get("kills") and (rec.get("pids") or rec.get("gpu_killed")
+        job = rec["job"] if rec.get("kills") and (rec.get("pids") or rec.get("gpu_killed") or rec.get("oom")
                                                   or rec["kind"] == "power_cut") else None
         deadline = time.monotonic() + 300
         while True:

@@ -23,10 +23,14 @@ from tests.helpers.daemon import cli_in_process
 # in the short soak's 25.
 KINDS = {"kill_trainer": 3, "kill_daemon": 2, "kill_both": 2, "hang": 1, "power_cut": 2, "full_disk": 1,
          "corrupt_checkpoint": 1, "inbox_garbage": 1, "socket_abuse": 1, "cli": 3, "clock_jump": 1,
-         # The GPU's own faults, on the soak's simulated GPU 0 (daemon/gpu_health/). Out of memory (issue 40's
-         # re-plan) is to join them here: "out_of_memory", with its function below the GPU faults.
-         "gpu_lost": 1, "xid": 1}
-NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint", "gpu_lost", "xid"}
+         # The GPU's own faults, on the soak's simulated GPU 0 (daemon/gpu_health/), and an out-of-memory in the
+         # running trainer's step (issue 40's re-plan).
+         "gpu_lost": 1, "xid": 1, "out_of_memory": 1}
+NEEDS_TRAINER = {"kill_trainer", "kill_both", "hang", "corrupt_checkpoint", "gpu_lost", "xid", "out_of_memory"}
+# The re-plan's levers that keep a CPU run bit-identical (where bytes live, what is recomputed): the soak raises an
+# out-of-memory only where the daemon's next lever is one of these, so every adapter still matches its one
+# uninterrupted reference. Skipped samples and a smaller micro-batch change the numerics: never drawn.
+NUMERICS_KEPT = {"swap_at_least", "activations_at_least"}
 
 
 def kill_trainer(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
@@ -208,16 +212,26 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
     try:
         # The trainer's exit as the daemon recorded it: waiting_for_gpu, or the job finished just before.
         deadline = time.monotonic() + 30
+        asked = time.monotonic()
         while (ev := w.tail(running).first("trainer_exited", t0 - 0.001) if running else None) is None:
             if time.monotonic() > deadline:
                 raise SoakFailure(f"GPU fault {fault}: job {running}'s trainer did not stop within 30 s")
+            if time.monotonic() > asked + 0.5:  # its trainer had exited just before (a kill, another job's turn)
+                asked = time.monotonic()
+                now = next((j for j in w.jobs() if j["id"] == running), None)
+                if now is not None and now["state"] != "running" and w.tail(running).first("trainer_exited", t0 - 0.001) is None:
+                    ev = (asked, {"state": now["state"], "between_trainers": True})
+                    break
             time.sleep(0.05)
             w.tail(running).poll()
         time.sleep(hold)
     finally:
         w.set_gpu_faults({"0": {"xid": list(w.xids)}})  # healthy again (Xids delivered stay delivered)
     state = ev[1].get("state")
-    if state not in ("waiting_for_gpu", "succeeded"):
+    between = bool(ev[1].get("between_trainers"))  # no trainer of its to stop: it waits in the queue or for the GPU
+    # paused: the soak's own `lorad pause` (the cli fault) was in flight, and the user's word wins over the fault.
+    if state not in ("waiting_for_gpu", "succeeded") and not (state == "paused" and _pausing(before)) \
+            and not (between and state == "queued"):
         raise SoakFailure(f"GPU fault {fault}: job {running} went {state}, not waiting_for_gpu")
     after = next((j for j in w.jobs() if j["id"] == running), None)
     if before and after and after["retries"] > before["retries"]:
@@ -225,12 +239,65 @@ def _gpu_fault(w: World, running: str | None, fault: dict[str, Any], hold: float
                           f"{after['retries']})")
     # kills: the daemon killed the trainer (SIGKILL: nothing on a lost GPU can be saved), so its steps since the
     # newest checkpoint are redone, and the recovery is its next trainer's first step.
-    return {"state": state, "hold_s": hold, "gpu_killed": state == "waiting_for_gpu",
-            "kills": state == "waiting_for_gpu", "disrupts": True}
+    killed = state == "waiting_for_gpu" and not between
+    return {"state": state, "hold_s": hold, "gpu_killed": killed, "kills": killed, "disrupts": True,
+            **({"between_trainers": True} if between else {})}
+
+
+def out_of_memory(w: World, rng: random.Random, running: str | None) -> dict[str, Any]:
+    """A real torch.OutOfMemoryError in the running trainer's next optimizer step (engine/memory_plan/oom.py's
+    $LORAD_DEBUG_OOM_FILE, which World sets): the trainer exits 69 with nothing half-done committed, the daemon
+    re-plans (daemon/supervisor/oom_replan.py) and resumes it from its newest checkpoint, no crash counted. Only
+    where the next lever keeps the numerics (NUMERICS_KEPT), which the daemon's `oom_replan` must confirm."""
+    from engine.memory_plan.attempt import AttemptMemory, replan
+
+    tail = w.tail(running)
+    tail.poll()
+    ran = next((e for e in reversed(tail.events) if e.get("event") == "memory_plan"), None)
+    nxt = replan(ran, AttemptMemory()) if ran else None
+    if nxt is None or not set(nxt[0].model_dump(exclude_defaults=True)) - {"tried"} <= NUMERICS_KEPT:
+        return {"skipped": f"the next lever ({nxt[1] if nxt else 'none'}) would change the numerics",
+                "kills": False, "disrupts": False}
+    before = next((j for j in w.jobs() if j["id"] == running), None)
+    if _pausing(before):  # the trainer is stopping for the soak's own `lorad pause`: no step may come to take it
+        return {"skipped": f"job {running} is pausing", "kills": False, "disrupts": False}
+    t0 = time.monotonic()
+    w.oom_trigger.write_text(running)
+    try:
+        deadline = time.monotonic() + 30
+        while (ev := tail.first("trainer_exited", t0 - 0.001)) is None:
+            if time.monotonic() > deadline:
+                raise SoakFailure(f"out of memory: job {running}'s trainer did not stop within 30 s")
+            time.sleep(0.05)
+            tail.poll()
+    finally:
+        claimed = not w.oom_trigger.exists()
+        w.oom_trigger.unlink(missing_ok=True)  # the job ended before a step took it: no other job's to take
+    if not claimed:
+        return {"skipped": f"job {running} ended first ({ev[1].get('state')})", "kills": False, "disrupts": False}
+    deadline = time.monotonic() + 10
+    while (rp := tail.first("oom_replan", t0 - 0.001)) is None:
+        if time.monotonic() > deadline:
+            raise SoakFailure(f"out of memory: job {running} went {ev[1].get('state')} with no oom_replan event")
+        time.sleep(0.05)
+        tail.poll()
+    if rp[1].get("lever") != nxt[1]:
+        raise SoakFailure(f"out of memory: job {running} was re-planned with {rp[1].get('lever')!r}, not {nxt[1]!r}")
+    after = next((j for j in w.jobs() if j["id"] == running), None)
+    if before and after and after["retries"] > before["retries"]:
+        raise SoakFailure(f"out of memory: job {running} was counted as crashed ({before['retries']} → "
+                          f"{after['retries']})")
+    return {"lever": nxt[1], "state": ev[1].get("state"), "oom": True, "kills": True, "disrupts": True}
+
+
+def _pausing(job: dict[str, Any] | None) -> bool:
+    """A `lorad pause` (the cli fault's) is on its way: asked of the running trainer, or that trainer gone already."""
+    return bool(job) and (job.get("requested") == "pause" or job.get("state") == "paused")
 
 
 FAULTS = {f.__name__: f for f in (kill_trainer, kill_daemon, kill_both, hang, power_cut, full_disk,
-                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump, gpu_lost, xid)}
+                                  corrupt_checkpoint, inbox_garbage, socket_abuse, cli, clock_jump, gpu_lost, xid,
+                                  out_of_memory)}
 assert set(FAULTS) == set(KINDS)
 
 

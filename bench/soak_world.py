@@ -116,7 +116,9 @@ class World:
         if telemetry.get("backend") == "simulated":
             telemetry["simulated_faults"] = str(self.gpu_faults)
         self.config_path.write_text(yaml.safe_dump({**config, "socket": str(self.sock)}))
-        self.env = {**env, "LORAD_SOAK_CLOCK_FILE": str(self.clock_file),
+        # bench/soak_faults.py's out_of_memory: the running trainer's next step raises a real out-of-memory
+        self.oom_trigger = self.root / "oom-now"
+        self.env = {**env, "LORAD_SOAK_CLOCK_FILE": str(self.clock_file), "LORAD_DEBUG_OOM_FILE": str(self.oom_trigger),
                     "PYTHONPATH": os.pathsep.join([str(shim), str(REPO), env.get("PYTHONPATH", "")])}
         self.daemon: subprocess.Popen | None = None
         self.instances: list[dict[str, Any]] = []  # each daemon: pid, its RSS and fds when ready and at its end
@@ -143,6 +145,10 @@ class World:
     def start_daemon(self, timeout: float = 300) -> float:
         """`lorad serve` again; seconds until its socket answers."""
         t0 = time.monotonic()
+        # A daemon that starts sees no Xid raised before it, as NVML's event set: the simulated device of a new
+        # daemon would deliver every Xid in the faults file again (three at once: its GPU held for a human).
+        self.xids = []
+        self.set_gpu_faults({})
         with open(self.root / "daemon.log", "ab") as log:
             self.daemon = subprocess.Popen(
                 [sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(self.home), "--config",

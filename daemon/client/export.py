@@ -24,6 +24,7 @@ from pathlib import Path
 
 from daemon import protocol as p
 from daemon.client.connection import DaemonDown
+from daemon.client.render import term_safe
 from daemon.client.verbs import call, fail, out
 from daemon.supervisor.disk_progress import open_export, saved_exports
 from daemon.system.paths import default_home
@@ -59,7 +60,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(done, indent=1))
     else:
-        print(f"job {reply.job} step {saved.step}: {len(saved.files)} file(s) copied to {dest}")
+        print(term_safe(f"job {reply.job} step {saved.step}: {len(saved.files)} file(s) copied to {dest}"))
     return 0
 
 
@@ -126,13 +127,14 @@ def _copy(workdir: Path, step: int, f: p.ExportFile, dest: Path) -> None:
 
 def _print_steps(reply: p.ExportsReply) -> None:
     if not reply.steps:
-        print(f"job {reply.job} ({reply.state}) has no saved step with export files yet")
+        print(term_safe(f"job {reply.job} ({reply.state}) has no saved step with export files yet"))
         return
-    print(f"job {reply.job} ({reply.state}): saved steps, newest first (lorad export {reply.job} --step N)")
+    # The job id, its paths and its files' names come from the job's directory, which the trainer user writes.
+    print(term_safe(f"job {reply.job} ({reply.state}): saved steps, newest first (lorad export {reply.job} --step N)"))
     for s in reply.steps:
-        print(f"  step {s.step}  {s.path}/export/")
+        print(term_safe(f"  step {s.step}  {s.path}/export/"))
         for f in s.files:
-            print(f"      {f.name}  {_size(f.size)}")
+            print(term_safe(f"      {f.name}  {_size(f.size)}"))
 
 
 def _size(n: int) -> str:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon.client.render import term_safe
 from daemon.system.lock import AlreadyRunning, TrainerLock
 from daemon.system.paths import default_home, job_dir
 
@@ -28,7 +29,7 @@ def _local_job(args: argparse.Namespace):
         _, cfg = local_import(Path(args.job), check_paths=True)
         cfg = cfg or load_job(args.job)
     except JobInvalid as e:
-        print(f"lorad: invalid job: {e}", file=sys.stderr)
+        print(f"lorad: invalid job: {term_safe(e)}", file=sys.stderr)
         return None
     return cfg, job_dir(Path(args.home) if args.home else default_home(), cfg.name)
 
@@ -59,12 +60,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         write_file_durable(fs, workdir / "job.yaml", dump_job(cfg).encode())
         stop = StopFlag()
         stop.install()
-        print(f"lorad: job {cfg.name} in {workdir}", file=sys.stderr)
+        print(f"lorad: job {term_safe(cfg.name)} in {term_safe(workdir)}", file=sys.stderr)
         events = workdir / "events.jsonl"  # every run's events: this run's are the ones after `seen` bytes
         seen = events.stat().st_size if events.exists() else 0
         code = train(cfg, workdir, progress="none" if args.quiet else "bar", fs=fs, stop=stop)
         for line in run_summary(read_events(workdir, seen), code):
-            print(f"lorad: {line}", file=sys.stderr)
+            print(f"lorad: {term_safe(line)}", file=sys.stderr)  # from the job's events
         return code
     finally:
         lock.release()

@@ -36,6 +36,18 @@ def term_safe(text: Any) -> str:
     return s if s.isprintable() else "".join(c if c.isprintable() else _escaped(c) for c in s)
 
 
+def term_safe_all(data: Any) -> Any:
+    """A reply's data with every string in it (keys too) through term_safe; numbers and the rest as they are: for
+    views that print a reply's fields as they find them (`lorad power`'s GPU names, job ids, UPS errors)."""
+    if isinstance(data, str):
+        return term_safe(data)
+    if isinstance(data, dict):
+        return {term_safe_all(k): term_safe_all(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [term_safe_all(v) for v in data]
+    return data
+
+
 def num(v: Any, fmt: str = "{}") -> str:
     """A value as the tables show it: `-` when there is none."""
     return "-" if v is None else fmt.format(v)

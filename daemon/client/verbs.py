@@ -157,12 +157,12 @@ def cmd_power(args: argparse.Namespace) -> int:
 
     data = call(args, p.Power(limit_w=args.limit, gpu=args.gpu, clear=args.clear))
     if args.watch and not args.json:
-        return view.watch(lambda: call(args, p.Power()), args.interval)
+        return view.watch(lambda: render.term_safe_all(call(args, p.Power())), args.interval)
     limit = p.PowerReply.model_validate(data).set
     refused = bool(limit) and not limit.get("ok")
     if refused:
-        print(f"lorad: power limit not set: {limit.get('error')}", file=sys.stderr)
-    out(args, data, lambda d: view.show(d, render.console()))
+        print(f"lorad: power limit not set: {render.term_safe(limit.get('error'))}", file=sys.stderr)
+    out(args, data, lambda d: view.show(render.term_safe_all(d), render.console()))
     return 1 if refused else 0
 
 

@@ -43,6 +43,9 @@ class DaemonConfig(BaseModel):
     inbox_rescan_s: float = Field(10.0, gt=0, le=3600)  # a rescan catches what the watcher missed
     rejected_keep_days: float = Field(30.0, gt=0, le=36500)  # older rejections are removed from rejected/
     rejected_keep: int = Field(1000, ge=1, le=1_000_000)  # and all but the newest this many
+    # the events in state.db of a finished job: removed this long after it ended, and beyond the newest this many
+    finished_events_keep_days: float = Field(90.0, gt=0, le=36500)
+    finished_events_keep: int = Field(1000, ge=1, le=1_000_000)
     # one job's path checks (reading what it names) end by this deadline, or it is rejected naming the path
     intake_check_s: float = Field(30.0, gt=0, le=3600)
 

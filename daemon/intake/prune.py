@@ -5,7 +5,9 @@ file's mtime (the job file keeps the mtime it was dropped with, which may be old
 `rejected_keep_days`, and all but the newest `rejected_keep`, are removed, both files together. The
 supervisor calls a RejectedPruner from its inbox step (daemon/supervisor/loop.py) every PRUNE_EVERY_S, at
 most PRUNE_BATCH files a call, so a large backlog is cleared over several ticks and never stalls one. The
-rejection events in state.db (events of no job) are kept to the same age and count.
+rejection events in state.db (events of no job) are kept to the same age and count, and the events of finished
+jobs to `finished_events_keep_days` after the job ended and the newest `finished_events_keep` finished jobs
+(Store.prune_finished_events: a job not finished keeps them all).
 Names are removed relative to the directory's descriptor and never followed: a symlink planted in rejected/
 is removed as a link, whatever it points at. Hidden names (a rejection being written) are left alone.
 """
@@ -78,8 +80,10 @@ def prune_rejected(rejected: Path, now: float, keep_s: float, keep: int, batch: 
 class RejectedPruner:
     """prune_rejected every PRUNE_EVERY_S (the first call at once), a batch per tick while a backlog lasts."""
 
-    def __init__(self, rejected: Path, keep_days: float, keep: int, log, store=None):
+    def __init__(self, rejected: Path, keep_days: float, keep: int, log, store=None,
+                 finished: tuple[float, int] | None = None):
         self.rejected = Path(rejected)
+        self.finished = finished  # (days, jobs): the finished jobs' events kept this long, of this many jobs
         self.store = store  # daemon.store.db.Store: its rejection events are kept to the same age and count
         self.keep_days = keep_days
         self.keep = keep
@@ -94,4 +98,11 @@ class RejectedPruner:
         events = self.store.prune_jobless_events(time.time() - self.keep_days * 86400, self.keep) if self.store else 0
         if n or events:
             self.log.info("rejected_pruned", files=n, events=events, keep_days=self.keep_days, keep=self.keep)
+        if self.store is not None and self.finished is not None:
+            days, jobs = self.finished
+            done = self.store.prune_finished_events(time.time() - days * 86400, jobs)
+            if done:
+                self.log.info("finished_events_pruned", events=done, keep_days=days, keep_jobs=jobs)
+                if done >= 5000:
+                    self._next = now  # a backlog: the next batch on the next tick
         return n

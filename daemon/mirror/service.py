@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.config.daemon import DaemonConfig
+from daemon.intake.checks import Checks
 from daemon.mirror.fetcher import Fetch
 from daemon.mirror.hub import HubPush, local_paths
 from daemon.mirror.remote import MirrorError, Remote, check_key
@@ -48,6 +49,9 @@ class Mirrors:
         self.lock = threading.Lock()
         self.pending: set[str] = set(json.loads(store.get_meta(PENDING) or "[]"))
         self.wake: Callable[[], None] = lambda: None  # the supervisor's: a fetched job is queued
+        # A fetched job's files (data.path, ...) are read as the intake's are: in a worker with a deadline, so a
+        # FIFO or a hung mount it names fails the fetch naming the path instead of pinning its thread for ever.
+        self.checks = Checks(cfg.intake_check_s, log)
 
     # ------------------------------------------------------------------ across restarts
     def resume(self, wake: Callable[[], None] | None = None) -> None:
@@ -263,6 +267,7 @@ class Mirrors:
         assert where is not None  # a fetching job's source is always mirror:NAME/KEY
         text = self.store.accepted_text(job["id"]) or ""
         f = Fetch(job, where[1], self.remote(where[0], read_only=True), text,
-                  lambda t: validate_text(t, f"{job['name']}.yaml", self.home, self.cfg, self.home), self.store,
+                  lambda t: self.checks.run(lambda: validate_text(t, f"{job['name']}.yaml", self.home, self.cfg,
+                                                                  self.home)), self.store,
                   self.log, self.home / "mirror-staging", lambda: self.wake())
         self.fetches[job["id"]] = f.start()

@@ -208,7 +208,7 @@ def build_parts(home: Path, cfg: DaemonConfig, config_path: str | None, store: S
     sup = Supervisor(home, cfg, store, devs, log, intake=intake, inbox=inbox, policy=policy, notifier=notifier,
                      notifications=notifications, mirrors=mirrors, health=health,
                      prune_rejected=RejectedPruner(intake.rejected, cfg.rejected_keep_days, cfg.rejected_keep, log,
-                                                    store))
+                                                    store, (cfg.finished_events_keep_days, cfg.finished_events_keep)))
     if health is not None:
         health.groups = lambda: {c.pid for c in list(sup.children.values())}  # trainers lead their process groups
         health.start()

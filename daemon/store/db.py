@@ -248,6 +248,20 @@ class Store:
                               "(SELECT id FROM events WHERE job_id IS NULL ORDER BY id DESC LIMIT ?))",
                               (before, keep)).rowcount
 
+    def prune_finished_events(self, before: float, keep: int, batch: int = 5000) -> int:
+        """The events of finished jobs (succeeded, failed, cancelled) that ended before `before` (time.time()), and
+        of all but the newest `keep` finished jobs, at most `batch` rows a call (a backlog goes over several
+        calls, never one long write under the store's lock). A job that is not finished keeps every event (its
+        `lorad status`), and every job keeps its `imported` event (status's "imported from", one row a job)."""
+        final = sorted(states.FINAL)
+        q = ",".join("?" * len(final))
+        with self._tx() as db:
+            return db.execute(
+                f"DELETE FROM events WHERE id IN (SELECT e.id FROM events e JOIN jobs j ON j.id = e.job_id "
+                f"WHERE j.state IN ({q}) AND e.kind != 'imported' AND (j.updated_at < ? OR j.id NOT IN "
+                f"(SELECT id FROM jobs WHERE state IN ({q}) ORDER BY updated_at DESC LIMIT ?)) LIMIT ?)",
+                (*final, before, *final, keep, batch)).rowcount
+
     def events(self, job_id: str, limit: int = 100) -> list[dict[str, Any]]:
         with self._lock:
             rows = self.db.execute("SELECT * FROM events WHERE job_id=? ORDER BY id DESC LIMIT ?",

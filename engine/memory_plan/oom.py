@@ -9,6 +9,10 @@ step k, after its first micro-batch's backward (gradients half accumulated: noth
 every attempt whose re-plan level (AttemptMemory.level(), the levers pulled so far) is below
 $LORAD_DEBUG_OOM_UNTIL_LEVEL (default 1): a job that fits once one lever is pulled, or, with a large level, one
 that never fits.
+
+$LORAD_DEBUG_OOM_FILE=PATH (tests only): an out-of-memory at a moment another process picks, whatever the level.
+Whichever trainer's optimizer step first finds PATH removes it and raises the same error there, once (the soak's
+out_of_memory fault, bench/soak_faults.py, writes it while one trainer trains).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 OOM_AT_STEP_ENV = "LORAD_DEBUG_OOM_AT_STEP"
 OOM_UNTIL_LEVEL_ENV = "LORAD_DEBUG_OOM_UNTIL_LEVEL"
+OOM_FILE_ENV = "LORAD_DEBUG_OOM_FILE"
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
 
@@ -36,6 +41,14 @@ def first_line(error: BaseException) -> str:
 
 def debug_oom(step: int, level: int) -> None:
     """Raise torch.OutOfMemoryError in optimizer step `step` as the test hook asks (module docstring)."""
+    if trigger := os.environ.get(OOM_FILE_ENV, ""):
+        try:
+            os.unlink(trigger)  # claimed: one step raises for one trigger
+        except FileNotFoundError:
+            pass
+        else:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB. (raised by {OOM_FILE_ENV} "
+                                         f"at step {step}, re-plan level {level})")
     at = os.environ.get(OOM_AT_STEP_ENV, "").strip()
     if not at or int(at) != step or level >= int(os.environ.get(OOM_UNTIL_LEVEL_ENV, "1") or 1):
         return

@@ -65,3 +65,14 @@ def test_an_export_killed_mid_copy_leaves_no_file_under_its_final_name(tmp_path)
     assert p.returncode == -signal.SIGKILL, "the copy finished before the kill: make the file larger"
     assert not (dest / WEIGHTS).exists()
     assert [f.name for f in dest.iterdir()] and all(f.name.startswith(".") for f in dest.iterdir())
+
+
+def test_export_lists_a_files_name_with_terminal_escapes_escaped(tmp_path, capsys):
+    """Issue 38 F: the names `lorad export` lists come from the job's directory, which its trainer writes; an ESC
+    sequence among them (here: one that retitles the terminal) is printed as its escape, never sent raw."""
+    home = tmp_path / "home"
+    commit_checkpoint(home / "jobs" / "tiny", 2, {"\x1b]0;owned\x07x.safetensors": b"x"})
+    assert lorad(["export", "tiny", "--home", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\\x1b]0;owned\\x07x.safetensors" in out

@@ -78,3 +78,44 @@ def test_a_backlog_is_cleared_a_batch_per_tick(tmp_path):
             os.utime(rejected / name, (old + i, old + i))
     removed = [prune.prune_rejected(rejected, time.time(), 30 * DAY, 1000, batch=20) for _ in range(4)]
     assert removed == [20, 20, 10, 0] and os.listdir(rejected) == []
+
+
+def test_finished_jobs_events_are_pruned_by_age_and_count_and_a_live_jobs_never(tmp_path):
+    """Issue 38 C: events of a job were never deleted. A finished job's go after finished_events_keep_days and
+    beyond the newest finished_events_keep finished jobs; a job still queued or running keeps all of its (what
+    `lorad status JOB` shows), and a finished one keeps its `imported` line."""
+    store = Store(tmp_path / "state.db")
+    (tmp_path / "rejected").mkdir()
+    try:
+        def job(jid: str, final: str | None, ended_days_ago: float) -> None:
+            store.add_job(jid, jid, tmp_path / jid, 0, 4, "inbox:x.yaml")
+            store.event(jid, "imported", from_tool="kohya")
+            if final == "succeeded":
+                store.begin_attempt(jid, 0)
+                store.end_run(jid, 0, 4, None, lambda row: ([("succeeded", "done", {})], None))
+            elif final == "cancelled":
+                store.transition(jid, "queued", "cancelled", "lorad cancel")
+            t = time.time() - ended_days_ago * DAY
+            store.db.execute("UPDATE jobs SET updated_at=? WHERE id=?", (t, jid))
+            store.db.execute("UPDATE events SET ts=? WHERE job_id=?", (t, jid))  # as old as the job's end
+
+        job("old-done", "succeeded", 100)      # past the age
+        job("old-live", None, 100)             # queued this long: not finished, kept whole
+        job("recent-1", "cancelled", 3)        # within the age, but beyond the newest 2 finished
+        job("recent-2", "succeeded", 2)
+        job("recent-3", "cancelled", 1)
+        store.begin_attempt("old-live", 0)     # and running now
+        before = {j: len(store.events(j, limit=1000)) for j in ("old-live", "recent-2", "recent-3")}
+
+        log = RecLog()
+        RejectedPruner(tmp_path / "rejected", 30, 1000, log, store, finished=(30, 2))(time.monotonic())
+
+        kinds = {j: [e["kind"] for e in store.events(j, limit=1000)]
+                 for j in ("old-done", "old-live", "recent-1", "recent-2", "recent-3")}
+        assert kinds["old-done"] == kinds["recent-1"] == ["imported"]
+        assert {j: len(kinds[j]) for j in before} == before
+        assert "transition" in kinds["old-live"] and "transition" in kinds["recent-2"]
+        assert store.first_event("old-done", "imported")["data"] == {"from_tool": "kohya"}
+        assert log.named("finished_events_pruned")[0]["events"] == 3 + 2  # accepted and its transitions (old-done: 2, recent-1: 1)
+    finally:
+        store.close()

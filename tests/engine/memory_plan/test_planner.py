@@ -158,3 +158,18 @@ FRESH = dict(blocks=4, swap=0, keep=4, attention=0, recompute=0, samples="on", m
 ])
 def test_the_out_of_memory_ladder_walks_every_lever_in_order_to_none_left(ran, phase, expected):
     assert ladder(ran, phase) == expected
+
+
+def test_the_out_of_memory_trigger_file_raises_once_in_the_step_that_finds_it(tmp_path, monkeypatch):
+    """$LORAD_DEBUG_OOM_FILE (the soak's out_of_memory fault): the first step that finds the file removes it and
+    raises the real torch.OutOfMemoryError, at any re-plan level; the next step trains on."""
+    from engine.memory_plan.oom import OOM_FILE_ENV, debug_oom, needed_bytes
+
+    trigger = tmp_path / "oom-now"
+    monkeypatch.setenv(OOM_FILE_ENV, str(trigger))
+    debug_oom(1, 0)  # no file: nothing
+    trigger.write_text("job-1")
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        debug_oom(2, 5)
+    assert not trigger.exists() and needed_bytes(e.value) == 2 << 30
+    debug_oom(3, 5)
