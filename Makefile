@@ -36,7 +36,7 @@ lock:
 	[ -x $(UV) ] || { $(PY) -m venv $(UV_VENV) && $(UV_VENV)/bin/pip install -q "$$(grep -m1 '^uv==' $(LOCK) | cut -d' ' -f1)"; }
 	$(UV) pip compile pyproject.toml --extra train --extra dev --extra mirror --generate-hashes \
 	  --python-version 3.11 --python-platform x86_64-manylinux_2_28 -c $(LOCK_CONSTRAINTS) \
-	  --find-links "$${PIP_FIND_LINKS:-/opt/wheels}" --custom-compile-command "make lock" $(LOCK_ARGS) -o $(LOCK)
+	  --find-links "$${PIP_FIND_LINKS:-/opt/wheels}" --custom-compile-command 'make lock LOCK_ARGS="$(LOCK_ARGS)"' $(LOCK_ARGS) -o $(LOCK)
 
 demo: $(STAMP)
 	bash configs/demo.sh
