@@ -100,3 +100,11 @@ def commit_checkpoint(workdir: Path, step: int, files: dict[str, bytes] = EXPORT
     (d / "manifest.json").write_text(json.dumps({"format": 1, "step": step, "files": {
         n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in every.items()}}))
     return d
+
+
+def good_job(name: str = "good", **over) -> dict:
+    """A valid micro-model job as a dict (the intake and mirror tests' starting point); `over` replaces sections."""
+    d = {"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
+         "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 5}}
+    d.update(over)
+    return d

@@ -20,15 +20,8 @@ from daemon.system.log import setup
 from engine.config.job import load_job
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
-from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.jobs import QUICKSTART_DATA, good_job
 from tests.helpers.processes import REPO
-
-
-def good_job(name: str = "good", **over) -> dict:
-    d = {"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
-         "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 5}}
-    d.update(over)
-    return d
 
 
 # ---------------------------------------------------------------- the watcher: only complete files

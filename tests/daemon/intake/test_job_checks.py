@@ -24,15 +24,8 @@ from engine.config.sources import check_text_source, first_text
 from engine.errors import JobInvalid
 from tests.helpers.daemon import wait_until
 from tests.helpers.hostile import alias_bomb
-from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.jobs import QUICKSTART_DATA, good_job
 from tests.helpers.processes import REPO
-
-
-def good_job(name: str = "good", **over) -> dict:
-    d = {"name": name, "model": {"path": "builtin:tiny-llama", "dtype": "float32"},
-         "data": {"path": str(QUICKSTART_DATA), "seq_len": 32}, "train": {"steps": 5}}
-    d.update(over)
-    return d
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from daemon.mirror.service import Mirrors
 from daemon.store import states
 from daemon.store.db import Store
 from engine.config import bounded, sources
-from tests.daemon.intake.test_intake import good_job
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
+from tests.helpers.jobs import good_job
 
 
 def test_a_fifo_or_a_hung_file_named_by_a_job_fetched_from_a_mirror_fails_it_within_the_deadline(tmp_path,

@@ -17,11 +17,10 @@ from daemon.store.db import Store
 from engine.config.job import dump_job
 from engine.errors import JobInvalid
 from engine.report.events import read_events
-from tests.daemon.intake.test_intake import good_job
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
 from tests.helpers.hub import start_hub
-from tests.helpers.jobs import QUICKSTART_DATA
+from tests.helpers.jobs import QUICKSTART_DATA, good_job
 from tests.helpers.processes import REPO
 
 

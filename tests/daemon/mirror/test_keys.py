@@ -24,9 +24,9 @@ from daemon.mirror.remote import MirrorError, Remote
 from daemon.mirror.service import Mirrors
 from daemon.service import handlers
 from daemon.store.db import Store
-from tests.daemon.intake.test_intake import good_job
 from tests.helpers.daemon import wait_until
 from tests.helpers.fakes import RecLog
+from tests.helpers.jobs import good_job
 from tests.helpers.processes import REPO
 
 

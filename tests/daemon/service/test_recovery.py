@@ -23,7 +23,7 @@ from daemon.supervisor.loop import Supervisor
 from daemon.supervisor.trainer import Child
 from daemon.system import proc
 from daemon.system.log import setup
-from tests.daemon.intake.test_intake import good_job
+from tests.helpers.jobs import good_job
 
 # Stands in for a trainer: exits 75 on SIGTERM, as engine.run does after its final checkpoint.
 ORPHAN = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(75)); time.sleep(120)"
