@@ -125,3 +125,31 @@ def test_a_job_the_user_paused_is_not_released_by_its_resume(home):
 def test_the_exit_of_a_trainer_that_said_captions_ready(code, stop, state):
     d = decide_exit(code, stop, 0, DaemonConfig(), None, held=True)
     assert d.state == state and (d.reason == HELD_FOR_REVIEW) == (stop is None)
+
+
+def test_the_dashboard_shows_the_hold_and_its_resume_releases_it_with_the_csrf_token(tmp_path):
+    import re
+
+    from starlette.testclient import TestClient
+
+    from tests.helpers.web import BASE, Site, signed_in
+
+    site = Site(tmp_path)
+    try:
+        jid = site.add_job("held")
+        wd = site.workdir(jid)
+        (wd / "captions.json").write_text(json.dumps({"red.mp4": "sks, a red square", "still.png": "sks, yellow"}))
+        site.store.transition(jid, states.QUEUED, states.PAUSED, HELD_FOR_REVIEW, stage=HELD_FOR_REVIEW)
+        with TestClient(site.app, base_url=BASE) as client:
+            signed_in(client, site.token)
+            page = client.get(f"/jobs/{jid}").text
+            assert "id=captions-held" in page and "<textarea" in page  # held: every caption editable
+            assert f"<video src='/jobs/{jid}/images/red.mp4'" in page and f"<img src='/jobs/{jid}/images/still.png'" in page
+            assert client.post(f"/jobs/{jid}/resume", data={}, headers={"Origin": BASE}).status_code == 403
+            assert not (wd / REVIEWED_FILE).exists()  # no CSRF token: refused, nothing released
+            csrf = re.search(r"name=csrf value='([0-9a-f]+)'", page).group(1)
+            r = client.post(f"/jobs/{jid}/resume", data={"csrf": csrf}, headers={"Origin": BASE})
+            assert "it trains on its captions as they are now" in r.text
+        assert (wd / REVIEWED_FILE).exists() and site.store.get(jid)["state"] == states.QUEUED
+    finally:
+        site.close()
