@@ -153,3 +153,12 @@ def test_the_dashboard_shows_the_hold_and_its_resume_releases_it_with_the_csrf_t
         assert (wd / REVIEWED_FILE).exists() and site.store.get(jid)["state"] == states.QUEUED
     finally:
         site.close()
+
+
+def test_the_hold_is_a_notification_of_its_own():
+    from daemon.config.notify import NotifySettings
+    from daemon.supervisor.notifications import event_of_exit
+
+    assert event_of_exit(states.PAUSED, HELD_FOR_REVIEW) == "captions_ready"
+    assert event_of_exit(states.PAUSED, "paused by the user") is None
+    assert "captions_ready" in NotifySettings().on  # sent by default, as the other events
