@@ -99,3 +99,30 @@ def test_a_clip_job_captions_from_sampled_frames_trains_and_resumes_generating_e
     (text,) = model.caption([frames], c.full_prompt("sks", clips=True), c.max_tokens)
     (first_only,) = model.caption([frames[:1]], c.full_prompt("sks", clips=True), c.max_tokens)
     assert ours["red.mp4"] == make_caption(text, "sks") and text != first_only
+
+
+def test_the_frame_count_is_a_video_key_and_part_of_the_identity(tmp_path):
+    from engine.config.job import load_job
+    from engine.errors import JobInvalid
+    from tests.helpers.images import flux_job_dict, make_images
+
+    data = make_clips(tmp_path / "clips")
+    job = _job(tmp_path / "a.yaml", "builtin:tiny-wan22-5b", data)
+    base = load_job(job)
+    doc = yaml.safe_load(job.read_text())
+    doc["data"]["captioner"]["frames"] = 5
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(doc))
+    assert load_job(tmp_path / "b.yaml").identity_hash() != base.identity_hash()  # other frames, other captions
+    doc["data"]["captioner"] = {**CAPTIONER, "hold_for_review": True}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
+    assert load_job(tmp_path / "c.yaml").identity_hash() == base.identity_hash()  # the hold changes no weight
+    doc["data"]["dedupe"] = "warn"
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(JobInvalid, match="data.dedupe: not read by model.family wan"):
+        load_job(tmp_path / "d.yaml")
+
+    flux = flux_job_dict("builtin:tiny-flux", make_images(tmp_path / "images"),
+                         data={"captions": "auto", "captioner": {"frames": 4}})
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(flux))
+    with pytest.raises(JobInvalid, match="data.captioner.frames"):
+        load_job(tmp_path / "e.yaml")
