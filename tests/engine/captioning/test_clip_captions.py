@@ -126,3 +126,31 @@ def test_the_frame_count_is_a_video_key_and_part_of_the_identity(tmp_path):
     (tmp_path / "e.yaml").write_text(yaml.safe_dump(flux))
     with pytest.raises(JobInvalid, match="data.captioner.frames"):
         load_job(tmp_path / "e.yaml")
+
+
+def test_a_clip_that_breaks_before_a_sampled_frame_is_skipped_by_name_and_the_others_are_captioned(tmp_path):
+    from engine.captioning.stage import caption_records
+    from engine.config.job import load_job
+    from engine.data.videos import scan_videos
+    from tests.helpers.videos import truncated_mid_stream
+
+    data = make_clips(tmp_path / "clips", clips=[])  # the still alone
+    truncated_mid_stream(data / "broken.mp4")  # probes whole, breaks before its last frames
+    (data / "broken.txt").write_text("its own words\n")
+    cfg = load_job(_job(tmp_path / "job.yaml", "builtin:tiny-wan22-5b", data))
+
+    class Log:
+        said: list = []
+
+        def info(self, event, **kw):
+            self.said.append((event, kw))
+
+        warning = info
+
+    log = Log()
+    records = caption_records(cfg, scan_videos(data, 16, "txt", "sks"), tmp_path / "work", log)
+    captions = {r.rel: r.caption for r in records}
+    assert captions["broken.mp4"] == "sks, its own words" and captions["still.png"] != "sks, a yellow square"
+    (skip,) = [kw for ev, kw in log.said if ev == "caption_skipped"]
+    assert skip["file"] == "broken.mp4" and "broke while decoding" in skip["reason"]
+    assert [n for ev, kw in log.said if ev == "captions_committed" for n in kw["images"]] == ["still.png"]
