@@ -154,3 +154,20 @@ def test_a_clip_that_breaks_before_a_sampled_frame_is_skipped_by_name_and_the_ot
     (skip,) = [kw for ev, kw in log.said if ev == "caption_skipped"]
     assert skip["file"] == "broken.mp4" and "broke while decoding" in skip["reason"]
     assert [n for ev, kw in log.said if ev == "captions_committed" for n in kw["images"]] == ["still.png"]
+
+
+def test_lorad_check_counts_a_video_jobs_captions(tmp_path, capsys):
+    from daemon.client import cli
+
+    data = make_clips(tmp_path / "clips")
+    (data / "red.txt").unlink()  # files-else-auto: red.mp4 alone is captioned
+    job = _job(tmp_path / "job.yaml", "builtin:tiny-wan22-5b", data)
+    doc = yaml.safe_load(job.read_text())
+    doc["data"]["captions"] = "files-else-auto"
+    job.write_text(yaml.safe_dump(doc))
+    assert cli.main(["check", str(job), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["dataset"]
+    assert (d["images"], d["captioned"], d["to_caption"]) == (3, 2, 1)
+    assert cli.main(["check", str(job)]) == 0
+    assert "captions: 3 clips and stills: 2 captioned (files), 1 to caption (data.captions: files-else-auto)" \
+        in capsys.readouterr().out
