@@ -5,7 +5,8 @@ A GPU that answers NVML_ERROR_GPU_IS_LOST is lost; any other NVML error on the c
 unknown error. After either, NVML is started again before the next reading (a driver reload makes old handles
 useless), so a GPU brought back by an admin is seen without restarting the daemon; a GPU whose handle cannot be
 had is lost (or in error) alone, the others read on. Calls a board does not support (no ECC, no row remapping)
-are skipped, not faults. Untested here: this machine has no NVML (the simulated device stands in for tests).
+are skipped, not faults. Never run on a GPU yet: tests run it through the real pynvml on a stand-in for the
+driver's library at its C ABI (tests/helpers/nvml_lib.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class NvmlHealth:
         self._handles: list[Any] = []
         self._xids: dict[int, list[int]] = {}
         self._stale = True
+        self._inited = False
         self._start()
         self._count = len(self._handles)
 
@@ -40,11 +42,16 @@ class NvmlHealth:
             except nv.NVMLError:
                 pass
             self._events = None
-        try:
-            nv.nvmlShutdown()
-        except nv.NVMLError:  # not started yet, or the driver went away
-            pass
+        if self._inited:
+            # Only our own nvmlInit is undone: NVML counts them, and telemetry (daemon/power/telemetry.py) holds one
+            # in the same process; shutting NVML down under it would stop its readings.
+            self._inited = False
+            try:
+                nv.nvmlShutdown()
+            except nv.NVMLError:  # the driver went away
+                pass
         nv.nvmlInit()
+        self._inited = True
         self._events = nv.nvmlEventSetCreate()
         self._handles = []
         for i in range(nv.nvmlDeviceGetCount()):
@@ -111,7 +118,10 @@ class NvmlHealth:
         try:
             if self._events is not None:
                 self._nv.nvmlEventSetFree(self._events)
-            self._nv.nvmlShutdown()
+                self._events = None
+            if self._inited:
+                self._inited = False
+                self._nv.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
 
