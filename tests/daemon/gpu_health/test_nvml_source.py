@@ -91,3 +91,16 @@ def test_the_health_reader_and_telemetry_share_nvml_and_neither_shuts_it_down_un
     assert nv.inits == 1 and telemetry.sample(0).power_w == 250.0  # telemetry reads on
     telemetry.close()
     assert nv.inits == 0
+
+
+def test_the_daemon_reads_nvml_for_the_gpus_the_driver_has_and_a_quarantine_follows_a_lost_one(nv):
+    from daemon.config.daemon import DaemonConfig
+    from daemon.gpu_health.watcher import open_watcher
+
+    w = open_watcher(DaemonConfig(), None, [0, 1, 2], None, RecLog())  # the default backend: nvml
+    assert [v["gpu"] for v in w.views()] == [0, 1]  # no GPU 2 on this machine
+    w.poll_once()
+    nv.gpus[1].lost = True
+    (ch,) = w.poll_once()
+    assert (ch.gpu, ch.after, ch.fatal, w.usable(0)) == (1, vd.QUARANTINED, True, True)
+    w.source.close()
