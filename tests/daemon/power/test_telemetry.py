@@ -170,6 +170,39 @@ def test_nvml_device_through_the_real_pynvml_reads_a_sample_and_integrates_where
         assert nv.inits == 0
 
 
+def test_a_gpu_lost_before_and_while_the_daemon_runs_leaves_the_others_capped_metered_and_reported(tmp_path: Path):
+    """Real NVML answers every call about a lost GPU with NVML_ERROR_GPU_IS_LOST (the simulated device does not):
+    telemetry still starts, the policy's tick never fails for it (the watchdog would restart the daemon), the
+    other GPU is capped and metered, `lorad power` reports it, and a GPU that answers again is capped too."""
+    from daemon.power.view import render
+    from tests.helpers.nvml_lib import installed
+
+    with installed(2) as nv:
+        nv.root = True
+        nv.gpus[1].lost = True  # fell off the bus before the daemon started
+        log = RecLog()
+        pol = PowerPolicy(PowerSettings(caps={"default_w": 250}), tmp_path, tmp_path / "state.db", log,
+                          device=NvmlDevice(log), start_threads=False)
+        now = datetime.now(timezone.utc)
+        pol.tick(now, [])
+        assert (nv.gpus[0].limit_mw, nv.gpus[1].limit_mw) == (250_000, 300_000)
+        rep = pol.report()
+        assert rep["gpus"][0]["limit_w"] == 250.0 and rep["gpus"][1]["name"].startswith("unreadable (NVMLError_GpuIsLost")
+        render(rep)  # `lorad power` prints it
+        nv.gpus[1].lost = False  # the driver is reloaded
+        pol.tick(now, [])
+        assert nv.gpus[1].limit_mw == 250_000
+
+        job = RunningJob(job_id="j0", name="j0", pid=1, gpu=0, started_at=0.0, total=50,
+                         power={"limit_w": None, "max_slowdown": 0.1})
+        pol.on_job_start(job)
+        pol.on_heartbeat("j0", {"event": "step", "step": 1, "total": 50})
+        nv.gpus[0].lost = True  # its GPU is lost mid-job (the health watcher stops the job)
+        assert pol.tick(now, [job]).may_start and pol.tick(now, [job]).may_start
+        assert len([e for e in log.named("power: GPU unreadable") if e["gpu"] == 0]) == 1  # said once
+        pol.close()
+
+
 def test_open_device_off_and_simulated_are_said():
     log = RecLog()
     assert open_device("off", log) is None and log.events == []
