@@ -38,6 +38,7 @@ class FakeGpu:
     index: int
     name: bytes = b"NVIDIA Fake 24GB"
     lost: bool = False
+    failing: int = SUCCESS  # another status every call about it returns (UNKNOWN: the driver cannot say why)
     total: int = 24 << 30
     processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, bytes)
     ecc_uncorrected: int | None = 0  # None: the board has no ECC
@@ -97,7 +98,9 @@ class FakeNvml:
         if handle is None or not 0 <= i < len(self.gpus) * 16 or i % 16:
             return None, INVALID_ARGUMENT
         g = self.gpus[i // 16]
-        return (None, GPU_IS_LOST) if g.lost else (g, SUCCESS)
+        if g.lost or g.failing:
+            return None, GPU_IS_LOST if g.lost else g.failing
+        return g, SUCCESS
 
     # ---------------------------------------------------------------- the library
     @c(C.c_uint)

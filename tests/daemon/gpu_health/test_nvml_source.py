@@ -63,7 +63,7 @@ def test_xid_events_reach_their_gpu_and_a_gpu_lost_is_lost_alone_and_taken_back_
     assert nv.inits == 0 and not nv.sets
 
 
-def test_ecc_row_remaps_and_retired_pages_are_read_and_counters_a_board_lacks_are_no_fault(nv):
+def test_ecc_row_remaps_retired_pages_and_unknown_errors_are_read_and_counters_a_board_lacks_are_no_fault(nv):
     src = NvmlHealth()
     nv.gpus[0].ecc_uncorrected, nv.gpus[0].remap = 3, (0, 1, 1, 0)
     r = src.health_reading(0)
@@ -76,6 +76,11 @@ def test_ecc_row_remaps_and_retired_pages_are_read_and_counters_a_board_lacks_ar
     assert (r.ecc_uncorrected, r.pending_remap, r.remap_failed, r.error) == (None, True, False, None)
     nv.gpus[1].pages_pending = False
     assert not src.health_reading(1).pending_remap
+    nv.gpus[1].failing = 999  # NVML_ERROR_UNKNOWN: an unknown error, not a lost GPU
+    r = src.health_reading(1)
+    assert (r.error, r.lost) == ("Unknown Error", False)
+    nv.gpus[1].failing = 0
+    assert src.health_reading(1).error is None  # read again (NVML started again after the error)
     src.close()
 
 
