@@ -109,3 +109,24 @@ def test_the_daemon_reads_nvml_for_the_gpus_the_driver_has_and_a_quarantine_foll
     (ch,) = w.poll_once()
     assert (ch.gpu, ch.after, ch.fatal, w.usable(0)) == (1, vd.QUARANTINED, True, True)
     w.source.close()
+
+
+def test_a_gpu_lost_after_its_xid_79_is_quarantined_with_it_and_the_gpu_read_before_it_stays_in_service(nv):
+    """NVML may answer nvmlDeviceGetIndex for a GPU that fell off the bus with GPU_IS_LOST: its pending Xid must
+    neither make the GPU being read look lost nor wait to quarantine the GPU again once it is back."""
+    src = NvmlHealth()
+    clock = Clock()
+    w = HealthWatcher(src, [0, 1], vd.Rules(recover_s=1.0), 1.0, RecLog(), clock=clock)
+    w.poll_once()
+    nv.raise_xid(1, 79)
+    nv.gpus[1].lost = True
+    (ch,) = w.poll_once()  # GPU 0 is read first, and drains the event set
+    assert (ch.gpu, ch.after, ch.reason) == (1, vd.QUARANTINED, "GPU lost (fell off the bus); Xid 79") and w.usable(0)
+    nv.gpus[1].lost = False
+    w.poll_once()
+    clock.t += 1.0
+    (ch,) = w.poll_once()
+    assert (ch.gpu, ch.after) == (1, vd.OK)
+    clock.t += 1.0
+    assert w.poll_once() == [] and w.usable(1)  # no Xid left over to take it out again
+    src.close()
