@@ -64,7 +64,9 @@ class ReapPath:
                             held=c.held_for_review)
             fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
                                           requested=None, last_error=err if err else job["last_error"])
-            if oom is not None and oom.memory is not None and d.state == states.QUEUED:
+            if oom is not None and oom.memory is not None:
+                # Kept whatever the state: an out-of-memory just before a pause, a shutdown or a GPU fault
+                # still ran out under this plan, and the job's next attempt (after `lorad resume`) needs the new one.
                 fields["memory"] = oom.memory
             if d.state == states.WAITING:
                 fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
@@ -84,7 +86,7 @@ class ReapPath:
             return moves, (d, oom)
 
         d, oom = self.store.end_run(c.job_id, code, c.step, error, plan)
-        if oom is not None and oom.lever is not None and d.state == states.QUEUED:
+        if oom is not None and oom.lever is not None:
             self._oom_replanned(c, oom)
         level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
         refused = {"refused_lines": n} if (n := c.refusals.total()) else {}  # each kind was said once already
