@@ -8,6 +8,7 @@ resumed) runs in forked trainers while the same job trains uninterrupted here; t
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from engine.config.job import load_job, parse_job
+from engine.config.job import load_job
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 from tests.helpers.kill_chain import Quiet, chains_beside_references
@@ -186,9 +187,7 @@ def test_cached_latents_decode_through_the_pipelines_own_unpatch_and_denormalisa
     in the pipeline's order)."""
     from diffusers.pipelines.flux2.pipeline_flux2 import retrieve_latents
 
-    from engine.families.image.ideogram4.family import CachedCaption, Ideogram4Model
-
-    from engine.families.image.ideogram4.family import cached_prompt_pipeline
+    from engine.families.image.ideogram4.family import CachedCaption, Ideogram4Model, cached_prompt_pipeline
 
     model = Ideogram4Model()
     pixels = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(2)) * 2 - 1
@@ -218,3 +217,29 @@ def test_the_cached_prompt_sampler_renders_what_the_pipeline_renders_from_the_ca
         got = cached_prompt_pipeline(pipe)(CachedCaption(feats), generator=torch.Generator().manual_seed(4),
                                            **common).images
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_base_with_block_swapping_trains_and_samples_render(run, tmp_path):
+    """base_precision fp8 with two blocks swapped trains (every LoRA B moved off zero, the final layer kept in the
+    model dtype), and sample.prompts render through the cached-prompt pipeline with the unconditional transformer."""
+    from engine.frozen_base.fp8 import FP8Linear
+    from engine.recipe import train
+    from tests.helpers.jobs import read_events
+
+    job, reference, _ = run
+    d = deep_update(yaml.safe_load(job.read_text()), {
+        "model": {"base_precision": "fp8"}, "train": {"steps": 2, "blocks_to_swap": 2},
+        "sample": {"every_steps": 2, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32, "guidance": 3.0}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
+    shutil.copytree(reference / "cache", tmp_path / "work" / "cache")  # only the sample prompt is encoded
+    assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
+    events = read_events(tmp_path / "work")
+    (prec,) = [e for e in events if e["event"] == "base_precision"]
+    (swap,) = [e for e in events if e["event"] == "block_swap"]
+    assert prec["precision"] == "fp8" and prec["converted_layers"] > 0 and swap["swapped"] == 2
+    lora = load_file(str(tmp_path / "work" / "output" / DIFFUSERS_FILE))
+    assert all(v.abs().sum() > 0 for k, v in lora.items() if k.endswith("lora_B.weight"))
+    mem = _trained(tmp_path / "job.yaml", tmp_path / "work")
+    assert isinstance(mem.layers[0].attention.to_q.base_layer, FP8Linear)
+    assert type(mem.final_layer.linear) is torch.nn.Linear
+    assert (tmp_path / "work" / "samples" / "step-00000002" / "00.png").stat().st_size > 0
