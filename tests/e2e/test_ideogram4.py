@@ -243,3 +243,8 @@ def test_fp8_base_with_block_swapping_trains_and_samples_render(run, tmp_path):
     assert isinstance(mem.layers[0].attention.to_q.base_layer, FP8Linear)
     assert type(mem.final_layer.linear) is torch.nn.Linear
     assert (tmp_path / "work" / "samples" / "step-00000002" / "00.png").stat().st_size > 0
+    # The unconditional transformer renders in the base's fp8 too.
+    from engine.families.image.ideogram4.family import Ideogram4Model
+
+    pipe = Ideogram4Model().sample_pipeline(str(load_job(job).model.path), load_job(tmp_path / "job.yaml"), mem)
+    assert isinstance(pipe.unconditional_transformer.layers[0].attention.to_q, FP8Linear)

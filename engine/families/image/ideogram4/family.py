@@ -230,7 +230,15 @@ class Ideogram4Model:
         return -out[:, n_txt:]  # x0 − ε in model time → the scheduler's ε − x0
 
     def sample_pipeline(self, model_path: str, cfg: JobConfig, transformer):
+        from engine.frozen_base.precision import apply_base_precision
+        from engine.training.dtypes import torch_dtype
+
         pipe = cached_prompt_pipeline(plain_sample_pipeline(model_path, cfg, transformer))
+        # The unconditional transformer (as large as the trained one) in the base's fp8 when training's is: on a
+        # 24 GB card the two fit side by side only so.
+        if cfg.model.effective_base_precision == "fp8":
+            apply_base_precision(pipe.unconditional_transformer, "fp8", transformer.device,
+                                 compute_dtype=torch_dtype(cfg.model.dtype), skip=FP8_SKIP)
         pipe.unconditional_transformer.to(transformer.device)
         return pipe
 
