@@ -248,3 +248,23 @@ def test_fp8_base_with_block_swapping_trains_and_samples_render(run, tmp_path):
 
     pipe = Ideogram4Model().sample_pipeline(str(load_job(job).model.path), load_job(tmp_path / "job.yaml"), mem)
     assert isinstance(pipe.unconditional_transformer.layers[0].attention.to_q, FP8Linear)
+
+
+def test_a_caption_longer_than_the_pipeline_reads_is_refused_naming_it(pipe):
+    from engine.errors import JobInvalid
+    from engine.families.image.ideogram4.family import Ideogram4Model
+
+    with pytest.raises(JobInvalid) as e:
+        Ideogram4Model().encode_text(pipe, "sks, " + "a red square " * 8, 24, torch.device("cpu"))
+    assert "caption is too long for Ideogram 4" in str(e.value) and "sks, a red square" in str(e.value)
+
+
+def test_diffusers_converter_refuses_comfyui_keys_outside_the_blocks():
+    """What the docs say of lora.targets beyond layers.i: ComfyUI's generic rule would map them, diffusers' converter
+    for the original names does not."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
+
+    sd = {"diffusion_model.input_proj.lora_A.weight": torch.zeros(2, 16),
+          "diffusion_model.input_proj.lora_B.weight": torch.zeros(32, 2)}
+    with pytest.raises(ValueError, match="unsupported Ideogram4 LoRA layout"):
+        _convert_non_diffusers_ideogram4_lora_to_diffusers(sd)

@@ -201,7 +201,9 @@ class Ideogram4Model:
                                                       device=device)
         except ValueError as e:  # the pipeline refuses a caption longer than max_sequence_length
             raise JobInvalid(f"data: a caption is too long for Ideogram 4 ({e}): {text[:80]!r}") from None
-        return emb[0, :max_len][ind[0, :max_len] == LLM_TOKEN_INDICATOR]  # the real tokens, [L, 13·D]
+        # The real tokens, [L, 13·D], in the encoder's dtype: encode_prompt hands them back in float32, which would
+        # double a bf16 cache (106 KB per token in bf16) for nothing — the pipeline casts them to the model's dtype.
+        return emb[0, :max_len][ind[0, :max_len] == LLM_TOKEN_INDICATOR].to(pipe.text_encoder.dtype)
 
     def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float:
         """μ of the pipeline's schedule for an image of `image_seq_len` tokens (base μ 0, its default)."""
