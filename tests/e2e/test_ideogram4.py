@@ -204,12 +204,15 @@ def test_cached_latents_decode_through_the_pipelines_own_unpatch_and_denormalisa
 
 def test_the_cached_prompt_sampler_renders_what_the_pipeline_renders_from_the_caption(pipe):
     """The sampler (encode_prompt answered from the cache) against Ideogram4Pipeline encoding the caption itself:
-    the same image."""
+    the same image; and the cache's encoding at the caption's own length is the pipeline's padded one."""
     from engine.families.image.ideogram4.family import CachedCaption, Ideogram4Model, cached_prompt_pipeline
 
     text = "sks, a red square"
     feats = Ideogram4Model().encode_text(pipe, text, 96, torch.device("cpu"))
     n = feats.shape[0]
+    # Encoded at the caption's own length: the real tokens of the pipeline's encoding left-padded to 96.
+    emb, _pos, _seg, ind = pipe.encode_prompt(text, 1, 1, 96, torch.device("cpu"))
+    torch.testing.assert_close(feats, emb[0, :96][ind[0, :96] == 3], rtol=1e-5, atol=1e-6)
     common = dict(height=32, width=32, num_inference_steps=2, guidance_scale=3.0, guidance_schedule=None,
                   max_sequence_length=n, output_type="pt")
     with torch.no_grad():

@@ -194,16 +194,22 @@ class Ideogram4Model:
         return unpack((pack(lat) - mean) / std, h, w)[0]
 
     def encode_text(self, pipe, text: str, max_len: int, device: torch.device) -> torch.Tensor:
+        """The caption's real tokens, [L, 13·D], through the pipeline's encode_prompt at the caption's own length:
+        its left padding to max_len changes no real token (the text encoder is causal and masks it) but would run
+        the 8 B encoder over 2048 positions per caption."""
         from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR
 
-        try:
-            emb, _pos, _seg, ind = pipe.encode_prompt(text, grid_h=1, grid_w=1, max_sequence_length=max_len,
-                                                      device=device)
-        except ValueError as e:  # the pipeline refuses a caption longer than max_sequence_length
-            raise JobInvalid(f"data: a caption is too long for Ideogram 4 ({e}): {text[:80]!r}") from None
-        # The real tokens, [L, 13·D], in the encoder's dtype: encode_prompt hands them back in float32, which would
-        # double a bf16 cache (106 KB per token in bf16) for nothing — the pipeline casts them to the model's dtype.
-        return emb[0, :max_len][ind[0, :max_len] == LLM_TOKEN_INDICATOR].to(pipe.text_encoder.dtype)
+        tok = pipe.tokenizer  # counted as encode_prompt tokenizes: the chat template, no special tokens added
+        chat = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": text}]}],
+                                       add_generation_prompt=True, tokenize=False)
+        n = len(tok(chat, add_special_tokens=False)["input_ids"])
+        if n > max_len:
+            raise JobInvalid(f"data: a caption is too long for Ideogram 4 ({n} tokens with its chat template; the "
+                             f"pipeline reads at most {max_len}): {text[:80]!r}")
+        emb, _pos, _seg, ind = pipe.encode_prompt(text, grid_h=1, grid_w=1, max_sequence_length=n, device=device)
+        # In the encoder's dtype: encode_prompt hands back float32, which would double a bf16 cache (106 KB per token
+        # in bf16) for nothing — the pipeline casts the features to the transformer's dtype anyway.
+        return emb[0, :n][ind[0, :n] == LLM_TOKEN_INDICATOR].to(pipe.text_encoder.dtype)
 
     def shift_mu(self, sched: dict[str, Any], image_seq_len: int) -> float:
         """μ of the pipeline's schedule for an image of `image_seq_len` tokens (base μ 0, its default)."""
