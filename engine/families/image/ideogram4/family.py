@@ -13,7 +13,8 @@ and ai-toolkit train the same one). What is Ideogram 4's own, all through diffus
   of what `__call__` decodes. The cache stores that normalised latent unpatched, [C, h, w], so flips, masks and
   buckets see a plain latent grid; `pack` is the patching, [B, C, h, w] → [B, h/2·w/2, 4C].
 - Text: the pipeline's `encode_prompt` (the caption in Qwen3-VL's chat template, the hidden states of decoder layers
-  0, 3, …, 33, 35 concatenated per token); the cache keeps the caption's real tokens, [L, 13·D]. A batch is padded
+  0, 3, …, 33, 35 concatenated per token), run at the caption's own length (its left padding changes no real
+  token); the cache keeps the real tokens, [L, 13·D], in the encoder's dtype. A batch is padded
   and `predict` lays each sample out as the pipeline does: text left-padded to the batch's longest caption, then
   the image tokens, with the pipeline's own `_prepare_ids` (text positions 0…n−1, image positions (0, row, col) +
   65536, a segment mask that keeps padding apart, the role indicator). Padding never changes a real token.
@@ -70,7 +71,7 @@ LyCORIS update of the fused linear.
 
 Samples: `Ideogram4Pipeline.__call__` encodes its prompt itself, so the sampler is the pipeline with `encode_prompt`
 answered from the cache (CachedPromptIdeogram4); the unconditional transformer is loaded from the model directory
-beside the training one, and sample.guidance is the pipeline's constant guidance_scale (no negative prompt: the
+beside the training one (in fp8 when the base is), and sample.guidance is the pipeline's constant guidance_scale (no negative prompt: the
 unconditional pass has no text).
 """
 
