@@ -271,3 +271,9 @@ def test_diffusers_converter_refuses_comfyui_keys_outside_the_blocks():
           "diffusion_model.input_proj.lora_B.weight": torch.zeros(32, 2)}
     with pytest.raises(ValueError, match="unsupported Ideogram4 LoRA layout"):
         _convert_non_diffusers_ideogram4_lora_to_diffusers(sd)
+
+
+def test_the_model_card_says_comfyuis_rules_were_not_checked(run):
+    _job, wd, _ = run
+    card = (wd / "output" / "README.md").read_text()
+    assert COMFY_FILE in card and "ComfyUI's Ideogram 4 key rules were not available to check." in card

@@ -14,6 +14,7 @@ FAMILY = Facts(
     offline=(Offline("tiny-ideogram4", "An Ideogram-4-shaped pipeline (conditional and unconditional transformers of "
                      "4 blocks, tiny FLUX.2 VAE, a 36-layer Qwen3-VL 16 wide) with random weights.",
                      "engine.builtin.tiny_ideogram4:build_tiny_ideogram4"),),
+    comfyui_checked=False,
     export_keys="engine.families.image.ideogram4.family:comfyui_name",
 )
 
