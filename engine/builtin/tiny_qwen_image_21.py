@@ -6,9 +6,9 @@ model_index.json naming `QwenImage21Pipeline`), written with `QwenImage21Pipelin
 diffusers' own `from_pretrained`. Random weights with a fixed seed:
 
 - `QwenImage21Transformer2DModel`: 4 single-stream blocks of 2 heads × 16 (the real one: 32 of 32 × 128), patch 1
-  over 4 latent channels (the real VAE has 64), with the shared modulation and the causal condition of the real
+  over 8 latent channels (the real VAE has 64), with the shared modulation and the causal condition of the real
   config; its zero-centred text norm gets random weights (zeros would hide a wrong `weight + 1`);
-- `AutoencoderKLQwenImage21`: 5 levels (four 2× downsamples, 16× as the real one), 8 channels wide, 4 latent
+- `AutoencoderKLQwenImage21`: 5 levels (four 2× downsamples, 16× as the real one), 8 channels wide, 8 latent
   channels with their own latents_mean / std, RGBA in and out as the real one;
 - a 2-layer `Qwen3VLForConditionalGeneration` (the real one is Qwen3-VL-8B) with a one-block vision tower that
   text-to-image prompt encoding never runs;
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-LATENT_CHANNELS = 4
+LATENT_CHANNELS = 8  # not 4: the image processor passes a 4-channel (RGBA) tensor through as latents of a 4-channel VAE
 TOKENIZER_MAX_LEN = 48  # captions are not padded; short keeps CPU tests fast
 # Qwen3-VL's chat template over content parts (what the pipeline's system message is), written out, not downloaded.
 CHAT_TEMPLATE = (
