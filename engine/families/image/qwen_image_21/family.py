@@ -1,7 +1,7 @@
 """Qwen-Image 2.1 LoRA: diffusers `QwenImage21Transformer2DModel`, trained by flow matching (engine/families/image/base.py).
 
 Qwen-Image 2.1 is not a Qwen-Image checkpoint: a single-stream, block-causal transformer (32 blocks, 4096 wide, one
-modulation shared by every block, SwiGLU feed-forwards; 8.4 B parameters) over the latents of its own 16× RGBA VAE,
+modulation shared by every block, SwiGLU feed-forwards; 7.1 B parameters) over the latents of its own 16× RGBA VAE,
 conditioned on Qwen3-VL's last hidden states. What is its own, all through diffusers' `QwenImage21Pipeline`:
 
 - Latents: `AutoencoderKLQwenImage21` (64 channels, 16× spatially, RGBA): an RGB image is encoded with an opaque
