@@ -206,3 +206,14 @@ def test_an_image_is_encoded_opaque_as_the_pipeline_encodes_its_rgba_images(tiny
         got = QwenImage21Model().encode_latents(pipe, rgb)
     assert got.shape == (8, 2, 4)
     torch.testing.assert_close(got, want[0, :, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_edit_pairs_are_refused_at_submit_naming_data_control_path(tmp_path):
+    """The docs' "left out": this family trains no image-conditioned (edit) LoRA."""
+    from engine.config.job import parse_job
+    from engine.errors import JobInvalid
+
+    data = make_images(tmp_path / "data", IMAGES[:1])
+    with pytest.raises(JobInvalid, match="data.control_path: not read by model.family qwen_image_21"):
+        parse_job(job_dict("qwen_image_21", "builtin:tiny-qwen-image-21", data, data={"control_path": str(data)}),
+                  tmp_path)
