@@ -217,3 +217,48 @@ def test_edit_pairs_are_refused_at_submit_naming_data_control_path(tmp_path):
     with pytest.raises(JobInvalid, match="data.control_path: not read by model.family qwen_image_21"):
         parse_job(job_dict("qwen_image_21", "builtin:tiny-qwen-image-21", data, data={"control_path": str(data)}),
                   tmp_path)
+
+
+def test_a_directory_whose_qwen3vl_processor_needs_torchvision_encodes_captions_the_same(tiny, tmp_path):
+    """The real checkpoint's processor is a Qwen3VLProcessor, which transformers builds only with torchvision (its
+    video processor); lorad installs none. The family then reads the directory's own tokenizer and chat template,
+    and the captions' embeddings are the ones the tiny processor gives."""
+    import json
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from engine.families.image.qwen_image_21.family import load_pipeline
+
+    real = tmp_path / "real"
+    shutil.copytree(tiny, real)
+    config = json.loads((real / "processor" / "processor_config.json").read_text())
+    config.update(processor_class="Qwen3VLProcessor", video_processor={
+        "video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2})
+    (real / "processor" / "processor_config.json").write_text(json.dumps(config))
+    index = json.loads((real / "model_index.json").read_text())
+    (real / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen3VLProcessor"]}))
+    with pytest.raises(ImportError):
+        AutoProcessor.from_pretrained(real, subfolder="processor")
+    want, got = (load_pipeline(str(p), None, torch.float32, ("text_encoder",)) for p in (tiny, real))
+    with torch.no_grad():
+        torch.testing.assert_close(got.encode_prompt("sks, a red square", device="cpu")[0],
+                                   want.encode_prompt("sks, a red square", device="cpu")[0], rtol=0, atol=0)
+
+
+def test_the_trainer_refuses_a_base_of_another_pipeline_it_could_not_check_at_submit(tmp_path):
+    """A hub id is checked only when the trainer has its model_index.json: the same refusal, before any weight."""
+    import json
+
+    from engine.config.job import parse_job
+    from engine.errors import JobInvalid
+    from engine.families import get_family
+
+    base = tmp_path / "qwen-image"
+    (base / "transformer").mkdir(parents=True)
+    (base / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    cfg = parse_job(job_dict("qwen_image_21", base, make_images(tmp_path / "data", IMAGES[:1])), tmp_path,
+                    check_paths=False)
+    with pytest.raises(JobInvalid, match=r"^model\.family: qwen_image_21 trains Qwen-Image 2\.1 .* is a "
+                                         r"QwenImagePipeline"):
+        get_family("qwen_image_21").load_model(cfg, tmp_path, torch.device("cpu"), Quiet())
