@@ -262,3 +262,29 @@ def test_the_trainer_refuses_a_base_of_another_pipeline_it_could_not_check_at_su
     with pytest.raises(JobInvalid, match=r"^model\.family: qwen_image_21 trains Qwen-Image 2\.1 .* is a "
                                          r"QwenImagePipeline"):
         get_family("qwen_image_21").load_model(cfg, tmp_path, torch.device("cpu"), Quiet())
+
+
+def test_fp8_base_with_block_swapping_and_samples_train_on_the_tiny_model(run, tmp_path):
+    """base_precision fp8 (the embedders, modulation and output layers kept in the model dtype) with two of the four
+    blocks swapped, rendering samples through the pipeline's own call (which has no guidance_scale) at every save."""
+    import shutil
+
+    from engine.recipe import train
+    from tests.helpers.jobs import deep_update, read_events
+
+    job, reference, _ = run
+    d = deep_update(yaml.safe_load(job.read_text()), {
+        "model": {"base_precision": "fp8"}, "train": {"steps": 2, "blocks_to_swap": 2},
+        "sample": {"every_steps": 2, "prompts": ["sks"], "steps": 2, "width": 32, "height": 64, "guidance": 2.0}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
+    shutil.copytree(reference / "cache", tmp_path / "work" / "cache")  # same inputs: only the sample prompt encodes
+    assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
+    events = read_events(tmp_path / "work")
+    (prec,) = [e for e in events if e["event"] == "base_precision"]
+    (swap,) = [e for e in events if e["event"] == "block_swap"]
+    assert prec["converted_layers"] == 4 * 7 and "modulation.1" in prec["skipped_layers"]
+    assert swap["swapped"] == 2 and swap["blocks"] == 4
+    from PIL import Image
+
+    with Image.open(tmp_path / "work" / "samples" / "step-00000002" / "00.png") as im:
+        assert im.size == (32, 64) and im.mode == "RGBA"  # the RGBA VAE's image, as the pipeline returns it
