@@ -34,11 +34,12 @@ lora_alpha = r in its metadata), read by `QwenImage21Pipeline.load_lora_weights`
     <module path>.lora_B.weight   [out, r]
     <module path>.alpha           lora.alpha; scale alpha / r
 
-ComfyUI's rules (Comfy-Org/ComfyUI as stored: comfy/ldm/qwen_image21/model.py, comfy/lora.py
+ComfyUI's rules (Comfy-Org/ComfyUI as stored: comfy/ldm/qwen_image21/model.py at 08f68f09, comfy/lora.py at 17358c8f,
 model_lora_keys_unet). Its Qwen-Image 2.1 model keeps diffusers' module names except the SwiGLU, whose `proj` and
-`gate_layer` it fuses at load into one `img_mlp.gate_up` ([gate; up], 2·hidden rows); its model class is a QwenImage
-one, whose key map takes every `diffusion_model.<path>.weight` of the model under the bare `<path>` (and under
-`transformer.<path>`), and maps the halves by row offset:
+`gate_layer` it fuses at load into one `img_mlp.gate_up` ([gate; up], 2·hidden rows). The key map's QwenImage branch,
+whose comment names Qwen Image 2.1's fused gate_up (its model class derives from QwenImage), takes every
+`diffusion_model.<path>.weight` of the model under the bare `<path>` (and under `transformer.<path>`), and maps the
+halves by row offset:
 
     K                                     -> diffusion_model.K.weight
     transformer_blocks.i.img_mlp.gate_layer -> diffusion_model.transformer_blocks.i.img_mlp.gate_up.weight rows [0, h)
