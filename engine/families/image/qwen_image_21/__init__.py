@@ -8,6 +8,7 @@ from engine.registry.facts import Facts, Offline, training_code
 FAMILY = Facts(
     name="qwen_image_21", display="Qwen-Image 2.1", kind="image", joined=11,
     trainer="engine.families.image.qwen_image_21.family:QwenImage21",
+    adapter_types=("lora", "dora", "lokr", "loha"),
     spatial_multiple=32,  # 16x VAE; the transformer takes latents unpatched but 2x2 of them per vision-encoder slot
     offline=(Offline("tiny-qwen-image-21", "A Qwen-Image-2.1-shaped pipeline (4 single-stream blocks, tiny 16x RGBA "
                      "VAE, Qwen3-VL) with random weights.",

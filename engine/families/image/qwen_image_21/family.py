@@ -53,12 +53,16 @@ The `diffusion_model.` prefix the other Qwen-Image files use is not mapped for t
 `transformer.`). ComfyUI's QwenImage rule maps the diffusers file's `transformer.<path>` keys too (at scale 1: alpha
 is folded there). Neither file is checked against a running ComfyUI here: the tests apply these rules as written.
 
-lora.type: LoRA only. DoRA, LoKr and LoHa are refused at submit until their files are checked against both loaders
-for this model.
+lora.type: DoRA goes in the diffusers file only (peft's `lora_magnitude_vector` beside A and B, which
+`load_lora_weights` loads as DoRA). LoKr and LoHa go in the ComfyUI file only, as LyCORIS tensors with their
+`.alpha` under the same bare keys (export.lycoris_state_dict: `<module path>.lokr_w1 | … | hada_w1_a | … | alpha`):
+ComfyUI's LoKr and LoHa adapters read them for every key its LoRA key map holds, the SwiGLU halves at their rows
+of `gate_up` as above. (The format rules: engine/config/rules.py image_output_formats.)
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -67,7 +71,7 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.families.image.base import ImageFamily
-from engine.families.image.export import lora_modules, output_files, save
+from engine.families.image.export import lora_modules, lycoris_state_dict, output_files, save
 from engine.families.image.model import pipeline_shift_mu, qwen_vae_latent
 
 DEFAULT_TARGETS = r"^transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|img_mlp\.(proj|gate_layer|out))$"
@@ -189,14 +193,18 @@ class QwenImage21Model:
 
 
 def comfyui_file(model: torch.nn.Module, cfg: JobConfig, out_dir: Path, md: dict[str, str]) -> str:
-    """qwen_image_21_lora_comfyui.safetensors: <module path>.lora_A / .lora_B / .alpha (the module docstring)."""
+    """qwen_image_21_lora_comfyui.safetensors: <module path>.lora_A / .lora_B / .alpha, or LoKr / LoHa tensors under
+    the same keys (the module docstring)."""
+    kohya = {"ss_network_dim": str(cfg.lora.rank), "ss_network_alpha": str(cfg.lora.alpha),
+             "ss_base_model_version": "qwen_image_21"}
+    if cfg.lora.type in ("lokr", "loha"):
+        kohya.update(ss_network_module="lycoris.kohya", ss_network_args=json.dumps({"algo": cfg.lora.type}))
+        return save(lycoris_state_dict(model, lambda name: name), Path(out_dir) / COMFYUI_FILE, {**md, **kohya})
     sd = {}
     for name, (a, b, _base) in lora_modules(model).items():
         sd[f"{name}.lora_A.weight"], sd[f"{name}.lora_B.weight"] = a, b
         sd[f"{name}.alpha"] = torch.tensor(float(cfg.lora.alpha))
-    return save(sd, Path(out_dir) / COMFYUI_FILE, {**md, "ss_network_dim": str(cfg.lora.rank),
-                                                   "ss_network_alpha": str(cfg.lora.alpha),
-                                                   "ss_base_model_version": "qwen_image_21"})
+    return save(sd, Path(out_dir) / COMFYUI_FILE, {**md, **kohya})
 
 
 class QwenImage21Family(ImageFamily):
