@@ -26,6 +26,7 @@ EXAMPLE_HASHES = {
     "flux2-lora-tiny.yaml": "6f588dc5741a214c",
     "flux3-lora.yaml": "4542a962f2941a00",
     "krea2-lora.yaml": "cbd8183678eecfb0",
+    "qwen-image-21-lora.yaml": "0c164b26af19eee2",
     "quickstart.yaml": "cd4477e81229dc57",
     "qwen-image-character.yaml": "e6df8589879c688b",
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
