@@ -46,7 +46,7 @@ def truncated_mid_stream(path: Path, frames: int = 40) -> Path:
     return path
 
 
-def make_sound_clip(path: Path, frames: int = 18, fps: int = 16, size: int = 32, tone: float = 440.0,
+def make_sound_clip(path: Path, frames: int = 9, fps: int = 16, size: int = 32, tone: float = 440.0,
                     rate: int = 16000, seed: int = 0) -> Path:
     """An MP4 of a moving square with an AAC stereo track: a sine of `tone` Hz lasting as long as the frames."""
     from fractions import Fraction
