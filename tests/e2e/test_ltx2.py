@@ -27,10 +27,10 @@ from tests.helpers.videos import make_clips, make_sound_clip
 FILES = ["pytorch_lora_weights.safetensors", "ltx2_lora_comfyui.safetensors"]
 
 
-def job_dict(model: str, data: Path, **over) -> dict:
+def job_dict(model: str, data_path: Path, **over) -> dict:
     d = {"name": "tiny-ltx2", "model": {"family": "ltx2", "path": model, "dtype": "float32"},
          "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-         "data": {"path": str(data), "resolution": [32], "frames": [9], "fps": 16, "trigger": "sks",
+         "data": {"path": str(data_path), "resolution": [32], "frames": [9], "fps": 16, "trigger": "sks",
                   "caption_dropout": 0.3},
          "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw", "seed": 3,
                    "timestep_sampling": "shift"},
@@ -180,3 +180,34 @@ def test_the_sample_clip_plays_with_its_frames_and_its_sound(run):
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
     # The vocoder's waveform for the clip's 9 / 16 s: 14 audio latents · 4 mel frames · 160 samples (AAC pads).
     assert 14 * 4 * 160 <= samples <= 14 * 4 * 160 + 2048
+
+
+@pytest.mark.parametrize("over,key", [
+    ({"data": {"masks": {"alpha": True}}}, "data.masks"),
+    ({"data": {"regularisation": {"path": "/nowhere"}}}, "data.regularisation"),
+    ({"train": {"dop": {"preservation_class": "a person"}}}, "train.dop"),
+    ({"data": {"validation": {"fraction": 0.5}}}, "data.validation"),
+    ({"lora": {"type": "dora"}}, "lora.type"),
+    ({"data": {"frames": [5]}}, "data.frames"),
+])
+def test_what_ltx2_does_not_read_is_refused_at_submit_naming_the_key(over, key):
+    from engine.config.job import parse_job
+    from engine.errors import JobInvalid
+
+    with pytest.raises(JobInvalid, match=re.escape(key)):
+        parse_job(job_dict("builtin:tiny-ltx2", Path("/nowhere"), **over), Path("/"), check_paths=False)
+
+
+def test_timestep_bias_and_ema_are_accepted_and_the_bias_moves_the_sigmas():
+    """train.timestep_bias reweights LTX-2's σ draws (the shared sampler, after the model's own shift); EMA is the
+    loop's, over any adapter."""
+    from engine.config.job import parse_job
+    from engine.families.video.ltx2.family import LTX2Model
+
+    draws = {}
+    for strategy in ("balanced", "later"):
+        cfg = parse_job(job_dict("builtin:tiny-ltx2", Path("/nowhere"), train={
+            "timestep_bias": {"strategy": strategy, "multiplier": 4.0}, "ema": {"decay": 0.99}}), Path("/"),
+            check_paths=False)
+        draws[strategy] = LTX2Model().sigmas(cfg, {}, 4000, torch.Generator().manual_seed(0), 32)
+    assert float(draws["later"].mean()) > float(draws["balanced"].mean()) + 0.05
