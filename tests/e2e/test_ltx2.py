@@ -211,3 +211,22 @@ def test_timestep_bias_and_ema_are_accepted_and_the_bias_moves_the_sigmas():
             check_paths=False)
         draws[strategy] = LTX2Model().sigmas(cfg, {}, 4000, torch.Generator().manual_seed(0), 32)
     assert float(draws["later"].mean()) > float(draws["balanced"].mean()) + 0.05
+
+
+def test_the_sound_of_a_window_is_its_span_of_the_track_and_its_spectrogram_peaks_at_the_tone(tmp_path):
+    """window_audio: the clip's 440 Hz tone from the window's start for its length, stereo at the VAE's rate (about
+    2 · 440 · seconds zero crossings); log_mel (LTX-2's 64 Slaney bands at 16 kHz, hop 160): N // 160 + 1 frames,
+    the loudest band the one whose centre is nearest 440 Hz; a clip without a track has no sound."""
+    from engine.families.video.ltx2.audio import _hz_to_mel, _mel_to_hz, log_mel, window_audio
+
+    clip = make_sound_clip(tmp_path / "tone.mp4", frames=16)
+    wave = window_audio(clip, 0.25, 0.5, 16000)
+    assert wave.shape == (2, 8000) and torch.equal(wave[0], wave[1])
+    crossings = int(((wave[0][:-1] > 0) != (wave[0][1:] > 0)).sum())
+    assert abs(crossings - 2 * 440 * 0.5) <= 8, crossings
+    mel = log_mel(wave, 16000, 64, 160)
+    assert mel.shape == (1, 2, 8000 // 160 + 1, 64)
+    centres = _mel_to_hz(torch.linspace(0, float(_hz_to_mel(torch.tensor(8000.0))), 66))[1:-1]
+    assert int(mel[0, 0, 10:-10].mean(0).argmax()) == int((centres - 440).abs().argmin())
+    quiet = make_clips(tmp_path / "quiet", [("q.mp4", 9, 32, 32, 16, "x")], still=False) / "q.mp4"
+    assert window_audio(quiet, 0.0, 0.5, 16000) is None
