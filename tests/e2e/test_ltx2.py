@@ -189,6 +189,7 @@ def test_the_sample_clip_plays_with_its_frames_and_its_sound(run):
     ({"data": {"validation": {"fraction": 0.5}}}, "data.validation"),
     ({"lora": {"type": "dora"}}, "lora.type"),
     ({"data": {"frames": [5]}}, "data.frames"),
+    ({"resources": {"gpus": 2}}, "model.family, resources.gpus"),
 ])
 def test_what_ltx2_does_not_read_is_refused_at_submit_naming_the_key(over, key):
     from engine.config.job import parse_job
