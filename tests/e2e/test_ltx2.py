@@ -178,6 +178,8 @@ def test_the_sample_clip_plays_with_its_frames_and_its_sound(run):
         box.seek(0)
         samples = sum(f.samples for f in box.decode(audio=0))
     assert len(frames) == 9 and frames[0].shape == (32, 32, 3)
+    card = (ref / "output" / "README.md").read_text()
+    assert '<video src="samples/00.mp4" controls loop></video>' in card  # not muted: it has sound
     # The vocoder's waveform for the clip's 9 / 16 s: 14 audio latents · 4 mel frames · 160 samples (AAC pads).
     assert 14 * 4 * 160 <= samples <= 14 * 4 * 160 + 2048
 
