@@ -11,7 +11,7 @@ import torch
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.families.image.flow_lora import flip_and_drop
-from engine.families.video.base import VideoFamily, model_multiple
+from engine.families.video.base import VideoFamily
 from engine.families.video.ltx2.data import TEXT_NAMES, LTX2Dataset, audio_length
 from engine.report.quiet import quiet_libraries
 
@@ -32,44 +32,32 @@ def pack_video(x: torch.Tensor, patch: int, patch_t: int) -> torch.Tensor:
 class LTX2Family(VideoFamily):
     dataset_class = LTX2Dataset
 
-    def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
-        """Scan the clips, cut them into windows and cache each window's video and audio latents and the captions'
-        connector outputs (encoders freed after)."""
+    def fill_window_cache(self, cfg: JobConfig, items, workdir: Path, path: str, log, bar):
+        """(cache, plan, report): each window's video and audio latents (both VAEs opened together, once a window
+        needs encoding) and each caption's connector outputs (data.py)."""
         import functools
 
-        from engine.data.videos import make_video_items, scan_videos
-        from engine.errors import JobInvalid
         from engine.families.image import cache as image_cache
         from engine.families.image.dataset import PipelineEncoder
         from engine.families.video.ltx2.data import AVEncoder, av_need, encode_av_windows
         from engine.training.dtypes import pick_device
 
         quiet_libraries(diffusers=True)
-        self.cfg = cfg
-        path = resolve_model_path(cfg.model.path, workdir)
         self.audio = audio_config(path, cfg.model.revision)
-        self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
-        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, model_multiple(cfg, path))
         enc = PipelineEncoder(self.model, path, cfg)
 
         def open_av():
             device = pick_device()
-            pipe = enc._pipeline(("vae",))
+            pipe = enc._pipeline(("vae",))  # the model's load_pipeline: with the audio VAE
             pipe.vae.to(device).eval()
             pipe.audio_vae.to(device).eval()
             return AVEncoder(pipe, device, cfg.data.fps)
 
-        cache, plan, self.report = image_cache.fill_cache(
+        return image_cache.fill_cache(
             cfg, items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
             open_image_encoder=open_av, open_text_encoder=enc.text_encoder,
             latent_need=av_need(cfg.data.fps, int(self.audio["sample_rate"])),
             encode_latents=functools.partial(encode_av_windows, fps=cfg.data.fps, log=log))
-        keep = [i for i, k in enumerate(plan.item_latent) if cache.verify(k) is None]
-        plan.item_latent = [plan.item_latent[i] for i in keep]
-        plan.item_text = [plan.item_text[i] for i in keep]
-        self.items, self.cache, self.plan, self.n_train = [items[i] for i in keep], cache, plan, len(keep)
-        if not self.items:
-            raise JobInvalid(f"data.path: no window of any clip in {cfg.data.path} could be decoded")
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log):
         dataset = super().build_dataset(cfg, workdir, log)
