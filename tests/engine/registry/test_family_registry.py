@@ -36,7 +36,7 @@ def family_packages() -> dict[str, Path]:
 def test_the_registry_finds_every_family_package_and_only_those():
     found = family_packages()
     assert set(families()) == set(found)
-    assert len(found) == 11  # causal_lm, eight image families (three of them edit too), two video families
+    assert len(found) == 12  # causal_lm, nine image families (three of them edit too), two video families
     for name, facts in families().items():
         pkg = ".".join(found[name].relative_to(REPO).parts)
         assert facts.trainer.startswith(pkg + "."), f"{name}'s training code lives outside its package"
