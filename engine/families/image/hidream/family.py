@@ -78,6 +78,11 @@ turns `diffusion_model.` into `transformer.` (`_convert_non_diffusers_hidream_lo
 `load_lora_weights` refuses a key without "lora" in it, an `.alpha` included. (The stored ComfyUI snapshot's
 comfy/lora.py predates HiDream; the HiDream branch above is read from later copies of that file in the code index,
 and ComfyUI itself is not run here: the ComfyUI side is checked against these rules as written, not in ComfyUI.)
+
+lora.type: DoRA goes in the diffusers file only (lora_magnitude_vector beside A and B, which
+HiDreamImageLoraLoaderMixin loads as DoRA). LoKr and LoHa go in the ComfyUI file only, as LyCORIS tensors with their
+`.alpha` under the same `diffusion_model.<module path>` keys (export.folded_comfyui_file): ComfyUI's LoKr and LoHa
+adapters read `<key>.lokr_w1`, ... for every key its LoRA key map holds; diffusers reads neither type.
 """
 
 from __future__ import annotations
