@@ -246,3 +246,32 @@ def test_a_resolution_past_the_transformers_token_limit_is_refused_naming_it(tmp
         get_family("hidream").prepare(cfg, tmp_path, RecLog())
     assert "data.resolution: 176" in str(e.value) and "100 image tokens" in str(e.value), str(e.value)
     assert "use at most 160" in str(e.value)
+
+
+def test_fp8_base_with_block_swapping_and_checkpointing_trains_every_lora(run, tmp_path):
+    """The example job's memory settings on the tiny model: fp8 frozen linears (the embedders, caption projections
+    and final layer kept in the model dtype), the last 2 blocks swapped, gradient checkpointing; every LoRA B
+    (zero at the start) moved."""
+    import shutil
+
+    from engine.frozen_base.fp8 import FP8Linear
+    from engine.recipe import train
+    from tests.helpers.jobs import read_events
+
+    _model, job, reference, _ = run
+    d = deep_update(yaml.safe_load(job.read_text()), {
+        "model": {"base_precision": "fp8"}, "train": {"steps": 2, "blocks_to_swap": 2, "gradient_checkpointing": True}})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(d))
+    shutil.copytree(reference / "cache", tmp_path / "work" / "cache")  # same inputs: no encoding
+    assert train(load_job(tmp_path / "job.yaml"), tmp_path / "work", progress="none") == 0
+    events = read_events(tmp_path / "work")
+    (prec,) = [e for e in events if e["event"] == "base_precision"]
+    (swap,) = [e for e in events if e["event"] == "block_swap"]
+    assert prec["precision"] == "fp8" and prec["converted_layers"] > 0
+    assert swap["swapped"] == 2 and swap["blocks"] == 4 and swap["host_bytes"] > 0
+    lora = load_file(str(tmp_path / "work" / "output" / DIFFUSERS_FILE))
+    assert [k for k, v in lora.items() if k.endswith("lora_B.weight") and not v.abs().sum() > 0] == []
+    mem, _ = _trained(tmp_path / "job.yaml", tmp_path / "work")
+    assert isinstance(mem.double_stream_blocks[0].block.attn1.to_q.base_layer, FP8Linear)
+    assert isinstance(mem.single_stream_blocks[1].block.ff_i.experts[0].w1, FP8Linear)  # frozen, no LoRA
+    assert type(mem.final_layer.linear) is torch.nn.Linear and type(mem.caption_projection[0].linear) is torch.nn.Linear
