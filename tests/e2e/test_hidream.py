@@ -33,8 +33,8 @@ def job_dict(model_dir, data_dir: Path, **over) -> dict:
         "name": "tiny-hidream",
         "model": {"family": "hidream", "path": str(model_dir), "dtype": "float32"},
         "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-        # 32: the wide and tall images get non-square buckets (32x16, 16x32): the transformer's padded path.
-        "data": {"path": str(data_dir), "resolution": [32], "trigger": "sks", "caption_dropout": 0.3, "flip": True},
+        # 48: the wide and tall images get non-square buckets (64x32, 32x64): the transformer's padded path.
+        "data": {"path": str(data_dir), "resolution": [32, 48], "trigger": "sks", "caption_dropout": 0.3, "flip": True},
         "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw",
                   "seed": 3, "timestep_sampling": "shift"},
         "checkpoint": {"every_steps": 2, "every_seconds": None, "keep": 2},
