@@ -275,3 +275,24 @@ def test_fp8_base_with_block_swapping_and_checkpointing_trains_every_lora(run, t
     assert isinstance(mem.double_stream_blocks[0].block.attn1.to_q.base_layer, FP8Linear)
     assert isinstance(mem.single_stream_blocks[1].block.ff_i.experts[0].w1, FP8Linear)  # frozen, no LoRA
     assert type(mem.final_layer.linear) is torch.nn.Linear and type(mem.caption_projection[0].linear) is torch.nn.Linear
+
+
+def test_a_directory_without_llama_is_refused_naming_model_path(run, tmp_path):
+    """HiDream-ai's examples hand Llama 3.1 to the pipeline separately; a directory whose model_index.json names no
+    text_encoder_4 is refused before anything loads, not a traceback in the text encoder."""
+    import shutil
+
+    from engine.config.job import parse_job
+    from engine.errors import JobInvalid
+    from engine.families import get_family
+    from tests.helpers.fakes import RecLog
+
+    model = tmp_path / "no-llama"
+    shutil.copytree(run[0], model, ignore=shutil.ignore_patterns("text_encoder_4", "tokenizer_4"))
+    index = json.loads((model / "model_index.json").read_text())
+    (model / "model_index.json").write_text(json.dumps({**index, "text_encoder_4": [None, None],
+                                                        "tokenizer_4": [None, None]}))
+    cfg = parse_job(job_dict(model, make_images(tmp_path / "data", IMAGES[:1])), tmp_path)
+    with pytest.raises(JobInvalid) as e:
+        get_family("hidream").prepare(cfg, tmp_path, RecLog())
+    assert str(e.value).startswith("model.path: ") and "text_encoder_4 or tokenizer_4" in str(e.value), str(e.value)

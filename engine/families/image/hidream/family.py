@@ -150,6 +150,20 @@ def unpack_text(embeds: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tenso
     return rows[..., :d5], llama, embeds[:, -1, : config.text_emb_dim]
 
 
+def check_llama(model_path: str) -> None:
+    """Refuse (naming model.path) a directory whose model_index.json names no Llama (text_encoder_4, tokenizer_4):
+    the pipeline cannot encode a caption without it, and lorad fetches nothing the directory does not name."""
+    from engine.errors import JobInvalid
+    from engine.registry.facts import read_config
+
+    index = read_config(Path(model_path) / "model_index.json")
+    missing = [k for k in ("text_encoder_4", "tokenizer_4") if index and not (index.get(k) or [None])[-1]]
+    if missing:
+        raise JobInvalid(f"model.path: {model_path} names no {' or '.join(missing)} in its model_index.json: "
+                         "HiDream-I1 encodes captions with Llama 3.1 8B Instruct too; put it in text_encoder_4/ and "
+                         "tokenizer_4/ and name them there")
+
+
 def check_token_limit(cfg: JobConfig, model_path: str) -> None:
     """Refuse (naming data.resolution) a resolution with a non-square bucket of more image tokens than the
     transformer pads to (max_resolution² / patch²: 4096, a 1024² image, for the real model): its forward would fail.
@@ -256,7 +270,9 @@ class HiDreamFamily(ImageFamily):
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
         from engine.builtin.models import resolve_model_path
 
-        check_token_limit(cfg, resolve_model_path(cfg.model.path, workdir))
+        path = resolve_model_path(cfg.model.path, workdir)
+        check_llama(path)
+        check_token_limit(cfg, path)
         super().prepare(cfg, workdir, log, bar=bar)
 
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
