@@ -296,3 +296,18 @@ def test_a_directory_without_llama_is_refused_naming_model_path(run, tmp_path):
     with pytest.raises(JobInvalid) as e:
         get_family("hidream").prepare(cfg, tmp_path, RecLog())
     assert str(e.value).startswith("model.path: ") and "text_encoder_4 or tokenizer_4" in str(e.value), str(e.value)
+
+
+def test_shift_is_the_schedulers_static_one_or_the_pipelines_single_dynamic_mu():
+    """Dev/Fast's FlowMatchEuler `shift`, a UniPC scheduler's `flow_shift`; dynamic: calculate_shift of the
+    transformer's max_seq, whatever the image's size (HiDreamImagePipeline passes that one μ)."""
+    import math
+
+    from diffusers.pipelines.hidream_image.pipeline_hidream_image import calculate_shift
+
+    from engine.families.image.hidream.family import HiDreamModel
+
+    m = HiDreamModel()
+    assert m.shift_mu({"shift": 3.0}, 64) == m.shift_mu({"flow_shift": 3.0, "shift": 1.0}, 4096) == math.log(3.0)
+    dynamic = {"use_dynamic_shifting": True, "max_seq": 4096}
+    assert m.shift_mu(dynamic, 64) == m.shift_mu(dynamic, 1024) == pytest.approx(calculate_shift(4096)) == 1.15
