@@ -45,6 +45,7 @@ EXAMPLE_HASHES = {
     "sdxl-lora.yaml": "11c852068832b1f8",
     "ideogram4-lora.yaml": "4414173863c74878",
     "ltx2-24gb.yaml": "7e8d2bc009e62083",
+    "hidream-lora.yaml": "cdf85a4a3e648eb0",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",

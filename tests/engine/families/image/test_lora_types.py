@@ -26,7 +26,8 @@ COMFY_KEY = {"chroma": lambda name: "lycoris_" + name.replace(".", "_"),
              "z_image": lambda name: "diffusion_model." + name,
              "krea2": lambda name: "diffusion_model." + krea2_name(name),
              "qwen_image_21": lambda name: name,
-             "flux3": lambda name: "diffusion_model." + flux3_name(name)}
+             "flux3": lambda name: "diffusion_model." + flux3_name(name),
+             "hidream": lambda name: "diffusion_model." + name}
 
 
 def _job(tmp_path, family: str, model, kind: str) -> dict:
