@@ -27,12 +27,13 @@ from engine.importers.table import (
 NAME = "ai-toolkit"
 # model.arch (the `arch` of each model class under extensions_built_in/diffusion_models/ and toolkit/; a
 # `NAME:variant` suffix is dropped as ai-toolkit drops it) → family. flex1 is ai-toolkit's alias of flux; flex2,
-# wan21_i2v and wan22_14b_i2v take an image input of their own that lorad's families do not.
+# wan21_i2v and wan22_14b_i2v take an image input of their own that lorad's families do not. ltx2 is LTX-2
+# (extensions_built_in/diffusion_models/ltx2/); its ltx2.3 and ltx2.5 variants are refused by name (common.py).
 ARCH = {"flux": "flux", "flux_kontext": "flux", "flex1": "flux", "flux2": "flux2", "flux2_klein_4b": "flux2",
         "flux2_klein_9b": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image",
         "qwen_image_edit_plus": "qwen_image", "zimage": "z_image", "wan22_5b": "wan", "wan22_14b": "wan",
         "wan21": "wan", "krea2": "krea2", "sdxl": "sdxl", "ideogram4": "ideogram4",
-        "hidream": "hidream"}
+        "hidream": "hidream", "ltx2": "ltx2"}
 
 
 def detect(doc: Any) -> bool:
@@ -83,6 +84,21 @@ def _experts(v: Any, ctx: Context) -> str | None:
     if high or low:
         return "high" if high else "low"
     raise Problem("both experts are off: nothing would train")
+
+
+def _do_audio(v: Any, ctx: Context) -> None:
+    """Not carried over: lorad's ltx2 learns the sound of every clip that has an audio track (true's twin); false,
+    the picture alone of such clips, it has not."""
+    if v:
+        raise NotCarried(other_way("data.path", "LTX-2 learns the sound of each clip that has an audio track"))
+    raise NotCarried(f"{NO_FEATURE} (LTX-2 without the sound of clips that have it)")
+
+
+def _audio_loss(v: Any, ctx: Context) -> None:
+    """Not carried over: LTX-2's audio loss is added at weight 1 (1.0's twin); another weight lorad has not."""
+    if c.number(v, ctx) == 1.0:
+        raise NotCarried(other_way("the loss", "LTX-2's audio loss is added at weight 1, as here"))
+    raise NotCarried(f"{NO_FEATURE} (an audio loss weight; LTX-2's is added at weight 1)")
 
 
 def _network_type(v: Any, ctx: Context) -> str:
@@ -181,7 +197,7 @@ TABLE: list[Key] = [
     Key("device", None, why=other_way("resources.gpus", "the daemon gives the job its GPU")),
     Key("model.arch", "model.family", _family, doc="flux, flux_kontext, flex1 → flux; flux2, flux2_klein_* → flux2; "
         "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; sdxl; ideogram4; hidream (I1; hidream_e1 "
-        "is refused); others refused"),
+        "is refused); ltx2; others refused"),
     Key("model.is_flux", "model.family", _is_flux, doc="true → flux"),
     Key("model.is_xl", "model.family", lambda v, ctx: "sdxl" if v else None, doc="true → sdxl"),
     Key("model.is_v_pred", "model.prediction", c.when_true("v"), doc="SDXL: true → v; false: unset (the base's "
@@ -229,7 +245,13 @@ TABLE: list[Key] = [
     Key("datasets[].cache_latents", None, why=CACHE),
     Key("datasets[].cache_latents_to_disk", None, why=CACHE),
     Key("datasets[].is_reg", None, why=other_way("data.regularisation")),
-    Key("datasets[].num_frames", None, why=other_way("data.frames")),
+    Key("datasets[].num_frames", "data.frames", c.ltx2_frames, doc="LTX-2: [num_frames] (8k + 1; default 1, "
+        "stills); other families not carried"),
+    Key("datasets[].fps", "data.fps", c.ltx2_fps, doc="LTX-2 (default 24)"),
+    Key("datasets[].shrink_video_to_frames", None, why=other_way("data.frames", "every clip is cut into windows "
+        "of data.frames at data.fps, never squeezed into one")),
+    Key("datasets[].do_audio", None, _do_audio),
+    Key("train.audio_loss_multiplier", None, _audio_loss),
     Key("train.batch_size", "train.batch_size", c.integer),
     Key("train.gradient_accumulation_steps", "train.grad_accum", c.positive_int),
     Key("train.gradient_accumulation", "train.grad_accum", c.positive_int),
@@ -285,6 +307,8 @@ TABLE: list[Key] = [
 # would change: written out as if the file said them. The network's are written only where neither spelling is set.
 DEFAULTS = {"train.lr_scheduler": "constant", "train.optimizer": "adamw", "train.lr": 1e-6, "train.dtype": "fp32",
             "train.gradient_checkpointing": True}
+# DatasetConfig's num_frames (1: stills) and fps (24, LTX-2's rate); lorad's video defaults are 33 frames at 16.
+LTX2_DATASET_DEFAULTS = {"datasets[0].num_frames": 1, "datasets[0].fps": 24}
 NETWORK_DEFAULTS = (("network.linear", "network.rank", 4), ("network.linear_alpha", "network.alpha", 1.0))
 
 
@@ -321,5 +345,10 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported) -> None:
             out.notes.append(f"{k} not set there: ai-toolkit's default {v} written")
     if str(flat.get("model.arch", "")).lower().split(":")[0] == "wan22_14b":
         flat["_experts"] = True
+    if str(flat.get("model.arch", "")).lower() == "ltx2" and first:
+        for k, v in LTX2_DATASET_DEFAULTS.items():
+            if k not in flat:
+                flat[k] = v
+                out.notes.append(f"{k} not set there: ai-toolkit's default {v} written")
     ctx.source = flat
     apply(TABLE, flat, ctx, out)

@@ -19,11 +19,13 @@ from engine.importers.table import (
 )
 
 LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video",
-                  "sdxl", "ideogram4", "qwen_image_21", "hidream")
+                  "sdxl", "ideogram4", "qwen_image_21", "hidream", "ltx2")
 
 # Substrings of a model name or path (lower case, '-', '_', '.' and ' ' removed) → family; first match wins, so the
 # more specific come first. What lorad cannot train is named so that the refusal says which model it is.
 _NAME_FAMILIES = (
+    # LTX-2's later variants (2.3, 2.5) are not the LTX-2 lorad's ltx2 trains: None, refused by name below
+    ("ltx2.3", None), ("ltx23", None), ("ltx2.5", None), ("ltx25", None), ("ltx2", "ltx2"),
     ("flux2", "flux2"), ("flux.2", "flux2"), ("flux3", "flux3"), ("krea2", "krea2"), ("ideogram4", "ideogram4"),
     ("ideogramv4", "ideogram4"), ("chroma", "chroma"),
     ("qwenimage2.1", "qwen_image_21"), ("qwenimage21", "qwen_image_21"),  # Qwen-Image 2.1 is not Qwen-Image
@@ -34,10 +36,15 @@ _NAME_FAMILIES = (
     ("ponydiffusion", "sdxl"),
     ("hidreami1", "hidream"),  # HiDream-I1 only: HiDream-O1 and -E1 are other models (UNSUPPORTED)
 )
+_LTX2_LATER_NAMES = ("ltx2.3", "ltx23", "ltx2.5", "ltx25")
+_LTX2_LATER = "LTX-{}; lorad's ltx2 trains LTX-2 itself, not its later variants"
 UNSUPPORTED = {
     "sd3": "Stable Diffusion 3", "stablediffusion3": "Stable Diffusion 3",
     "sd15": "Stable Diffusion 1.5", "stablediffusionv15": "Stable Diffusion 1.5", "sd2": "Stable Diffusion 2",
-    "pixart": "PixArt", "ltx": "LTX-Video", "hidream": "HiDream-O1 or -E1", "lumina": "Lumina", "framepack": "FramePack",
+    "ltx2.3": _LTX2_LATER.format("2.3"), "ltx23": _LTX2_LATER.format("2.3"), "ltx2.5": _LTX2_LATER.format("2.5"),
+    "ltx25": _LTX2_LATER.format("2.5"),
+    "ltxv": "LTX-Video, the older model before LTX-2",
+    "pixart": "PixArt", "hidream": "HiDream-O1 or -E1", "lumina": "Lumina", "framepack": "FramePack",
     "cosmos": "Cosmos", "hunyuanvideo": "HunyuanVideo 1.0", "auraflow": "AuraFlow", "sana": "Sana",
     "omnigen": "OmniGen", "kandinsky": "Kandinsky", "wuerstchen": "Würstchen", "stablecascade": "Stable Cascade",
     "sd1": "Stable Diffusion 1.5",
@@ -56,16 +63,17 @@ def family_of_name(name: str) -> str | None:
         m = BUILTIN_MODELS.get(name.removeprefix("builtin:"))
         return m.family if m is not None else None
     s = _squash(name)
-    for needle, fam in _NAME_FAMILIES:
+    for needle, fam in _NAME_FAMILIES:  # a later variant's None ends the search
         if needle in s:
             return fam
     return None
 
 
-def unsupported(what: str, name: str) -> Problem:
-    """The refusal for a model lorad cannot train, naming it and what lorad trains."""
+def unsupported(what: str, name: str, known: str | None = None) -> Problem:
+    """The refusal for a model lorad cannot train, naming it (known: the tool's own word for what it is) and what
+    lorad trains."""
     s = _squash(name)
-    known = next((v for k, v in UNSUPPORTED.items() if k in s), None)
+    known = known or next((v for k, v in UNSUPPORTED.items() if k in s), None)
     said = f"{name!r} ({known})" if known else repr(name)
     return Problem(f"unsupported model family: {said}; lorad trains {', '.join(LORAD_FAMILIES)}")
 
@@ -237,13 +245,17 @@ SINGLE_FILES = (("flux1-dev", "black-forest-labs/FLUX.1-dev"), ("flux1-schnell",
                 # the ComfyUI files musubi-tuner's and diffusion-pipe's docs train from
                 ("wan2.2_t2v_low_noise_14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
                 ("wan2.2_t2v_high_noise_14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"),
-                ("z_image_turbo", "Tongyi-MAI/Z-Image-Turbo"), ("krea2_raw", "krea/Krea-2-Raw"))
+                ("z_image_turbo", "Tongyi-MAI/Z-Image-Turbo"), ("krea2_raw", "krea/Krea-2-Raw"),
+                # LTX-2's own files (-fp8, -fp4 too; SimpleTuner's ltxvideo2 flavours load them from that repository)
+                ("ltx-2-19b-dev", "Lightricks/LTX-2"))
 
 
 def model_path(v: Any, ctx: Context) -> str:
     """A hub id or builtin name as is, a local path made absolute; a single-file checkpoint is refused with the
     validator's own line, except the official FLUX.1 files, whose hub repository lorad reads instead."""
     s = str(v)
+    if ctx.job.get("model", {}).get("family") == "ltx2" and any(k in _squash(s) for k in _LTX2_LATER_NAMES):
+        raise unsupported("model path", s)  # LTX-2.3 or 2.5 weights under a tool's LTX-2 name
     if s.startswith("builtin:") or (re.match(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$", s) and not Path(s).exists()):
         return s
     p = Path(local_path(s, ctx))
@@ -258,6 +270,32 @@ def model_path(v: Any, ctx: Context) -> str:
 
         raise Problem(single_file_refusal(str(p)))  # lorad's validator's own line (exit 65), word for word
     return str(p)
+
+
+# ---------------------------------------------------------------- LTX-2's windows (data.frames, data.fps)
+def _ltx2_only(what: str, ctx: Context) -> None:
+    """Frames and frame rate are carried for LTX-2 (the family whose import asked for them); another video family
+    keeps them as before: not carried, lorad's own keys named."""
+    if ctx.job.get("model", {}).get("family") != "ltx2":
+        raise NotCarried(other_way(what))
+
+
+def ltx2_frames(v: Any, ctx: Context) -> list[int]:
+    """A clip length in frames → data.frames [n]: LTX-2's VAE encodes 8k + 1 frames, so another count is cut to the
+    8k + 1 below it (as SimpleTuner trims clips and ai-toolkit its samples), with a note."""
+    _ltx2_only("data.frames", ctx)
+    n = integer(v, ctx)
+    if n < 1:
+        raise Problem(f"{v}: a clip of at least one frame")
+    k = (n - 1) // 8 * 8 + 1
+    if k != n:
+        ctx.notes.append(f"data.frames: {n} is not 8k + 1, the windows LTX-2's VAE encodes; {k} written")
+    return [k]
+
+
+def ltx2_fps(v: Any, ctx: Context) -> float:
+    _ltx2_only("data.fps", ctx)
+    return number(v, ctx)
 
 
 # ---------------------------------------------------------------- datasets

@@ -25,7 +25,8 @@ from engine.importers.table import (
 
 NAME = "diffusion-pipe"
 # [model] type (train.py's model_type branches) → family; hunyuan-video is HunyuanVideo 1.0 (refused),
-# hunyuan_video_15 the 1.5 lorad trains.
+# hunyuan_video_15 the 1.5 lorad trains. ltx-video is LTX-Video; ltx2 trains LTX-2.3 only (docs/supported_models.md:
+# "Only LTX2.3 is supported"), a later LTX-2 than lorad's ltx2: both refused by name.
 TYPES = {"flux": "flux", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image", "wan": "wan",
          "flux2": "flux2", "krea2": "krea2", "hunyuan_video_15": "hunyuan_video",
          "ideogram4": "ideogram4", "hidream": "hidream"}
@@ -43,7 +44,7 @@ def is_dataset(doc: Any) -> bool:
 def _type(v: Any, ctx: Context) -> str:
     fam = TYPES.get(str(v).lower())
     if fam is None:
-        raise c.unsupported("model.type", str(v))
+        raise c.unsupported("model.type", str(v), c.UNSUPPORTED["ltx2.3"] if str(v).lower() == "ltx2" else None)
     return fam
 
 

@@ -27,9 +27,10 @@ from engine.importers.table import (
 
 NAME = "simpletuner"
 # model_family (simpletuner/helpers/models/model_metadata.json; hunyuanvideo is HunyuanVideo 1.5 there) → family.
+# ltxvideo2 is LTX-2 (its 2.3-* and 2.5-* flavours refused); ltxvideo, LTX-Video, is refused by name.
 FAMILIES = {"flux": "flux", "flux2": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image",
             "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2", "sdxl": "sdxl",
-            "ideogram": "ideogram4", "hidream": "hidream"}
+            "ideogram": "ideogram4", "hidream": "hidream", "ltxvideo2": "ltx2"}
 
 
 def detect(doc: Any) -> bool:
@@ -66,13 +67,18 @@ FLAVOURS = {
     ("sdxl", "base-1.0"): "stabilityai/stable-diffusion-xl-base-1.0",
     ("hidream", "full"): "HiDream-ai/HiDream-I1-Full", ("hidream", "dev"): "HiDream-ai/HiDream-I1-Dev",
     ("hidream", "fast"): "HiDream-ai/HiDream-I1-Fast",
+    # LTX-2's fp4 and fp8 flavours are its weights in another precision; lorad reads the repository's bf16
+    ("ltxvideo2", "dev"): "Lightricks/LTX-2", ("ltxvideo2", "2.0"): "Lightricks/LTX-2",
+    ("ltxvideo2", "dev-fp4"): "Lightricks/LTX-2", ("ltxvideo2", "dev-fp8"): "Lightricks/LTX-2",
 }
 DEFAULT_FLAVOURS = {"flux": "krea", "flux2": "klein-9b", "chroma": "base", "qwen_image": "v2.0",
                     "z_image": "turbo-ostris-v2", "wan": "t2v-480p-1.3b-2.1", "hunyuanvideo": "t2v-480p",
-                    "krea2": "raw", "sdxl": "base-1.0", "hidream": "full"}
+                    "krea2": "raw", "sdxl": "base-1.0", "hidream": "full", "ltxvideo2": "dev"}
 
 
 def _flavour(v: Any, ctx: Context) -> str:
+    if str(ctx.source.get("model_family", "")).lower() == "ltxvideo2" and str(v).startswith(("2.3", "2.5")):
+        raise c.unsupported("model_flavour", f"LTX-{v}")  # a later LTX-2, even with a model path given
     if "pretrained_model_name_or_path" in ctx.source:
         raise CarriedIn("model.path")
     repo = FLAVOURS.get((str(ctx.source.get("model_family", "")).lower(), str(v).lower()))
@@ -80,6 +86,15 @@ def _flavour(v: Any, ctx: Context) -> str:
         raise Problem(f"{v}: a flavour lorad does not train or whose model it does not know; set "
                       "pretrained_model_name_or_path")
     return repo
+
+
+def _is_i2v(v: Any, ctx: Context) -> None:
+    """true (SimpleTuner's default for ltxvideo2's video backends): not carried over, lorad's ltx2 trains
+    text-to-video; false: what lorad does."""
+    if v:
+        raise NotCarried(f"{NO_FEATURE} (image-to-video conditioning on the first frame; lorad's ltx2 trains "
+                         "text-to-video)")
+    return None
 
 
 def _model_type(v: Any, ctx: Context) -> None:
@@ -220,6 +235,16 @@ TABLE: list[Key] = [
     Key("backends[].cache_dir_vae", None, why=CACHE), Key("backends[].cache_dir", None, why=CACHE),
     Key("backends[].metadata_backend", None, why=CACHE), Key("backends[].skip_file_discovery", None, why=CACHE),
     Key("backends[].disabled", None, why=not_applicable("only enabled backends are read")),
+    Key("backends[].video.num_frames", "data.frames", c.ltx2_frames, doc="LTX-2: [num_frames] (8k + 1); other "
+        "families not carried"),
+    Key("framerate", "data.fps", c.ltx2_fps, doc="LTX-2 (default 25)"),
+    Key("backends[].video.frame_rate", None, why=other_way("data.fps", "carried from framerate, which SimpleTuner "
+        "reads")),
+    Key("backends[].video.min_frames", None, why=other_way("data.frames", "a clip shorter than one window is "
+        "refused at submit")),
+    Key("backends[].video.is_i2v", None, _is_i2v),
+    Key("validation_num_video_frames", None, why=other_way("data.frames", "samples are as long as the clips "
+        "trained")),
     Key("caption_dropout_probability", "data.caption_dropout", c.number),
     Key("train_batch_size", "train.batch_size", c.integer),
     Key("gradient_accumulation_steps", "train.grad_accum", c.positive_int),
@@ -304,6 +329,13 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported, backends: Any = None)
     fam = str(flat.get("model_family", "")).lower()
     if "pretrained_model_name_or_path" not in flat and "model_flavour" not in flat and fam in DEFAULT_FLAVOURS:
         defaults["model_flavour"] = DEFAULT_FLAVOURS[fam]
+    if fam == "ltxvideo2":
+        defaults["framerate"] = 25  # ltxvideo2/model.py: framerate None → 25
+        if images and "audio" not in images[0]:
+            out.notes.append("backends[0] has no audio block: SimpleTuner trained LTX-2's picture alone; lorad's "
+                             "ltx2 also learns the sound of each clip that has an audio track")
+        if images and images[0].get("dataset_type") == "video":
+            defaults["backends[0].video.is_i2v"] = True  # data_backend/factory.py, for ltxvideo and ltxvideo2
     for k, v in defaults.items():
         if k not in flat:
             flat[k] = v
