@@ -345,7 +345,7 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported) -> None:
             out.notes.append(f"{k} not set there: ai-toolkit's default {v} written")
     if str(flat.get("model.arch", "")).lower().split(":")[0] == "wan22_14b":
         flat["_experts"] = True
-    if str(flat.get("model.arch", "")).lower() == "ltx2" and first:
+    if str(flat.get("model.arch", "")).lower().split(":")[0] == "ltx2" and first:
         for k, v in LTX2_DATASET_DEFAULTS.items():
             if k not in flat:
                 flat[k] = v

@@ -116,8 +116,11 @@ def test_each_tools_ltx2_config_imports_to_a_valid_ltx2_job_with_its_values(case
 
 def test_an_ai_toolkit_ltx2_dataset_without_frames_or_fps_gets_ai_toolkits_defaults(clips, tmp_path):
     text = re.sub(r"\n          (num_frames|fps): \d+", "", AI_TOOLKIT_LTX2)
+    # LTX-2's own single file (here its fp8 one) is read as the same weights' diffusers repository
+    text = text.replace("Lightricks/LTX-2\n", "/models/ltx-2-19b-dev-fp8.safetensors\n")
     job = read_yaml(import_text(text.replace("{data}", str(clips)), "a.yaml", tmp_path).text)
     assert job["data"]["frames"] == [1] and job["data"]["fps"] == 24  # DatasetConfig's 1 frame (stills), 24 fps
+    assert job["model"]["path"] == "Lightricks/LTX-2"
 
 
 REFUSED = [
