@@ -7,7 +7,7 @@ from typing import Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.declare import Strict
+from engine.config.declare import Strict, key
 
 
 class LoraConfig(Strict):
@@ -23,6 +23,9 @@ class LoraConfig(Strict):
     # A list of module-name suffixes, or one regular expression matched against the full module path.
     # None (the default) means the family's own default list (engine/families/*.py: DEFAULT_TARGETS).
     targets: Union[list[str], str, None] = None
+    # sdxl: LoRA on both CLIP text encoders too (their attention and MLP linears), trained with the UNet at
+    # train.lr; captions are then tokenised, not encoded, before training (engine/families/image/sdxl/text.py)
+    text_encoder: bool = key(False, families=("sdxl",), dump_default=False)
 
     @model_validator(mode="after")
     def _type_keys(self):
