@@ -1,8 +1,9 @@
-"""SDXL LoRA on its tiny random pipeline (builtin:tiny-sdxl): an epsilon run and a v run (LoCon targets), each
-killed twice and resumed bit-identical in both files; the diffusers file reproduces the trained UNet through
-StableDiffusionXLPipeline.load_lora_weights; the kohya file's keys are the ones ComfyUI's rules map (written out
-below as comfy/utils.py's unet_to_diffusers and comfy/lora.py's model_lora_keys_unet have them), with kohya's
-alphas, and carry the trained update.
+"""SDXL LoRA on its tiny random pipeline (builtin:tiny-sdxl): an epsilon run that trains both text encoders too
+(lora.text_encoder) and a v run (LoCon targets), each killed twice and resumed bit-identical in both files; the
+diffusers file reproduces the trained UNet and text encoders through StableDiffusionXLPipeline.load_lora_weights;
+the kohya file's keys are the ones ComfyUI's rules map (written out below as comfy/utils.py's unet_to_diffusers
+and comfy/lora.py's model_lora_keys_unet and model_lora_keys_clip have them), with kohya's alphas, and carry the
+trained update.
 
 The killed-twice chains run as forked trainers (tests/helpers/kill_chain.py) while the references train here; the
 epsilon reference renders samples on the way, so its match with the chain also shows samples leave training alone.
@@ -30,7 +31,7 @@ KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
 # LoCon: attention plus every resnet conv and the samplers (the v run)
 LOCON = r"^.*(transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)|resnets\.\d+\.(conv1|conv2|conv_shortcut)" \
         r"|(down|up)samplers\.0\.conv)$"
-RUNS = {"epsilon": {}, "v": {"lora": {"targets": LOCON}}}
+RUNS = {"epsilon": {"lora": {"text_encoder": True}}, "v": {"lora": {"targets": LOCON}}}
 
 
 def job_dict(model_dir, data_dir, prediction: str, **over) -> dict:
@@ -82,13 +83,14 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(pre
         assert (reference / "samples" / "step-00000004" / "00.png").stat().st_size > 0
 
 
-def _trained(job):
-    """The LoRA UNet with the last checkpoint's adapter (what training ended with), and the family object."""
+def _trained(job, wd):
+    """The LoRA model with the last checkpoint's adapter (what training ended with: the UNet, or with
+    lora.text_encoder the UNet and both encoders), and the family object."""
     from engine.families import get_family
 
     fam = get_family("sdxl")
     model = fam.load_model(load_job(job), job.parent, torch.device("cpu"), Quiet())
-    return model, fam
+    return with_last_checkpoint(model, wd), fam
 
 
 def _inputs(unet) -> dict:
@@ -101,28 +103,46 @@ def _inputs(unet) -> dict:
                 return_dict=False)
 
 
+PROMPT = "sks, a red square on grass"
+
+
 @pytest.mark.parametrize("pred", list(RUNS))
-def test_load_lora_weights_reproduces_the_trained_unet(pred, runs):
+def test_load_lora_weights_reproduces_the_trained_unet_and_text_encoders(pred, runs):
+    """The UNet at fixed inputs, and (epsilon: lora.text_encoder) the pipeline's own encode_prompt of a caption
+    against the trained encoders' encoding of its token ids."""
     from diffusers import StableDiffusionXLPipeline
 
+    from engine.families.image.sdxl.text import IDS, open_tokenizers, parts
+
     model_dir, job, wd, _ = runs[pred]
-    mem, fam = _trained(job)
-    mem = with_last_checkpoint(mem, wd)
-    x = _inputs(mem)
+    mem, fam = _trained(job, wd)
+    unet, te = parts(mem)["unet"], "text_encoder" in parts(mem)
+    assert te == (pred == "epsilon")
+    x = _inputs(unet)
+    ids = {k: v[None] for k, v in open_tokenizers(str(model_dir), None)(PROMPT).items()}
+
+    def both(pipe) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        text = list(pipe.encode_prompt(PROMPT, device="cpu", do_classifier_free_guidance=False)[::2]) if te else []
+        return pipe.unet(**x)[0], text
+
     with torch.no_grad():
-        want = mem(**x)[0]
-        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, text_encoder=None, text_encoder_2=None,
-                                                         tokenizer=None, tokenizer_2=None, vae=None)
-        base = pipe.unet(**x)[0]
+        want = unet(**x)[0], list(mem.encode(*(ids[k] for k in IDS))) if te else []
+        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, vae=None, **({} if te else dict.fromkeys(
+            ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))))
+        base = both(pipe)
         pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
-        got = pipe.unet(**x)[0]
+        got = both(pipe)
         pipe.unload_lora_weights()
-        # diffusers reads kohya's file too (its SGM-name converter): the same update, up to rounding
+        # diffusers reads kohya's file too (its SGM-name converter, lora_te1_/lora_te2_ included): the same update,
+        # up to rounding
         pipe.load_lora_weights(str(wd / "output"), weight_name=KOHYA_FILE)
-        kohya = pipe.unet(**x)[0]
-    assert not torch.allclose(base, want, atol=1e-4), "training changed nothing; the test would prove nothing"
-    assert torch.equal(got, want), f"max diff {float((got - want).abs().max())}"
-    torch.testing.assert_close(kohya, want, rtol=1e-5, atol=1e-5)
+        kohya = both(pipe)
+    for b, w, g, k in zip([base[0], *base[1]], [want[0], *want[1]], [got[0], *got[1]], [kohya[0], *kohya[1]],
+                          strict=True):
+        assert not torch.allclose(b, w, atol=1e-4), "training changed nothing; the test would prove nothing"
+        assert torch.equal(g, w), f"max diff {float((g - w).abs().max())}"
+        torch.testing.assert_close(k, w, rtol=1e-5, atol=1e-5)
+    assert len(want[1]) == (2 if te else 0)  # prompt_embeds and pooled_prompt_embeds
     with safe_open(str(wd / "output" / DIFFUSERS_FILE), "pt") as f:
         md = f.metadata()
     assert md["lorad_prediction"] == pred and md["steps"] == "4"
@@ -242,30 +262,71 @@ def test_every_sdxl_unet_module_maps_to_the_key_comfyui_maps():
     assert kohya_key("down_blocks.0.resnets.1.conv2", config) == "lora_unet_input_blocks_2_0_out_layers_3"
 
 
+LORA_CLIP_MAP = {"mlp.fc1": "mlp_fc1", "mlp.fc2": "mlp_fc2", "self_attn.k_proj": "self_attn_k_proj",
+                 "self_attn.q_proj": "self_attn_q_proj", "self_attn.v_proj": "self_attn_v_proj",
+                 "self_attn.out_proj": "self_attn_out_proj"}
+
+
+def comfy_clip_key_map(sdk: set[str]) -> dict[str, str]:
+    """comfy/lora.py's model_lora_keys_clip for SDXL's two encoders (sdk: ComfyUI's CLIP weights, clip_l.transformer.
+    and clip_g.transformer. before the transformers names): lora_te1_ keys to CLIP-L's layers, then lora_te2_ keys to
+    bigG's once CLIP-L is present."""
+    keys, clip_l_present = {}, False
+    for b in range(32):
+        for c, k_c in LORA_CLIP_MAP.items():
+            k = f"clip_l.transformer.text_model.encoder.layers.{b}.{c}.weight"
+            if k in sdk:
+                keys[f"lora_te1_text_model_encoder_layers_{b}_{k_c}"] = k
+                clip_l_present = True
+            k = f"clip_g.transformer.text_model.encoder.layers.{b}.{c}.weight"
+            if k in sdk and clip_l_present:
+                keys[f"lora_te2_text_model_encoder_layers_{b}_{k_c}"] = k
+    return keys
+
+
 @pytest.mark.parametrize("pred", list(RUNS))
 def test_the_kohya_file_has_kohya_keys_and_alphas_with_the_trained_update(pred, runs):
+    """Every key of the file is one ComfyUI's maps (UNet and, with lora.text_encoder, both encoders), to every
+    trained module, with kohya's alpha and the trained update."""
+    from engine.families.image.sdxl.text import file_path, parts
+
     _model, job, wd, _ = runs[pred]
-    mem, _fam = _trained(job)
-    mem = with_last_checkpoint(mem, wd)
-    deltas = {n: m.get_delta_weight("default").detach() for n, m in mem.named_modules() if hasattr(m, "lora_A")}
+    mem, _fam = _trained(job, wd)
+    unet = parts(mem)["unet"]
     sd = load_file(str(wd / "output" / KOHYA_FILE))
-    keys = comfy_key_map(dict(mem.config))
-    to_diffusers = {f"diffusion_model.{s}.weight": d for d, s in comfy_unet_to_diffusers(
-        comfy_unet_config(dict(mem.config))).items()}
+    keys = comfy_key_map(dict(unet.config))
+    to_comfy = {d: f"diffusion_model.{s}.weight" for d, s in comfy_unet_to_diffusers(
+        comfy_unet_config(dict(unet.config))).items()}
+    deltas = {to_comfy[n]: m.get_delta_weight("default").detach() for n, m in unet.named_modules()
+              if hasattr(m, "lora_A")}
+    sdk: set[str] = set()  # ComfyUI's CLIP weights: clip_l / clip_g .transformer. + the transformers names
+    for part, clip in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        if part not in parts(mem):
+            continue
+        te = parts(mem)[part]
+        sdk |= {f"{clip}.transformer.{file_path(n.replace('.base_layer', ''))}" for n, _ in te.named_parameters()
+                if "lora_" not in n}
+        deltas.update({f"{clip}.transformer.{file_path(n)}.weight": m.get_delta_weight("default").detach()
+                       for n, m in te.named_modules() if hasattr(m, "lora_A")})
+    keys.update(comfy_clip_key_map(sdk))
     bases = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     assert set(sd) == {f"{b}.{s}" for b in bases for s in ("lora_down.weight", "lora_up.weight", "alpha")}
-    assert all("_input_blocks_" in b or "_output_blocks_" in b or "_middle_block_" in b for b in bases)
-    assert {to_diffusers[keys[b]] for b in bases} == set(deltas)  # every key maps, to every trained module
+    assert all(b.startswith("lora_unet_") and ("_input_blocks_" in b or "_output_blocks_" in b or "_middle_block_"
+                                                in b) or b.startswith(("lora_te1_", "lora_te2_")) for b in bases)
+    assert {keys[b] for b in bases} == set(deltas)  # every key maps, to every trained module
     convs = 0
     for b in bases:
         down, up, alpha = sd[f"{b}.lora_down.weight"], sd[f"{b}.lora_up.weight"], float(sd[f"{b}.alpha"])
         assert alpha == 8.0 and down.shape[0] == 4
-        delta = deltas[to_diffusers[keys[b]]]
+        delta = deltas[keys[b]]
         update = (alpha / down.shape[0]) * (up.flatten(1) @ down.flatten(1))
         convs += delta.dim() == 4
         torch.testing.assert_close(update.reshape(delta.shape), delta, rtol=1e-5, atol=1e-7, msg=b)
     assert (convs > 0) == (pred == "v")  # the v run trains LoCon (convs too)
+    te_keys = {b[:9] for b in bases if b.startswith("lora_te")}
+    assert te_keys == ({"lora_te1_", "lora_te2_"} if pred == "epsilon" else set())
     with safe_open(str(wd / "output" / KOHYA_FILE), "pt") as f:
         md = f.metadata()
     assert md["ss_network_dim"] == "4" and float(md["ss_network_alpha"]) == 8.0
     assert md["ss_v_parameterization"] == str(pred == "v")
+    assert md["ss_network_train_unet_only"] == str(pred != "epsilon")
