@@ -160,7 +160,10 @@ def diffusers_file(model: torch.nn.Module, out_dir: Path, md: dict[str, str]) ->
         conf = net.peft_config["default"].to_dict()
         scale = conf["lora_alpha"] / conf["r"]
         for k, v in get_peft_model_state_dict(net, adapter_name="default").items():
-            k = k if prefix == "unet" else file_path(k)
+            if prefix != "unet":
+                # transformers' load_adapter (which diffusers loads the encoders with) names DoRA's magnitude
+                # <module>.lora_magnitude_vector.weight; peft's state dict leaves the .weight off
+                k = file_path(k) + (".weight" if k.endswith(".lora_magnitude_vector") else "")
             sd[f"{prefix}.{k}"] = cpu_f32(v) * scale if k.endswith(".lora_B.weight") else cpu_f32(v)
         # Dropout is a training setting: the loaded adapter would drop activations at inference (pipelines never
         # eval()).

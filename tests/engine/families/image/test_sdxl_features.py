@@ -160,14 +160,16 @@ def test_what_sdxl_refuses_names_the_key(prepared, tmp_path):
     data = prepared.root / "data"
     for over, words in (({"path": str(single)}, "is a single-file checkpoint"),
                         ({"family": "flux", "path": "builtin:tiny-flux", "prediction": "v"},
-                         "model.prediction: only for model.family"),
-                        ({"path": "builtin:tiny-sdxl"}, None)):
+                         "model.prediction: only for model.family sdxl; this job is flux"),
+                        ({"family": "causal_lm", "path": "builtin:tiny-llama", "text_encoder": True},
+                         "lora.text_encoder: only for model.family sdxl; this job is causal_lm")):
+        lora = {"text_encoder": over.pop("text_encoder")} if "text_encoder" in over else {}
         job = {"name": "x", "model": {"family": "sdxl", "path": "builtin:tiny-sdxl", **over},
-               "data": {"path": str(data)}, "lora": {"type": "dora"} if words is None else {}}
+               "data": {"path": str(data)}, "lora": lora}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
         with pytest.raises(JobInvalid) as e:
             load_job(tmp_path / "job.yaml")
-        assert (words or "lora.type: dora is not supported for model.family sdxl") in str(e.value)
+        assert words in str(e.value)
 
 
 @pytest.mark.parametrize("pred", ["epsilon", "v"])
