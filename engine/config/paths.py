@@ -64,7 +64,7 @@ def single_file_refusal(mp: str) -> str:
             "and give DIR")
 
 
-def _check_model_path(mp: str) -> None:
+def _check_model_path(mp: str, family: str) -> None:
     if mp.startswith(BUILTIN_PREFIX):
         name = mp[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_MODELS:
@@ -73,7 +73,14 @@ def _check_model_path(mp: str) -> None:
         if not Path(mp).exists():
             raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
         if Path(mp).is_file() and mp.endswith(".safetensors"):
-            raise JobInvalid(single_file_refusal(mp))
+            check = families()[family].single_file if family in IMAGE_FAMILIES else None
+            if check is None:
+                raise JobInvalid(single_file_refusal(mp))
+            import importlib  # the family's trainer converts it (SDXL: engine/families/image/sdxl/single_file.py)
+
+            module, name = check.split(":")
+            getattr(importlib.import_module(module), name)(mp)
+            return
         if not Path(mp).is_dir():
             raise JobInvalid(f"model.path: {mp} is not a directory")
 
@@ -81,7 +88,15 @@ def _check_model_path(mp: str) -> None:
 def check_paths(cfg: JobConfig) -> None:
     """Every path the trainer reads exists and holds what the family reads; JobInvalid at the first that does not."""
     mp = cfg.model.path
-    _check_model_path(mp)
+    _check_model_path(mp, cfg.model.family)
+    sfc = getattr(cfg.model, "single_file_config", None)
+    if sfc is not None:
+        if not (Path(mp).is_file() and mp.endswith(".safetensors")):
+            raise JobInvalid(f"model.single_file_config: only with a single-file checkpoint as model.path ({mp} is "
+                             "not one); leave it out")
+        if Path(sfc).is_absolute() and not (Path(sfc) / "model_index.json").is_file():
+            raise JobInvalid(f"model.single_file_config: {sfc} is not a diffusers directory (no model_index.json); "
+                             "give the base's diffusers directory or its hub id")
     if cfg.model.assistant_lora is not None and Path(cfg.model.assistant_lora).is_absolute():
         from engine.config.assistant import local_file
 
@@ -103,10 +118,11 @@ def check_paths(cfg: JobConfig) -> None:
             check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
     elif cfg.model.family in IMAGE_FAMILIES:
         denoiser = families()[cfg.model.family].denoiser
-        if Path(mp).is_absolute() and not (Path(mp) / denoiser / "config.json").is_file():
+        single = Path(mp).is_file()  # a single-file checkpoint the family converts (_check_model_path)
+        if Path(mp).is_absolute() and not single and not (Path(mp) / denoiser / "config.json").is_file():
             what = display(cfg.model.family)
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no {denoiser}/config.json)")
-        if Path(mp).is_absolute():
+        if Path(mp).is_absolute() and not single:
             _check_not_another_model(cfg.model.family, mp)
         if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it
             from engine.config.clips import check_video_folder

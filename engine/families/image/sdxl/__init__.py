@@ -13,6 +13,7 @@ FAMILY = Facts(
                      "two CLIP text encoders) with random weights.", "engine.builtin.tiny_sdxl:build_tiny_sdxl"),),
     export_keys="engine.families.image.sdxl.export:kohya_key",
     denoiser="unet",
+    single_file="engine.families.image.sdxl.single_file:check_file",  # a fine-tune's one file as model.path
 )
 
 __getattr__ = training_code(__name__)

@@ -41,6 +41,7 @@ from engine.families.image.dataset import CachedImages, ImageData, PipelineEncod
 from engine.families.image.dop import with_preservation
 from engine.families.image.flow_lora import flip_and_drop, load_lora_transformer, sample_sigmas
 from engine.families.image.masked_loss import batch_flow_loss
+from engine.families.image.sdxl.single_file import diffusers_dir
 from engine.families.image.sdxl.text import (
     IDS,
     TOKENS_KIND,
@@ -135,8 +136,7 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, ac: torch.Tensor, pred: str) -
 
 
 def check_job(cfg: JobConfig) -> None:
-    """What SDXL cannot do, said before anything is encoded (JobInvalid: the trainer's exit 65). A single-file
-    checkpoint as model.path is refused at submit (engine/config/paths.py)."""
+    """What SDXL cannot do, said before anything is encoded (JobInvalid: the trainer's exit 65)."""
     if cfg.train.timestep_sampling == "shift":
         raise JobInvalid("train.timestep_sampling: shift is a flow-matching schedule; SDXL's DDPM takes linear "
                          "(uniform, kohya's default) or sigmoid")
@@ -154,13 +154,15 @@ class SDXL(ImageData):
         self.ac: torch.Tensor | None = None
         self.renderer = None
         self.sampled: torch.nn.Module | None = None
+        self.path = ""
 
     def _setup(self, cfg: JobConfig, workdir: Path) -> str:
         from diffusers import EulerDiscreteScheduler
 
         self.cfg = cfg
-        path = resolve_model_path(cfg.model.path, workdir)
         check_job(cfg)
+        # a single-file checkpoint: its diffusers directory, converted once into the workdir (single_file.py)
+        path = self.path = diffusers_dir(resolve_model_path(cfg.model.path, workdir), cfg, workdir)
         self.sched = dict(EulerDiscreteScheduler.load_config(path, subfolder="scheduler", revision=cfg.model.revision))
         self.pred = prediction(cfg, self.sched)
         self.ac = alphas_cumprod(self.sched, self.pred)
@@ -240,7 +242,7 @@ class SDXL(ImageData):
             return
         self.sampled = model  # its encoders turn the cached token ids into embeddings when they train
         if self.renderer is None:
-            path = resolve_model_path(cfg.model.path, workdir)
+            path = self.path
             self.renderer = SampleRenderer(cfg, path, self.cache, self.plan, Path(workdir),
                                            pipeline=lambda m: sample_pipeline(path, cfg, parts(m)["unet"], self.pred),
                                            prompt_kwargs=self.sample_kwargs)

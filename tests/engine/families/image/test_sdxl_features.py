@@ -158,7 +158,7 @@ def test_what_sdxl_refuses_names_the_key(prepared, tmp_path):
     single = tmp_path / "noobai-xl-vpred.safetensors"
     single.write_bytes(b"\0" * 16)
     data = prepared.root / "data"
-    for over, words in (({"path": str(single)}, "is a single-file checkpoint"),
+    for over, words in (({"path": str(single)}, "is not a safetensors checkpoint (no readable header)"),
                         ({"family": "flux", "path": "builtin:tiny-flux", "prediction": "v"},
                          "model.prediction: only for model.family sdxl; this job is flux"),
                         ({"family": "causal_lm", "path": "builtin:tiny-llama", "text_encoder": True},
