@@ -64,6 +64,24 @@ def single_file_refusal(mp: str) -> str:
             "and give DIR")
 
 
+def single_file_problem(mp: str, family: str | None) -> str | None:
+    """A single-file .safetensors checkpoint as model.path: "refused" where the family reads none, the line saying
+    why where it is not one the family reads, None where the family's trainer converts it (Facts.single_file)."""
+    import importlib
+
+    check = families()[family].single_file if family in IMAGE_FAMILIES else None
+    if check is None:
+        return "refused"
+    if not Path(mp).is_file():
+        return None  # not on this machine (an import): the validator says so where the job runs
+    module, name = check.split(":")
+    try:
+        getattr(importlib.import_module(module), name)(mp)
+    except JobInvalid as e:
+        return str(e)
+    return None
+
+
 def _check_model_path(mp: str, family: str) -> None:
     if mp.startswith(BUILTIN_PREFIX):
         name = mp[len(BUILTIN_PREFIX):]
@@ -73,14 +91,12 @@ def _check_model_path(mp: str, family: str) -> None:
         if not Path(mp).exists():
             raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
         if Path(mp).is_file() and mp.endswith(".safetensors"):
-            check = families()[family].single_file if family in IMAGE_FAMILIES else None
-            if check is None:
+            why = single_file_problem(mp, family)
+            if why == "refused":
                 raise JobInvalid(single_file_refusal(mp))
-            import importlib  # the family's trainer converts it (SDXL: engine/families/image/sdxl/single_file.py)
-
-            module, name = check.split(":")
-            getattr(importlib.import_module(module), name)(mp)
-            return
+            if why is not None:
+                raise JobInvalid(why)
+            return  # the family's trainer converts it (SDXL: engine/families/image/sdxl/single_file.py)
         if not Path(mp).is_dir():
             raise JobInvalid(f"model.path: {mp} is not a directory")
 
