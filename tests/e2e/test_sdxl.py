@@ -37,7 +37,7 @@ KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
 # LoCon: attention plus every resnet conv and the samplers (the v run)
 LOCON = r"^.*(transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)|resnets\.\d+\.(conv1|conv2|conv_shortcut)" \
         r"|(down|up)samplers\.0\.conv)$"
-RUNS = {"epsilon": {"lora": {"text_encoder": True}}, "v": {"lora": {"targets": LOCON}}}
+RUNS = {"epsilon": {"lora": {"text_encoder": True, "text_encoder_lr": 0.001}}, "v": {"lora": {"targets": LOCON}}}
 
 
 def job_dict(model_dir, data_dir, prediction: str, **over) -> dict:

@@ -11,7 +11,8 @@ embedding entry of the same caption), and every step encodes them through the en
 - LoRA (or lora.type's adapter) on every encoder layer's attention q/k/v/out_proj and MLP fc1/fc2 (TE_TARGETS):
   what kohya's text-encoder LoRA trains, and exactly the linears ComfyUI's CLIP key map names (export.py).
   Embeddings, layer norms and bigG's text_projection stay frozen.
-- The encoders train at train.lr with the UNet, in one optimizer (one checkpoint, one exact resume); they stay in
+- The encoders train with the UNet in one optimizer (one checkpoint, one exact resume), at train.lr or at
+  lora.text_encoder_lr (their own parameter group, following train.schedule at that multiple); they stay in
   the job's dtype (model.base_precision quantises the UNet only: they are 0.8 B parameters together).
 
 The trained model is one module, SDXLWithText, holding the three under the pipeline's names (`unet`,
@@ -49,7 +50,8 @@ def open_tokenizers(model_path: str, revision: str | None) -> Callable[[str], di
 
 
 def load_text_encoders(path: str, cfg, device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Both encoders, frozen in the job's dtype, each with lora.type's adapter ("default") on TE_TARGETS."""
+    """Both encoders, frozen in the job's dtype, each with lora.type's adapter ("default") on TE_TARGETS; with
+    lora.text_encoder_lr their adapter's parameters carry its ratio to train.lr (the optimizer's groups)."""
     from peft import inject_adapter_in_model
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
@@ -66,7 +68,14 @@ def load_text_encoders(path: str, cfg, device: torch.device) -> tuple[torch.nn.M
         inject_adapter_in_model(conf, te, adapter_name="default")
         te.peft_config = {"default": conf}
         set_adapter_dtype(te, cfg.lora.dtype)
-        out.append(te.to(device))
+        te.to(device)
+        if cfg.lora.text_encoder_lr is not None:
+            from engine.training.optim import LR_SCALE
+
+            for p in te.parameters():
+                if p.requires_grad:
+                    setattr(p, LR_SCALE, cfg.lora.text_encoder_lr / cfg.train.lr)
+        out.append(te)
     return out[0], out[1]
 
 

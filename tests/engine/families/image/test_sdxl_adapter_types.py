@@ -4,7 +4,8 @@ SDXL rules map (tests/helpers/comfy_sdxl.py), the LyCORIS tensors whose update C
 (tests/helpers/lycoris.py) equal to the trained one; a file a type cannot be read from is refused at submit.
 
 The adapters are loaded as a job loads them and randomised (zero-initialised factors would make any file right):
-what a file holds is a function of the adapter's weights, not of how they were trained."""
+what a file holds is a function of the adapter's weights, not of how they were trained. And lora.text_encoder_lr:
+the encoders' parameters in an optimizer group of their own, following the schedule at that multiple."""
 
 from __future__ import annotations
 
@@ -112,6 +113,22 @@ def test_lokr_and_loha_kohya_files_follow_comfyuis_sdxl_and_lycoris_rules(setup,
         assert set(tensors) <= allowed, set(tensors) - allowed  # ComfyUI would warn "lora key not loaded"
         want = layers[keys[key]].get_delta_weight("default").detach()
         torch.testing.assert_close(comfy_lycoris_delta(tensors, want.shape), want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_the_text_encoders_train_at_their_own_learning_rate_along_the_schedule(setup):
+    from engine.training.adapters import trainable
+    from engine.training.optim import build_optimizer, set_lr
+
+    cfg, _fam, model, _names, _out = _model(setup, {"type": "lora", "text_encoder_lr": 0.0005}, ["diffusers"])
+    params = trainable(model)
+    opt = build_optimizer(list(params.values()), cfg.train)
+    by_id = {id(p): n for n, p in params.items()}
+    unet, te = ({by_id[id(p)] for p in g["params"]} for g in opt.param_groups)
+    assert unet == {n for n in params if n.startswith("unet.")} and te == set(params) - unet
+    assert {n.split(".")[0] for n in te} == {"text_encoder", "text_encoder_2"}
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([cfg.train.lr, 0.0005])
+    set_lr(opt, cfg.train.lr / 10)  # a step of the schedule: both scaled alike
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([cfg.train.lr / 10, 0.00005])
 
 
 @pytest.mark.parametrize("lora,formats,words", [
