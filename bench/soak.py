@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         hh, mm = map(int, args.deadline.split(":"))
         now = datetime.now(UTC)
         end = now.replace(hour=hh, minute=mm, second=0, microsecond=0)
+        if end <= now:  # a deadline past midnight (23:00 now, --deadline 01:30) is tomorrow's
+            end += timedelta(days=1)
         stop_at = time.monotonic() + (end - now).total_seconds() - args.finish_s
     root = Path(args.root or tempfile.mkdtemp(prefix="lorad-soak-"))
     root.mkdir(parents=True, exist_ok=True)

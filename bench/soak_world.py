@@ -145,10 +145,8 @@ class World:
     def start_daemon(self, timeout: float = 300) -> float:
         """`lorad serve` again; seconds until its socket answers."""
         t0 = time.monotonic()
-        # A daemon that starts sees no Xid raised before it, as NVML's event set: the simulated device of a new
-        # daemon would deliver every Xid in the faults file again (three at once: its GPU held for a human).
-        self.xids = []
-        self.set_gpu_faults({})
+        # The faults file stays as it was: the new daemon's simulated device, as NVML's event set, delivers no Xid
+        # the file listed before it started (daemon/power/simulated.py).
         with open(self.root / "daemon.log", "ab") as log:
             self.daemon = subprocess.Popen(
                 [sys.executable, "-m", "daemon.client.cli", "serve", "--home", str(self.home), "--config",

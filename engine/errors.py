@@ -1,7 +1,8 @@
 """What the engine raises across modules, in one place that imports nothing.
 
 engine/recipe.py (train) turns each into an exit code: JobInvalid and ConfigMismatch → 65
-(never retried), DiskError → 74 (retried after backoff), OutOfMemory → 69 (the daemon re-plans memory). The thin client
+(never retried), DiskError → 74 (retried after backoff), OutOfMemory → 69 (the daemon re-plans memory),
+HeldForReview → 75 (stopped, resumable). The thin client
 imports this module too, so it must stay free of torch and of the rest of the
 engine.
 """
@@ -32,3 +33,8 @@ class OutOfMemory(Exception):
     def __init__(self, phase: str, step: int, message: str, needed: int | None, plan: dict | None):
         super().__init__(message)
         self.phase, self.step, self.needed, self.plan = phase, step, needed, plan
+
+
+class HeldForReview(Exception):
+    """The caption stage is done and the job stops for a person to review its captions
+    (data.captioner.hold_for_review): nothing trained yet, resumable. The engine exits 75 on it."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 
 from tests.helpers.processes import REPO
-from tests.test_import_graph import imported_alone
 
 ENGINE = REPO / "engine"
 
@@ -38,13 +37,6 @@ def test_no_engine_source_file_imports_daemon():
     assert len(files) > 10
     offenders = {str(f.relative_to(REPO)): found for f in files if (found := daemon_imports(f.read_text()))}
     assert offenders == {}
-
-
-def test_importing_every_engine_module_loads_no_daemon_module():
-    """Each engine module imported alone, in a fresh child (the one tests/test_import_graph.py's test reads)."""
-    engine = {n: r["daemon"] for n, r in imported_alone().items() if n.split(".")[0] == "engine"}
-    assert "engine.run" in engine
-    assert {n: loaded for n, loaded in engine.items() if loaded} == {}
 
 
 # --------------------------------------------------------------------- the recipe's command line is a script

@@ -146,8 +146,8 @@ def test_engine_never_imports_daemon_anywhere_in_its_graph():
 @functools.cache
 def imported_alone() -> dict[str, dict]:
     """Each module imported in one child with no other engine/daemon module loaded before it (third-party ones may
-    stay): {module: {"error": its traceback or None, "daemon": the daemon modules it loaded}}. One child for this
-    file's test and tests/test_import_boundary.py's: each imports the whole training stack (seconds)."""
+    stay): {module: {"error": its traceback or None, "daemon": the daemon modules it loaded}}. One child for both
+    tests below that read it: each module imports the whole training stack again (seconds)."""
     code = (
         "import importlib, json, sys, traceback\n"
         f"names = {sorted(n for n in project_modules() if not n.endswith('__main__'))!r}\n"
@@ -170,3 +170,12 @@ def imported_alone() -> dict[str, dict]:
 
 def test_every_module_imports_on_its_own():
     assert {n: r["error"] for n, r in imported_alone().items() if r["error"]} == {}
+
+
+def test_importing_every_engine_module_loads_no_daemon_module():
+    """engine never imports daemon, at run time too (tests/test_import_boundary.py reads the sources). Here, not
+    there: the child that imports every module alone costs seconds, and pytest-xdist's loadfile would run it once
+    per file."""
+    engine = {n: r["daemon"] for n, r in imported_alone().items() if n.split(".")[0] == "engine"}
+    assert "engine.run" in engine
+    assert {n: loaded for n, loaded in engine.items() if loaded} == {}

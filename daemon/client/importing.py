@@ -82,7 +82,9 @@ def dataset_summary(cfg) -> dict[str, Any]:
                 bw, bh = assign_bucket(*size, res)
                 buckets[f"{bw}x{bh}"] += 1
     items = len(files) * (1 if video else len(cfg.data.resolution))
-    counts = {} if video else caption_counts(cfg, folder, files, set(missing))
+    counts = caption_counts(cfg, folder, files, set(missing))  # data.dedupe is refused for clips: none computed
+    if video:
+        counts["media"] = "clips and stills"
     return {**counts, "path": cfg.data.path, "files": len(files), "items": items, "repeats": cfg.data.repeats,
             "samples_per_epoch": items * cfg.data.repeats, "buckets": dict(sorted(buckets.items())),
             "captions_missing": len(missing), "captions_missing_files": missing[:20],
@@ -174,7 +176,8 @@ def check_report(cfg, header) -> dict[str, Any]:
 def _caption_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
     if "images" not in d:
         return []
-    rows = [("captions", f"{d['images']} images: {d['captioned']} captioned (files), {d['to_caption']} to caption "
+    rows = [("captions", f"{d['images']} {d.get('media', 'images')}: {d['captioned']} captioned (files), "
+                         f"{d['to_caption']} to caption "
                          f"(data.captions: {d['caption_mode']})")]
     if "duplicate_groups" in d:
         groups = d["duplicate_groups"]

@@ -19,6 +19,7 @@ from typing import Any
 
 from daemon import protocol as p
 from daemon.supervisor.disk_wait import waiting_note
+from daemon.supervisor.exit_policy import HELD_FOR_REVIEW as HELD  # a held job's stage
 from daemon.system.eta import fmt_eta
 
 COLUMNS = ("ID", "NAME", "STATE", "PRIO", "STEP", "LOSS", "VAL", "S/STEP", "ETA", "NOTE")
@@ -95,6 +96,8 @@ def print_table(data: dict[str, Any] | p.QueueReply) -> None:
         note = j.requested and f"{j.requested} requested" or (j.last_error or "")
         if j.state == "waiting":
             note = f"waiting: {waiting_note(j.wait_bytes)}"
+        if j.state == "paused" and j.stage == HELD:  # after its caption stage (data.captioner.hold_for_review)
+            note = f"{j.stage}: edit, then lorad resume {j.id}"
         if j.gpu_note and j.state in ("queued", "running"):  # gpu_memory_policy: what was decided
             note = f"{note}; {j.gpu_note}" if note else j.gpu_note
         if j.state in ("succeeded", "cancelled"):
@@ -213,6 +216,9 @@ def print_detail(data: dict[str, Any] | p.JobStatusReply) -> None:
         rows.append(("next try", when(j.not_before)))
     if j.state == "waiting":
         rows.append(("waiting", f"{waiting_note(j.wait_bytes)}; retried when the space is free"))
+    if j.state == "paused" and j.stage == HELD:
+        rows.append(("held", f"{j.stage}: edit them on the dashboard or with `lorad caption {j.id} IMAGE TEXT` "
+                             f"(`lorad captions {j.id} --to DIR` writes them out), then `lorad resume {j.id}`"))
     if j.state == "waiting_for_gpu":
         rows.append(("waiting for GPU", f"{j.last_error or 'its GPU is out'}; queued again once a GPU is healthy"))
     if j.gpu_note:

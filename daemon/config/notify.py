@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-EVENTS = ("succeeded", "failed", "stopped_by_power", "checkpoint_slow", "gpu_quarantined")
+EVENTS = ("succeeded", "failed", "stopped_by_power", "checkpoint_slow", "gpu_quarantined", "captions_ready")
 
 
 class NotifySettings(BaseModel):
@@ -16,7 +16,8 @@ class NotifySettings(BaseModel):
 
     webhook_url: str | None = None  # http(s)://...: a JSON POST per event
     command: Union[str, list[str], None] = None  # argv (a list, or a string split like a shell would; no shell runs it)
-    on: list[Literal["succeeded", "failed", "stopped_by_power", "checkpoint_slow", "gpu_quarantined"]] = Field(
+    on: list[Literal["succeeded", "failed", "stopped_by_power", "checkpoint_slow", "gpu_quarantined",
+                     "captions_ready"]] = Field(
         default_factory=lambda: list(EVENTS))
     timeout_s: float = Field(10.0, gt=0, le=300)  # per try, webhook and command alike
     retries: int = Field(3, ge=0, le=20)  # tries after the first failure, with backoff 1, 2, 4 ... s (at most 30)

@@ -5,11 +5,13 @@ A GPU that answers NVML_ERROR_GPU_IS_LOST is lost; any other NVML error on the c
 unknown error. After either, NVML is started again before the next reading (a driver reload makes old handles
 useless), so a GPU brought back by an admin is seen without restarting the daemon; a GPU whose handle cannot be
 had is lost (or in error) alone, the others read on. Calls a board does not support (no ECC, no row remapping)
-are skipped, not faults. Untested here: this machine has no NVML (the simulated device stands in for tests).
+are skipped, not faults. Never run on a GPU yet: tests run it through the real pynvml on a stand-in for the
+driver's library at its C ABI (tests/helpers/nvml_lib.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 from daemon.gpu_health.reading import Reading
@@ -29,6 +31,7 @@ class NvmlHealth:
         self._handles: list[Any] = []
         self._xids: dict[int, list[int]] = {}
         self._stale = True
+        self._inited = False
         self._start()
         self._count = len(self._handles)
 
@@ -40,11 +43,16 @@ class NvmlHealth:
             except nv.NVMLError:
                 pass
             self._events = None
-        try:
-            nv.nvmlShutdown()
-        except nv.NVMLError:  # not started yet, or the driver went away
-            pass
+        if self._inited:
+            # Only our own nvmlInit is undone: NVML counts them, and telemetry (daemon/power/telemetry.py) holds one
+            # in the same process; shutting NVML down under it would stop its readings.
+            self._inited = False
+            try:
+                nv.nvmlShutdown()
+            except nv.NVMLError:  # the driver went away
+                pass
         nv.nvmlInit()
+        self._inited = True
         self._events = nv.nvmlEventSetCreate()
         self._handles = []
         for i in range(nv.nvmlDeviceGetCount()):
@@ -70,19 +78,37 @@ class NvmlHealth:
                 ev = nv.nvmlEventSetWait_v2(self._events, 0)
             except nv.NVMLError_Timeout:
                 return
-            self._xids.setdefault(int(nv.nvmlDeviceGetIndex(ev.device)), []).append(int(ev.eventData))
+            gpu = self._index_of(ev.device)
+            if gpu is not None:
+                self._xids.setdefault(gpu, []).append(int(ev.eventData))
+
+    def _index_of(self, device: Any) -> int | None:
+        """The index of an event's GPU. A GPU that fell off the bus (its last Xid is often 79) may answer
+        nvmlDeviceGetIndex with GPU_IS_LOST too: it is then found among our handles, so that its event neither
+        goes missing nor makes the GPU being read look lost."""
+        nv = self._nv
+        try:
+            return int(nv.nvmlDeviceGetIndex(device))
+        except nv.NVMLError:
+            pass
+        addr = ctypes.cast(device, ctypes.c_void_p).value
+        for i, h in enumerate(self._handles):
+            if h is not None and ctypes.cast(h, ctypes.c_void_p).value == addr:
+                return i
+        return None
 
     def health_reading(self, gpu: int) -> Reading:
         nv = self._nv
+        r = Reading(gpu=gpu)
         try:
             if self._stale:
                 self._start()
             self._drain_events()
+            r.xids = self._xids.pop(gpu, [])
             h = self._handles[gpu] if gpu < len(self._handles) else None
             if h is None:
                 h = nv.nvmlDeviceGetHandleByIndex(gpu)  # raises what is wrong with it
                 self._stale = True  # it answers again: start over, with its events registered
-            r = Reading(gpu=gpu, xids=self._xids.pop(gpu, []))
             r.memory_total = int(nv.nvmlDeviceGetMemoryInfo(h).total)
             r.processes = [(int(p.pid), int(p.usedGpuMemory or 0))
                            for p in nv.nvmlDeviceGetComputeRunningProcesses(h)]
@@ -103,15 +129,19 @@ class NvmlHealth:
             return r
         except nv.NVMLError as e:
             self._stale = True
+            xids = r.xids + self._xids.pop(gpu, [])  # with the fault they came with, never after it is back
             if getattr(e, "value", None) == nv.NVML_ERROR_GPU_IS_LOST:
-                return Reading(gpu=gpu, lost=True)
-            return Reading(gpu=gpu, error=str(e))
+                return Reading(gpu=gpu, lost=True, xids=xids)
+            return Reading(gpu=gpu, error=str(e), xids=xids)
 
     def close(self) -> None:
         try:
             if self._events is not None:
                 self._nv.nvmlEventSetFree(self._events)
-            self._nv.nvmlShutdown()
+                self._events = None
+            if self._inited:
+                self._inited = False
+                self._nv.nvmlShutdown()
         except Exception:  # noqa: BLE001
             pass
 

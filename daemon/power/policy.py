@@ -23,7 +23,7 @@ from typing import Any
 
 from daemon.config.power import PowerSettings
 from daemon.power.caps import CapManager
-from daemon.power.gpu import Device
+from daemon.power.gpu import Device, GpuInfo
 from daemon.power.helper_client import caps_seam
 from daemon.power.job_energy import JobEnergy, MeteredJob, event_time
 from daemon.power.run_policy import Decision, RunningJob
@@ -188,9 +188,9 @@ class PowerPolicy(JobEnergy):
                 d.checkpoint_now = False
             if self.device is not None:
                 for gpu in range(self.device.count()):
-                    self._apply_caps(gpu)
+                    self._per_gpu(gpu, self._apply_caps)
                 for gpu in {j.gpu for j in self.jobs.values() if j.metered}:
-                    self._read_energy(gpu)  # brackets the next heartbeat's timestamp within one tick
+                    self._per_gpu(gpu, self._read_energy)  # brackets the next heartbeat's timestamp within one tick
             self.store.maintain()
             self.last_notes = list(d.notes)
             return d
@@ -237,6 +237,15 @@ class PowerPolicy(JobEnergy):
             return None, "none"
         return min(c)
 
+    def _per_gpu(self, gpu: int, fn: Callable[[int], Any]) -> None:
+        # A lost GPU answers every NVML call with an error (daemon/gpu_health/ quarantines it): the other GPUs'
+        # caps and meters go on, and the tick (the supervisor's health, the watchdog) does not fail with it.
+        try:
+            fn(gpu)
+        except Exception as e:  # noqa: BLE001
+            self._say_once(f"unreadable-{gpu}-{type(e).__name__}", "power: GPU unreadable", gpu=gpu,
+                           error=f"{type(e).__name__}: {e}")
+
     def _apply_caps(self, gpu: int) -> None:
         if self.caps is None:
             return
@@ -276,13 +285,17 @@ class PowerPolicy(JobEnergy):
                 rep["notes"].insert(0, why)
             if self.device is not None:
                 for g in range(self.device.count()):
-                    info = self.device.info(g)
+                    try:
+                        info = self.device.info(g)
+                        limit = self.device.limit_w(g)
+                    except Exception as e:  # noqa: BLE001 — a lost GPU: said, not a failed report
+                        info, limit = GpuInfo(g, f"unreadable ({type(e).__name__}: {e})", None, None, None), None
                     latest = self.sampler.latest.get(g) if self.sampler else None
                     want, why = self.wanted_limit(g)
                     rep["gpus"].append({
                         "index": g, "name": info.name, "simulated": info.simulated,
                         "min_w": info.min_w, "max_w": info.max_w, "default_w": info.default_w,
-                        "limit_w": self.device.limit_w(g), "wanted_w": want, "cap_reason": why,
+                        "limit_w": limit, "wanted_w": want, "cap_reason": why,
                         "original_w": self.caps.original.get(g) if self.caps else None,
                         "refused": self.caps.last_refusal.get(g) if self.caps else None,
                         "sample": latest.to_dict() if latest else None,

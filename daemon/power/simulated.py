@@ -32,7 +32,9 @@ reads them from `power.telemetry.simulated_faults`, a JSON file re-read when it 
 
     {"1": {"xid": [79, 79, 79]}, "0": {"lost": true, "foreign_mib": 6144, "throttle": ["hw_thermal_slowdown"]}}
 
-keys: lost, error (a message), xid (every Xid so far: the new ones are delivered once), ecc_uncorrected (a count),
+keys: lost, error (a message), xid (every Xid so far: the new ones are delivered once; those already in the file
+when the device is made are not, as NVML's event set delivers no Xid raised before it was registered, so a
+restarted daemon never sees old ones again), ecc_uncorrected (a count),
 pending_remap, remap_failed, throttle (clock-event names), foreign_mib (memory another program holds). A GPU
 not named is healthy. A lost GPU's telemetry samples fail, as NVML's do.
 """
@@ -95,7 +97,6 @@ class SimulatedDevice:
         self._faults_file = Path(faults_file) if faults_file else None
         self._faults_seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file last read
         self._fault: list[dict[str, Any]] = [{} for _ in range(n)]
-        self._xids_delivered = [0] * n
         self._lock = threading.Lock()
         self._refuse = refuse_limits  # pretend to be a non-root daemon: every set_limit_w is refused
         now = clock()
@@ -103,6 +104,9 @@ class SimulatedDevice:
         self._busy = [False] * n
         self._energy_mj = [0.0] * n
         self._last = [now] * n
+        # "Registered" now: the Xids a faults file already lists happened before this device (a daemon's start).
+        self._read_faults()
+        self._xids_delivered = [len(f["xid"]) if isinstance(f.get("xid"), list) else 0 for f in self._fault]
 
     def count(self) -> int:
         return len(self._limit)

@@ -53,7 +53,14 @@ class NvmlDevice:
         self._nv = pynvml
         pynvml.nvmlInit()
         self._log = log
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self._handles: list[Any] = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                self._handles.append(pynvml.nvmlDeviceGetHandleByIndex(i))
+            except pynvml.NVMLError as e:  # lost or failing now: the others are read; this one when it answers
+                self._handles.append(None)
+                if log is not None:
+                    log.warning("telemetry: GPU unreadable at start", gpu=i, error=f"{type(e).__name__}: {e}")
         self._throttle = _throttle_names(pynvml)
         # Boards without a total-energy counter (pre-Volta) get power x time integrated here.
         self._integrated: dict[int, tuple[float, float]] = {}  # gpu -> (mJ so far, monotonic time of last read)
@@ -63,10 +70,16 @@ class NvmlDevice:
     def count(self) -> int:
         return len(self._handles)
 
+    def _h(self, gpu: int) -> Any:
+        """The GPU's handle; one it could not get yet is asked for again (raises while it still fails)."""
+        if self._handles[gpu] is None:
+            self._handles[gpu] = self._nv.nvmlDeviceGetHandleByIndex(gpu)
+        return self._handles[gpu]
+
     def info(self, gpu: int) -> GpuInfo:
         if gpu in self._info:  # constant for the life of the driver; the policy asks every tick
             return self._info[gpu]
-        nv, h = self._nv, self._handles[gpu]
+        nv, h = self._nv, self._h(gpu)
         name = nv.nvmlDeviceGetName(h)
         name = name.decode() if isinstance(name, bytes) else name
         lo, hi = nv.nvmlDeviceGetPowerManagementLimitConstraints(h)
@@ -76,17 +89,17 @@ class NvmlDevice:
         return self._info[gpu]
 
     def limit_w(self, gpu: int) -> float:
-        return self._nv.nvmlDeviceGetEnforcedPowerLimit(self._handles[gpu]) / 1000.0
+        return self._nv.nvmlDeviceGetEnforcedPowerLimit(self._h(gpu)) / 1000.0
 
     def set_limit_w(self, gpu: int, watts: float) -> None:
         nv = self._nv
         try:
-            nv.nvmlDeviceSetPowerManagementLimit(self._handles[gpu], int(round(watts * 1000)))
+            nv.nvmlDeviceSetPowerManagementLimit(self._h(gpu), int(round(watts * 1000)))
         except nv.NVMLError as e:  # NoPermission (not root), NotSupported (laptops), InvalidArgument (range)
             raise CapRefused(f"GPU {gpu}: setting {watts:.0f} W refused by the driver: {e}") from e
 
     def energy_mj(self, gpu: int) -> float:
-        nv, h = self._nv, self._handles[gpu]
+        nv, h = self._nv, self._h(gpu)
         if gpu not in self._said_integrating:
             try:
                 return float(nv.nvmlDeviceGetTotalEnergyConsumption(h))
@@ -102,7 +115,7 @@ class NvmlDevice:
         return total
 
     def sample(self, gpu: int) -> Sample:
-        nv, h = self._nv, self._handles[gpu]
+        nv, h = self._nv, self._h(gpu)
 
         def opt(fn: Callable[[], Any], default: Any = float("nan")) -> Any:
             # A board may not support one metric; the rest of the sample is still worth keeping.

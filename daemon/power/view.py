@@ -33,7 +33,8 @@ def render(rep: dict[str, Any]) -> Group:
     for g in rep.get("gpus", []):
         s = g.get("sample") or {}
         name = ("SIMULATED " if g.get("simulated") and not g["name"].startswith("SIMULATED") else "") + g["name"]
-        names.append(Text(f"GPU {g['index']}: {name}, limits {g['min_w']:.0f}-{g['max_w']:.0f} W "
+        names.append(Text(f"GPU {g['index']}: {name}" if g.get("min_w") is None else  # unreadable (lost)
+                          f"GPU {g['index']}: {name}, limits {g['min_w']:.0f}-{g['max_w']:.0f} W "
                           f"(default {g['default_w']:.0f} W)"))
         cap = g.get("cap_reason") or "none"
         if g.get("refused"):

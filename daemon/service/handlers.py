@@ -247,6 +247,13 @@ def pause(ctx: Context, req: p.Pause) -> p.JobActionReply:
 
 def resume(ctx: Context, req: p.Resume) -> p.JobActionReply:
     job = _job(ctx, req.job)
+    if caption_edits.held(job):  # held after its caption stage: released first, then queued to train
+        caption_edits.release(job)
+        ctx.store.transition(job["id"], states.PAUSED, states.QUEUED, "lorad resume: captions reviewed", not_before=0,
+                             retries=0, stage=None)
+        ctx.wake()
+        return p.JobActionReply(job=job["id"], state=states.QUEUED, message="queued; it trains on its captions as "
+                                                                            "they are now, edits included")
     if job["state"] == states.PAUSED:
         ctx.store.transition(job["id"], states.PAUSED, states.QUEUED, "lorad resume", not_before=0, retries=0)
         ctx.wake()

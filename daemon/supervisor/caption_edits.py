@@ -6,6 +6,10 @@ committed: an edit then would train part of the job on one caption and the rest 
 identity, which holds the edits, would no longer match); a running trainer past its caption stage (it has read
 the captions); a job with no captions yet, or an image its captions do not name.
 
+A job held for review after its caption stage (data.captioner.hold_for_review: paused, its stage
+HELD_FOR_REVIEW) is released by `lorad resume`: `release` writes WORKDIR/captions_reviewed.json, which the trainer
+looks for before it holds again.
+
 The daemon reads jobs/ID/captions.json and writes caption_edits.json there by descriptor, never following a
 symlink (daemon/system/safe_files.py): the trainer user may replace anything in that directory. One lock orders
 the edits, so two at once both land.
@@ -21,9 +25,10 @@ from typing import Any
 
 from daemon import protocol as p
 from daemon.store import states
+from daemon.supervisor.exit_policy import HELD_FOR_REVIEW
 from daemon.system.paths import JOB_FILE_MODE
 from daemon.system.safe_files import read_bytes, write_durable
-from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES, clean
+from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES, REVIEWED_FILE, clean
 
 CAPTIONS_FILE = "captions.json"  # engine/captioning/stage.py's
 MAX_CAPTIONS_BYTES = 64 << 20
@@ -85,3 +90,13 @@ def edit(job: dict[str, Any], req: p.EditCaption) -> p.JobActionReply:
         write_durable(workdir / EDITS_FILE, json.dumps(edits, indent=1, ensure_ascii=False).encode(), JOB_FILE_MODE)
     return p.JobActionReply(job=job["id"], state=job["state"],
                             message=f"caption of {req.image} edited; it trains with the job")
+
+
+def held(job: dict[str, Any]) -> bool:
+    """Paused after its caption stage, for a person to review the captions (the store says so, not a file)."""
+    return job["state"] == states.PAUSED and job.get("stage") == HELD_FOR_REVIEW
+
+
+def release(job: dict[str, Any]) -> None:
+    """The person is done reviewing: the trainer trains next time instead of holding again."""
+    write_durable(Path(job["workdir"]) / REVIEWED_FILE, b"{}\n", JOB_FILE_MODE)

@@ -10,6 +10,8 @@ no clock: the supervisor and start-up recovery both ask it, and tests walk it as
       outage (reboot, UPS shutdown)      interrupted (resumed from its last checkpoint at once, nothing counted)
     stopped (or died) because its GPU
       was quarantined ("gpu: ...")      waiting_for_gpu (queued again once a healthy GPU is there, never counted)
+    it said `captions_ready` (any exit   paused, held for its captions' review (data.captioner.hold_for_review):
+      but 0, nothing asked)              `lorad resume` releases it (HELD_FOR_REVIEW is its reason and stage)
     exit 65                              failed: the job is invalid, never retried
     exit 69 (out of GPU memory)          queued again at once under a smaller memory plan (oom_replan.py), never
                                          counted; failed with one line naming what was tried when no lever is left
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 RESUMABLE_STOPS = ("shutdown", "drain", "outage")
 RESUMABLE_PREFIXES = ("policy", "preempt")  # "policy: ..." (power windows, the UPS), "preempt: yields to ..."
 INTERNAL_REPEATS = 2  # an internal error seen this many times before, in a row, is not retried again
+HELD_FOR_REVIEW = "captions ready for review"  # the reason, and the job's stage while it is held
 GPU_FAULT_PREFIX = "gpu:"  # "gpu: GPU 1 quarantined (Xid 79)": set by daemon/supervisor/gpu_path.py
 
 
@@ -75,11 +78,11 @@ def same_error_in_a_row(error: str | None, previous: list[str | None]) -> int:
 
 def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, cfg: DaemonConfig,
                 last_error: str | None, progressed: bool = False, repeats: int = 0,
-                replanned: str | None = None) -> ExitDecision:
+                replanned: str | None = None, held: bool = False) -> ExitDecision:
     """Where a job goes when its trainer exits. `crashes_before`: crashes in a row before this attempt;
     `progressed`: this attempt committed a new checkpoint; `repeats`: the attempts just before that ended with
     this same error (same_error_in_a_row); `replanned`: after an out-of-memory (exit 69), the lever the re-plan
-    pulled (None: none was left, and `last_error` says what was tried)."""
+    pulled (None: none was left, and `last_error` says what was tried); `held`: the trainer said `captions_ready`."""
     before = 0 if progressed else crashes_before
     if code == EXIT_OK:
         return ExitDecision(states.SUCCEEDED, "finished", crashes=0)
@@ -92,6 +95,8 @@ def decide_exit(code: int | None, stop_reason: str | None, crashes_before: int, 
         return ExitDecision(states.WAITING_FOR_GPU, stop_reason, crashes=before)
     if stop_reason in RESUMABLE_STOPS or (stop_reason or "").startswith(RESUMABLE_PREFIXES):
         return ExitDecision(states.INTERRUPTED, stop_reason or "stopped", crashes=before)
+    if held:  # whatever ended it after it said so (its own exit 75, or a kill): nothing of training is lost
+        return ExitDecision(states.PAUSED, HELD_FOR_REVIEW, crashes=before)
     if code == EXIT_INVALID:
         return ExitDecision(states.FAILED, f"invalid job: {last_error or 'exit 65'}", crashes=before)
     if code == EXIT_OUT_OF_MEMORY:

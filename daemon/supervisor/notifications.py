@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from daemon.config.notify import NotifySettings
+from daemon.supervisor.exit_policy import HELD_FOR_REVIEW
 
 QUEUE_MAX = 1000
 BACKOFF_MAX_S = 30.0
@@ -39,6 +40,8 @@ def event_of_exit(state: str, reason: str) -> str | None:
         return state
     if state == "interrupted" and reason.startswith("policy"):
         return "stopped_by_power"  # a schedule window, a planned outage, the UPS
+    if state == "paused" and reason == HELD_FOR_REVIEW:
+        return "captions_ready"  # data.captioner.hold_for_review: a person's turn (lorad resume)
     return None
 
 

@@ -4,7 +4,8 @@ The floors live in the job's `memory` column of state.db (JSON, engine/memory_pl
 never in the user's job.yaml and never in the job's identity; start_path.py hands them to each attempt in
 $LORAD_MEMORY_PLAN. The lever is chosen from the plan the trainer says it ran under (its checked `out_of_memory`
 event), in the engine's order (engine.memory_plan.replan): a re-plan costs no crash and no backoff, and the job
-resumes from its newest checkpoint.
+resumes from its newest checkpoint. The floors are kept whatever state the exit lands in (reap_path.py): a pause,
+a shutdown or a failing GPU that wins over the requeue still leaves the next attempt its new plan.
 """
 
 from __future__ import annotations

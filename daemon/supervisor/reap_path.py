@@ -12,7 +12,7 @@ from typing import Any
 
 from daemon.store import states
 from daemon.supervisor import disk_wait
-from daemon.supervisor.exit_policy import decide_exit, describe_exit, same_error_in_a_row
+from daemon.supervisor.exit_policy import HELD_FOR_REVIEW, decide_exit, describe_exit, same_error_in_a_row
 from daemon.supervisor.notifications import event_of_exit
 from daemon.supervisor.oom_replan import OomReplan, after_oom
 from daemon.supervisor.stuck import StuckTrainer
@@ -60,13 +60,18 @@ class ReapPath:
                 oom = after_oom(job["memory"], c.oom)
                 err = oom.failure or err
             d = decide_exit(code, stop_reason, job["retries"], self.cfg, err, progressed=c.new_checkpoint,
-                            repeats=same_error_in_a_row(error, job["previous_errors"]), replanned=oom and oom.lever)
+                            repeats=same_error_in_a_row(error, job["previous_errors"]), replanned=oom and oom.lever,
+                            held=c.held_for_review)
             fields: dict[str, Any] = dict(pid=None, pid_start=None, gpu=None, step=c.step, retries=d.crashes,
                                           requested=None, last_error=err if err else job["last_error"])
-            if oom is not None and oom.memory is not None and d.state == states.QUEUED:
+            if oom is not None and oom.memory is not None:
+                # Kept whatever the state: an out-of-memory just before a pause, a shutdown or a GPU fault
+                # still ran out under this plan, and the job's next attempt (after `lorad resume`) needs the new one.
                 fields["memory"] = oom.memory
             if d.state == states.WAITING:
                 fields["wait_bytes"] = disk_wait.bytes_needed(c.workdir)
+            if d.state == states.PAUSED and d.reason == HELD_FOR_REVIEW:
+                fields.update(stage=HELD_FOR_REVIEW, eta_s=None)  # what status shows; what resume releases
             if d.state == states.WAITING_FOR_GPU:
                 fields["last_error"] = d.reason  # which GPU, and its fault: what it waits on
             if d.state == states.SUCCEEDED:
@@ -81,7 +86,7 @@ class ReapPath:
             return moves, (d, oom)
 
         d, oom = self.store.end_run(c.job_id, code, c.step, error, plan)
-        if oom is not None and oom.lever is not None and d.state == states.QUEUED:
+        if oom is not None and oom.lever is not None:
             self._oom_replanned(c, oom)
         level = "info" if d.state in (states.SUCCEEDED, states.PAUSED, states.INTERRUPTED, states.CANCELLED) else "warning"
         refused = {"refused_lines": n} if (n := c.refusals.total()) else {}  # each kind was said once already

@@ -200,6 +200,7 @@ class Child:
     memory_plan: str | None = None  # the attempt's memory plan in words (its `memory_plan` event)
     oom: dict[str, Any] | None = None  # its `out_of_memory` event: where, what it needed, the plan it ran under
     stage: str | None = None  # a stage before training, in words: "captioning 12/40" (images) (eta_s is its ETA)
+    held_for_review: bool = False  # it said `captions_ready`: it stops, held for its captions' review
 
     def __post_init__(self) -> None:
         if not self.devices:
@@ -258,6 +259,8 @@ class Child:
                 int(ev.get("done", 0)), int(ev.get("total", 0)))
             if total:
                 self.stage, self.eta_s, self.dirty = f"captioning {done}/{total}", ev.get("eta_s"), True
+        elif kind == "captions_ready":  # data.captioner.hold_for_review: the trainer exits next, held
+            self.held_for_review = True
         elif kind == "resumed":
             self.step = self.start_step = int(ev.get("from_step", 0))
             self.dirty = True

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, why_not
+from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, held, why_not
 from daemon.system.safe_files import read_bytes
 from daemon.web.pages import e
 from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES
 from engine.config.reading import YamlProblem, read_yaml
 
+CLIP_SUFFIXES = (".mp4", ".webm", ".mov")  # shown as <video>: engine/data/videos.py's clips that are not images
 MOST_SHOWN = 500  # images on the page; the rest are named by `lorad captions ID --to DIR`
 
 
@@ -71,11 +72,17 @@ def section(j: dict[str, Any], csrf: str) -> str:
     note = (f"<p class=note id=captions-locked>{e(why)}</p>" if why else
             "<p>Edit a caption before training starts: the edit wins over the generated caption and is part of "
             "the job's identity.</p>")
+    if held(j):  # data.captioner.hold_for_review: the job waits for this page's Resume
+        note += ("<p class=note id=captions-held>Held for review: training starts when you resume the job, on the "
+                 "captions as they are then.</p>")
     rows = []
     for i, (rel, text) in enumerate(sorted(captions.items())[:MOST_SHOWN]):
         shown = edits.get(rel, text)
         tag = " <small class=edited>(edited)</small>" if rel in edits and edits[rel] != text else ""
-        img = f"<img src='{base}/images/{quote(rel)}' alt='{e(rel)}' loading=lazy style='max-width:160px'>"
+        src = f"{base}/images/{quote(rel)}"
+        img = (f"<video src='{src}' muted loop autoplay playsinline preload=metadata style='max-width:160px'></video>"
+               if Path(rel).suffix.lower() in CLIP_SUFFIXES else  # a video job's clip (its GIFs and WebPs animate)
+               f"<img src='{src}' alt='{e(rel)}' loading=lazy style='max-width:160px'>")
         if why:
             cell = f"<span class=caption>{e(shown)}</span>"
         else:

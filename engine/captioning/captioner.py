@@ -70,12 +70,16 @@ class Captioner:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = device
 
-    def caption(self, images: list, prompt: str, max_tokens: int) -> list[str]:
+    def caption(self, samples: list[list], prompt: str, max_tokens: int) -> list[str]:
+        """One caption per sample: an image ([image]) or a clip's frames, several images in one prompt."""
         import torch
 
-        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.processor.apply_chat_template(chat, add_generation_prompt=True)
-        inputs = self.processor(images=images, text=[text] * len(images), return_tensors="pt", padding=True)
+        texts = [self.processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}] * len(ims) + [{"type": "text", "text": prompt}]}],
+            add_generation_prompt=True) for ims in samples]
+        # Nested, one list per prompt: the processors that group images by prompt (Idefics, SmolVLM) need it,
+        # and the others flatten it.
+        inputs = self.processor(images=samples, text=texts, return_tensors="pt", padding=True)
         inputs = inputs.to(self.device)
         with torch.inference_mode():
             out = self.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)

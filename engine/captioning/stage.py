@@ -8,6 +8,14 @@ uninterrupted one would have left (same images, same batch, same greedy captions
 images and captioner generates nothing. Each committed batch is a `captions_committed` event (its images, done,
 total, eta_s): the daemon's heartbeat during a long stage, and the count of what was generated.
 
+Clips (the video families) are captioned the same way, each from data.captioner.frames frames sampled evenly
+over it (frames.py), keyed by the clip's sha256 and an identity that adds the frame sampling; a clip that breaks
+before its last sampled frame is skipped with a `caption_skipped` warning naming it, and keeps its caption file
+or trigger (its windows break too, and video/cache.py leaves them out).
+
+With data.captioner.hold_for_review the job then stops, held (`captions_ready`, HeldForReview: exit 75), until
+the daemon writes WORKDIR/captions_reviewed.json when the person resumes it (engine/config/caption_edits.py).
+
 A person's edits (WORKDIR/caption_edits.json, written by the daemon: engine/config/caption_edits.py) win over the generated captions.
 The job's captions (relative path → caption, edits applied) are written to WORKDIR/captions.json: what `lorad
 captions ID --to DIR` writes out, with no model loaded, and what the dashboard shows.
@@ -21,10 +29,13 @@ import time
 from pathlib import Path
 
 from engine.captioning.captioner import Captioner, check, resolve
+from engine.captioning.frames import SAMPLING, images_of
 from engine.captioning.store import CaptionStore, captioner_identity
-from engine.config.caption_edits import APPLIED_FILE, read_edits
+from engine.config.caption_edits import APPLIED_FILE, read_edits, reviewed
+from engine.config.declare import VIDEO_FAMILIES
 from engine.config.job import JobConfig
 from engine.data.images import ImageRecord, make_caption
+from engine.errors import HeldForReview
 from engine.storage.fsio import RealFs, write_file_durable
 from engine.storage.home import cache_dir
 from engine.training.stop import debug_pause
@@ -47,22 +58,24 @@ def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, l
     c = cfg.data.captioner_or_default()
     model_dir = resolve(c.model, c.revision, workdir)
     check(model_dir, c.model)
-    prompt = c.full_prompt(cfg.data.trigger)
-    identity = captioner_identity({"model": c.model, "revision": c.revision, "prompt": prompt,
-                                   "max_tokens": c.max_tokens}, model_dir)
+    clips = cfg.model.family in VIDEO_FAMILIES
+    prompt = c.full_prompt(cfg.data.trigger, clips=clips)
+    settings = {"model": c.model, "revision": c.revision, "prompt": prompt, "max_tokens": c.max_tokens}
+    if clips:  # which frames the model sees decides the caption (an image job's identity stays as it was)
+        settings["clip_frames"] = {"frames": c.frames, "fps": cfg.data.fps, "sampling": SAMPLING}
+    identity = captioner_identity(settings, model_dir)
     store = CaptionStore(cache_dir(workdir) / "captions", identity)
     batches = [need[i:i + c.batch_size] for i in range(0, len(need), c.batch_size)]
     todo = [b for b in batches if any(store.get(r.sha256) is None for r in b)]
     total = sum(len(b) for b in todo)
     log.info("captioning", images=len(need), cached=len(need) - total, to_caption=total, captioner=c.model,
              identity=identity)
-    if todo:
-        _generate(todo, store, model_dir, c, prompt, total, log)
+    skipped = _generate(todo, store, model_dir, c, prompt, total, cfg.data.fps, log) if todo else set()
     captions = {r.sha256: store.get(r.sha256) for r in need}
-    if missing := [r.rel for r in need if captions[r.sha256] is None]:  # only a store that lost files meanwhile
+    if missing := [r.rel for r in need if captions[r.sha256] is None and r.rel not in skipped]:
         raise OSError(f"captions of {', '.join(missing[:5])} were committed and are gone from {store.dir}")
     out = [dataclasses.replace(r, caption=make_caption(captions[r.sha256], cfg.data.trigger), caption_missing=False)
-           if needs_caption(mode, r) else r for r in records]
+           if needs_caption(mode, r) and captions[r.sha256] is not None else r for r in records]
     # What this attempt applies (none: {}, so no earlier attempt's record stays) is what its identity holds.
     write_file_durable(RealFs(), Path(workdir) / APPLIED_FILE, json.dumps(edits, ensure_ascii=False).encode())
     if edits:  # a person's edit wins over the generated caption and over a caption file
@@ -72,24 +85,41 @@ def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, l
                  unknown=sorted(set(edits) - {r.rel for r in out}))
     write_file_durable(RealFs(), Path(workdir) / CAPTIONS_FILE, json.dumps(
         {r.rel: r.caption for r in out}, indent=1, ensure_ascii=False).encode("utf-8"))
+    if c.hold_for_review and not reviewed(workdir):
+        log.info("captions_ready", images=len(out), captions=str(Path(workdir) / CAPTIONS_FILE),
+                 message="captions ready for review (data.captioner.hold_for_review): edit them on the dashboard "
+                         "or with `lorad caption ID IMAGE TEXT`, then `lorad resume ID` trains on them")
+        raise HeldForReview(f"captions of {len(out)} file(s) are ready for review in {Path(workdir) / CAPTIONS_FILE}")
     return out
 
 
 def _generate(todo: list[list[ImageRecord]], store: CaptionStore, model_dir: Path, c, prompt: str, total: int,
-              log) -> None:
-    from engine.data.images import load_upright
+              fps: float, log) -> set[str]:
+    """Caption and commit the batches; returns the clips skipped because they broke before a sampled frame."""
+    from engine.config.clips import ClipUnreadable
     from engine.training.dtypes import pick_device
 
     captioner = Captioner(model_dir, c.model, pick_device())
+    skipped: set[str] = set()
     try:
         t0, done = time.monotonic(), 0
         for batch in todo:
-            texts = captioner.caption([load_upright(r.path) for r in batch], prompt, c.max_tokens)
-            store.put_all({r.sha256: t for r, t in zip(batch, texts, strict=True) if store.get(r.sha256) is None})
+            seen = []
+            for r in batch:
+                try:
+                    seen.append((r, images_of(r, fps, c.frames)))
+                except ClipUnreadable as e:
+                    skipped.add(r.rel)
+                    log.warning("caption_skipped", file=r.rel, reason=str(e),
+                                message=f"{r.rel} is not captioned: it {e}")
+            texts = captioner.caption([ims for _r, ims in seen], prompt, c.max_tokens) if seen else []
+            store.put_all({r.sha256: t for (r, _ims), t in zip(seen, texts, strict=True)
+                           if store.get(r.sha256) is None})
             done += len(batch)
             rate = (time.monotonic() - t0) / done
-            log.info("captions_committed", images=[r.rel for r in batch], done=done, total=total,
+            log.info("captions_committed", images=[r.rel for r, _ims in seen], done=done, total=total,
                      eta_s=round(rate * (total - done), 1))
             debug_pause()  # tests: a kill between two batches lands before the stage ends
     finally:
         captioner.close()
+    return skipped

@@ -8,6 +8,9 @@ own file), and those enter the job's identity (`with_edits`): a checkpoint writt
 as if it were this job's. The identity reads what the stage applied, not the daemon's file again: an edit that
 lands after the stage read it (the daemon refuses one once training has begun, but a running stage is seen a
 heartbeat late) cannot give the checkpoints an identity their training did not have.
+
+A job with data.captioner.hold_for_review stops after its caption stage until the daemon writes
+WORKDIR/captions_reviewed.json, which it does when the person resumes the held job (`lorad resume`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 EDITS_FILE = "caption_edits.json"
 APPLIED_FILE = "caption_edits.applied.json"
+REVIEWED_FILE = "captions_reviewed.json"  # the daemon's: the person resumed the job held for review
 MAX_EDITS_BYTES = 4 << 20
 MAX_CAPTION_CHARS = 4000
 
@@ -43,6 +47,11 @@ def read_edits(workdir: Path, name: str = EDITS_FILE) -> dict[str, str]:
     if not isinstance(edits, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in edits.items()):
         raise OSError(f"{path} must map image paths to captions")
     return {k: clean(v)[:MAX_CAPTION_CHARS] for k, v in edits.items()}
+
+
+def reviewed(workdir: Path) -> bool:
+    """Whether the person released the job's hold for review (its presence is the whole message)."""
+    return (Path(workdir) / REVIEWED_FILE).is_file()
 
 
 def with_edits(identity: dict[str, Any], workdir: Path) -> dict[str, Any]:

@@ -78,10 +78,10 @@ class DataConfig(Strict):
     # Captions written by a vision-language model as the job's first stage (engine/captioning/): `auto` for every
     # image, `files-else-auto` for those without a caption file; kept in the home's cache, never in data.path.
     # (None is `files`, as None is `off` for dedupe: a key some families do not read yet is unset there, not set)
+    # A clip is captioned from data.captioner.frames frames sampled evenly over it (engine/captioning/frames.py).
     captions: Literal["files", "auto", "files-else-auto"] | None = key(None, families=IMAGE_FAMILIES,
-                                                                        read_by=STILL_FAMILIES, dump_default=False)
-    captioner: CaptionerConfig | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
-                                            dump_default=False)
+                                                                        dump_default=False)
+    captioner: CaptionerConfig | None = key(None, families=IMAGE_FAMILIES, dump_default=False)
     # Near-duplicate images (perceptual hashes, engine/captioning/dedupe.py): listed (warn), or one kept (skip).
     dedupe: Literal["off", "warn", "skip"] | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
                                                         dump_default=False)

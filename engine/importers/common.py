@@ -19,12 +19,13 @@ from engine.importers.table import (
 )
 
 LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video",
-                  "sdxl")
+                  "sdxl", "ideogram4")
 
 # Substrings of a model name or path (lower case, '-', '_', '.' and ' ' removed) → family; first match wins, so the
 # more specific come first. What lorad cannot train is named so that the refusal says which model it is.
 _NAME_FAMILIES = (
-    ("flux2", "flux2"), ("flux.2", "flux2"), ("flux3", "flux3"), ("krea2", "krea2"), ("chroma", "chroma"),
+    ("flux2", "flux2"), ("flux.2", "flux2"), ("flux3", "flux3"), ("krea2", "krea2"), ("ideogram4", "ideogram4"),
+    ("ideogramv4", "ideogram4"), ("chroma", "chroma"),
     ("qwenimage", "qwen_image"), ("zimage", "z_image"), ("wan2", "wan"), ("wanai", "wan"),
     ("hunyuanvideo15", "hunyuan_video"), ("hunyuanvideo1.5", "hunyuan_video"), ("flux1", "flux"), ("flux", "flux"),
     # SDXL and its fine-tunes' names (Illustrious, NoobAI, Pony), after every other family's

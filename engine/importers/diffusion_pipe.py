@@ -27,7 +27,8 @@ NAME = "diffusion-pipe"
 # [model] type (train.py's model_type branches) → family; hunyuan-video is HunyuanVideo 1.0 (refused),
 # hunyuan_video_15 the 1.5 lorad trains.
 TYPES = {"flux": "flux", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image", "wan": "wan",
-         "flux2": "flux2", "krea2": "krea2", "hunyuan_video_15": "hunyuan_video"}
+         "flux2": "flux2", "krea2": "krea2", "hunyuan_video_15": "hunyuan_video",
+         "ideogram4": "ideogram4"}
 
 
 def detect(doc: Any) -> bool:

@@ -17,7 +17,7 @@ SCRIPTS = {"flux_train_network": "flux", "train_network": None, "sdxl_train_netw
            "wan_train_network": "wan", "qwen_image_train_network": "qwen_image", "flux_kontext_train_network": "flux",
            "zimage_train_network": "z_image", "hv_1_5_train_network": "hunyuan_video", "hv_train_network": None,
            "flux_2_train_network": "flux2", "krea2_train_network": "krea2", "fpack_train_network": None,
-           "kandinsky5_train_network": None, "hidream_o1_train_network": None, "ideogram4_train_network": None,
+           "kandinsky5_train_network": None, "hidream_o1_train_network": None, "ideogram4_train_network": "ideogram4",
            "ernie_image_train_network": None}
 MUSUBI_SCRIPTS = ("wan_train_network", "qwen_image_train_network", "flux_kontext_train_network", "hv_train_network",
                   "zimage_train_network", "hv_1_5_train_network", "fpack_train_network", "flux_2_train_network",
@@ -28,7 +28,7 @@ MODULES = {"networks.lora_flux": "flux", "networks.lora_wan": "wan", "networks.l
            "networks.lora_zimage": "z_image", "networks.lora_flux_2": "flux2", "networks.lora_hv_1_5": "hunyuan_video",
            "networks.lora_krea2": "krea2", "networks.lora": None, "networks.lora_sd3": None,
            "networks.lora_lumina": None, "networks.lora_framepack": None, "networks.lora_kandinsky": None,
-           "networks.lora_hidream_o1": None, "networks.lora_ideogram4": None}
+           "networks.lora_hidream_o1": None, "networks.lora_ideogram4": "ideogram4"}
 TRAINING_KEYS = ("pretrained_model_name_or_path", "network_module", "network_dim", "dit", "max_train_steps",
                  "learning_rate", "output_dir", "dataset_config")
 

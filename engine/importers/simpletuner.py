@@ -28,7 +28,8 @@ from engine.importers.table import (
 NAME = "simpletuner"
 # model_family (simpletuner/helpers/models/model_metadata.json; hunyuanvideo is HunyuanVideo 1.5 there) → family.
 FAMILIES = {"flux": "flux", "flux2": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image",
-            "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2", "sdxl": "sdxl"}
+            "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2", "sdxl": "sdxl",
+            "ideogram": "ideogram4"}
 
 
 def detect(doc: Any) -> bool:

@@ -47,6 +47,7 @@ class Facts:
     offline: its built-in models; export_keys: "module:attribute" of its ComfyUI key rules (the function or table
     that turns a diffusers module name into the key ComfyUI's loader maps), None where it writes no ComfyUI file.
     denoiser: the subfolder of a diffusers directory that holds the network LoRA trains (a job's path is checked for it).
+    comfyui_checked: whether its ComfyUI file's names were read from ComfyUI's own sources (False: unverified).
     """
 
     name: str
@@ -66,6 +67,7 @@ class Facts:
     # "module:function" checking a single-file .safetensors checkpoint given as model.path (JobInvalid naming what
     # is wrong), for a family whose trainer converts one (SDXL); None: refused (engine/config/paths.py)
     single_file: str | None = None
+    comfyui_checked: bool = True  # False: ComfyUI's key rules for it could not be read (the model card says so)
 
 
 def training_code(package: str, module: str = "family"):

@@ -4,6 +4,7 @@ lands in trainer.log), an event, and the exit code (engine/training/stop.py; the
     JobInvalid, ConfigMismatch, a hub refusal   65: the job can never run as written, never retried
     DiskError, any disk-full OSError            74: the daemon waits for free space
     OutOfMemory, torch.OutOfMemoryError         69: the daemon re-plans memory (engine/memory_plan/oom.py says it)
+    HeldForReview                               75: held after the caption stage (`captions_ready` said it)
     an OSError of the network                   raised: a crash, retried with backoff within the budget
     any other Exception                         70: an internal error, below (an unreadable model file too)
 
@@ -25,10 +26,10 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.errors import ConfigMismatch, DiskError, JobInvalid, OutOfMemory
+from engine.errors import ConfigMismatch, DiskError, HeldForReview, JobInvalid, OutOfMemory
 from engine.report.events import EventLog
 from engine.storage.fsio import is_disk_full
-from engine.training.stop import EXIT_INTERNAL, EXIT_INVALID, EXIT_IO, EXIT_OUT_OF_MEMORY
+from engine.training.stop import EXIT_INTERNAL, EXIT_INVALID, EXIT_IO, EXIT_OUT_OF_MEMORY, EXIT_STOPPED
 
 MESSAGE_CHARS = 200  # an exception's message can be a whole tensor's repr
 
@@ -50,6 +51,10 @@ def exit_code(e: Exception, log: EventLog, workdir: Path, stderr_is_log: bool,
                      EXIT_INVALID)
     if isinstance(e, DiskError):
         return _said(log, "disk_error", str(e), str(e), EXIT_IO)
+    if isinstance(e, HeldForReview):
+        print(f"lorad: {e}: edit them, then resume the job (lorad resume ID; in the foreground, run it again "
+              f"with data.captioner.hold_for_review: false)", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
     if isinstance(e, OutOfMemory) or _torch_out_of_memory(e):
         from engine.memory_plan.oom import said  # torch is there: it raised
 

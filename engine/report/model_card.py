@@ -141,7 +141,8 @@ def _loading(f: dict[str, Any]) -> list[str]:
         on = f"the {expert} model" if expert else "the base model"
         out += [f"**ComfyUI**: copy `{name}` into `ComfyUI/models/loras/` and load it with *LoraLoaderModelOnly* "
                 f"on {on} (strength 1 is the trained strength)."
-                + (" ComfyUI's FLUX.3 key rules were not available to check." if f["family"] == "flux3" else ""), ""]
+                + ("" if families()[f["family"]].comfyui_checked
+                   else f" ComfyUI's {FAMILY_NAMES[f['family']]} key rules were not available to check."), ""]
     if PEFT_FILE in files:
         loader = "AutoModelForCausalLM" if f["family"] == "causal_lm" else "the base model's transformer class"
         out += [f"**peft** (`{PEFT_FILE}` with `adapter_config.json`):", "", "```python",

@@ -61,8 +61,19 @@ def steps_reported(workdir: Path) -> int:
     return len({e["step"] for e in read_events(workdir) if e.get("event") == "step"})
 
 
-def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
+def _text_of(browser, css: str) -> str:
+    """The element's text, or "" while the page that has it is still loading (or a refresh replaced it)."""
     from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return browser.find_element(By.CSS_SELECTOR, css).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return ""
+
+
+def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     SHOTS.mkdir(parents=True, exist_ok=True)
@@ -78,10 +89,7 @@ def test_jobs_page_job_page_pause_resume_in_chromium(tmp_path):
         d.wait_job(lambda js: js[0]["state"] == "running" and js[0]["step"] >= 2, PATIENCE, "the job to train")
 
         def shown(css: str) -> str:
-            try:
-                return browser.find_element(By.CSS_SELECTOR, css).text
-            except (NoSuchElementException, StaleElementReferenceException):
-                return ""  # not there yet, or replaced by a refresh while we looked
+            return _text_of(browser, css)
 
         def state_shown() -> str:
             return shown("table.summary .st")
@@ -180,7 +188,7 @@ def test_a_caption_is_edited_on_the_job_page_and_refused_without_the_token_in_ch
         box.clear()
         box.send_keys("sks, a square my way")
         browser.find_element(By.ID, "save-caption-0").click()
-        wait_until(lambda: "edited" in browser.find_element(By.CSS_SELECTOR, ".said").text, 20, "the answer")
+        wait_until(lambda: "edited" in _text_of(browser, ".said"), 20, "the answer")
         assert read_edits(workdir) == {names[0]: "sks, a square my way"}
         browser.execute_script("document.getElementById('captions').scrollIntoView()")
         browser.save_screenshot(str(SHOTS / "5-caption-edited.png"))

@@ -170,7 +170,12 @@ def test_foreign_vram_under_wait_holds_the_job_and_under_plan_the_trainer_gets_t
         assert d.wait_state(jid, {"succeeded", "failed"}, 240)["state"] == "succeeded"
         row = d.jobs()[0]
         assert row["gpu_note"] == "planned for 16.0 GiB free on GPU 0 (other programs hold 8.0 GiB)"
-        plan = [e for e in job_events(d.home / "jobs" / jid) if e.get("event") == "vram_plan"]
+        events = job_events(d.home / "jobs" / jid)
+        plan = [e for e in events if e.get("event") == "vram_plan"]
         assert plan[0]["budget_gb"] == 16.0 and plan[0]["foreign_gb"] == 8.0
+        # the trainer planned within it (engine/memory_plan/budget.py): what a smaller budget pulls is
+        # tests/engine/memory_plan/test_planner.py's table
+        (mp,) = [e for e in events if e.get("event") == "memory_plan"]
+        assert (mp["budget"], mp["source"]) == (16 << 30, "LORAD_VRAM_BUDGET_GB")
     finally:
         d.cleanup()

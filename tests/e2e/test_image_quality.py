@@ -215,7 +215,9 @@ def test_timestep_bias_moves_the_noise_levels_the_family_trains_on(prepared, mon
 
     balanced = share_below({"strategy": "balanced"})
     biased = share_below({"strategy": "range", "begin": 0.0, "end": 0.1, "multiplier": 100.0})
-    assert biased > balanced + 0.4, (biased, balanced)
+    # A margin on what is left above 0.1: Ideogram 4's resolution shift already puts most of a 32 px image's σ
+    # below 0.1 (its pipeline's μ = 0.5·log(pixels / 512²)).
+    assert biased > balanced + 0.4 * (1 - balanced), (biased, balanced)
 
 
 # ------------------------------------------------------------------ one family's exact resume, every feature on

@@ -42,7 +42,8 @@ PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image
            "diffusers.modular_pipelines.flux3.before_denoise", "transformers.models.qwen3_vl.modeling_qwen3_vl",
            "transformers.models.got_ocr2.processing_got_ocr2",
            "engine.families.video.wan.family", "engine.families.video.base", "diffusers.pipelines.wan.pipeline_wan",
-           "transformers.models.umt5.modeling_umt5", "av"]
+           "transformers.models.umt5.modeling_umt5", "av",
+           "engine.families.image.ideogram4.family", "diffusers.pipelines.ideogram4.pipeline_ideogram4"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 

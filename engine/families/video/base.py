@@ -83,6 +83,10 @@ class VideoFamily(ImageFamily):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
+        if cfg.data.caption_mode != "files":  # captions from sampled frames, before the cache (engine/captioning/)
+            from engine.captioning.stage import caption_records
+
+            self.records = caption_records(cfg, self.records, workdir, log)
         items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, model_multiple(cfg, path))
         enc = PipelineEncoder(self.model, path, cfg)
         cache, plan, self.report = fill_video_cache(

@@ -148,3 +148,14 @@ def test_the_faults_file_drives_a_simulated_device_in_another_process(tmp_path: 
     assert w.poll_once() == []
     with pytest.raises(ValueError, match="unknown simulated faults"):
         dev.inject(0, melted=True)
+
+
+def test_a_restarted_daemon_is_not_delivered_the_xids_raised_before_it_as_nvml_event_sets_are_not(tmp_path: Path):
+    # The faults file a power cut left behind: three Xids the daemon before the cut saw and acted on.
+    faults = tmp_path / "faults.json"
+    faults.write_text(json.dumps({"0": {"xid": [79, 79, 79]}}))
+    _, w, _ = watcher(1, faults_file=faults)  # the new daemon's device registers for events now
+    assert w.poll_once() == [] and w.usable(0)  # not quarantined, let alone held for `lorad gpu clear`
+    faults.write_text(json.dumps({"0": {"xid": [79, 79, 79, 79]}}))  # one Xid raised after the restart
+    (ch,) = w.poll_once()
+    assert ch.after == vd.QUARANTINED and w.verdict(0).faults and len(w.verdict(0).faults) == 1

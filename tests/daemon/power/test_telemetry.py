@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -140,68 +138,69 @@ def test_throttle_reasons_are_decoded_to_names():
     assert decode_throttle(1 << 62, table) == ["unknown_0x4000000000000000"]
 
 
-def _fake_pynvml(energy_supported: bool):
-    """A stand-in for the driver: enough of the NVML API for NvmlDevice, so its code runs without a GPU."""
-    m = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    class NVMLError_NotSupported(NVMLError):
-        pass
-
-    class NVMLError_NoPermission(NVMLError):
-        pass
-
-    m.NVMLError, m.NVMLError_NotSupported, m.NVMLError_NoPermission = NVMLError, NVMLError_NotSupported, NVMLError_NoPermission
-    m.NVML_CLOCK_SM, m.NVML_CLOCK_MEM, m.NVML_TEMPERATURE_GPU = 1, 2, 0
-    m.nvmlClocksEventReasonSwPowerCap = 4
-    m.nvmlClocksEventReasonGpuIdle = 1
-    m.nvmlInit = m.nvmlShutdown = lambda: None
-    m.nvmlDeviceGetCount = lambda: 1
-    m.nvmlDeviceGetHandleByIndex = lambda i: ("h", i)
-    m.nvmlDeviceGetName = lambda h: b"Fake GPU"
-    m.nvmlDeviceGetPowerManagementLimitConstraints = lambda h: (100_000, 300_000)
-    m.nvmlDeviceGetPowerManagementDefaultLimit = lambda h: 250_000
-    m.nvmlDeviceGetEnforcedPowerLimit = lambda h: 250_000
-    m.nvmlDeviceGetPowerUsage = lambda h: 200_000
-
-    def energy(h):
-        if not energy_supported:
-            raise NVMLError_NotSupported("Not Supported")
-        return 123_456
-
-    def set_limit(h, mw):
-        raise NVMLError_NoPermission("Insufficient Permissions")
-
-    m.nvmlDeviceGetTotalEnergyConsumption = energy
-    m.nvmlDeviceSetPowerManagementLimit = set_limit
-    m.nvmlDeviceGetClockInfo = lambda h, k: 1800 if k == 1 else 9000
-    m.nvmlDeviceGetTemperature = lambda h, k: 61
-    m.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=97, memory=40)
-    m.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 4
-    return m
-
-
-def test_nvml_device_reads_a_sample_and_integrates_power_where_the_counter_is_unsupported(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(energy_supported=True))
-    d = NvmlDevice(RecLog())
-    s = d.sample(0)
-    assert (s.power_w, s.energy_mj, s.energy_source, s.sm_mhz, s.temp_c, s.util_gpu, s.limit_w, s.throttle) == (
-        200.0, 123_456, "counter", 1800.0, 61.0, 97.0, 250.0, ["sw_power_cap"])
-    assert d.info(0).name == "Fake GPU" and (d.info(0).min_w, d.info(0).max_w) == (100.0, 300.0)
-
-    monkeypatch.setitem(sys.modules, "pynvml", _fake_pynvml(energy_supported=False))
-    log = RecLog()
-    d = NvmlDevice(log)
-    d.sample(0)
-    s = d.sample(0)
-    assert s.energy_source == "integrated" and s.energy_mj >= 0
-    assert len(log.named("energy counter unsupported; integrating power over time")) == 1
+def test_nvml_device_through_the_real_pynvml_reads_a_sample_and_integrates_where_the_counter_is_unsupported():
+    """NvmlDevice against nvidia-ml-py itself, on a stand-in for the driver's library (tests/helpers/nvml_lib.py)."""
     from daemon.power.gpu import CapRefused
+    from tests.helpers.nvml_lib import installed
 
-    with pytest.raises(CapRefused, match="Insufficient Permissions"):
+    with installed(1) as nv:
+        nv.gpus[0].reasons = 0x4  # nvml.h's nvmlClocksEventReasonSwPowerCap
+        d = NvmlDevice(RecLog())
+        s = d.sample(0)
+        assert (s.power_w, s.energy_mj, s.energy_source, s.sm_mhz, s.mem_mhz, s.temp_c, s.util_gpu, s.util_mem,
+                s.limit_w, s.throttle) == (250.0, 1_000_000, "counter", 1800.0, 9501.0, 64.0, 97.0, 41.0, 300.0,
+                                           ["sw_power_cap"])
+        info = d.info(0)
+        assert (info.name, info.min_w, info.max_w, info.default_w) == ("NVIDIA Fake 24GB", 100.0, 400.0, 300.0)
+        with pytest.raises(CapRefused, match="Insufficient Permissions"):  # not root
+            d.set_limit_w(0, 200)
+        nv.root = True
         d.set_limit_w(0, 200)
+        assert d.limit_w(0) == 200.0
+        d.close()
+
+        nv.gpus[0].energy_mj = None  # a board before Volta: no energy counter
+        log = RecLog()
+        d = NvmlDevice(log)
+        d.sample(0)
+        s = d.sample(0)
+        assert s.energy_source == "integrated" and s.energy_mj >= 0
+        assert len(log.named("energy counter unsupported; integrating power over time")) == 1
+        d.close()
+        assert nv.inits == 0
+
+
+def test_a_gpu_lost_before_and_while_the_daemon_runs_leaves_the_others_capped_metered_and_reported(tmp_path: Path):
+    """Real NVML answers every call about a lost GPU with NVML_ERROR_GPU_IS_LOST (the simulated device does not):
+    telemetry still starts, the policy's tick never fails for it (the watchdog would restart the daemon), the
+    other GPU is capped and metered, `lorad power` reports it, and a GPU that answers again is capped too."""
+    from daemon.power.view import render
+    from tests.helpers.nvml_lib import installed
+
+    with installed(2) as nv:
+        nv.root = True
+        nv.gpus[1].lost = True  # fell off the bus before the daemon started
+        log = RecLog()
+        pol = PowerPolicy(PowerSettings(caps={"default_w": 250}), tmp_path, tmp_path / "state.db", log,
+                          device=NvmlDevice(log), start_threads=False)
+        now = datetime.now(timezone.utc)
+        pol.tick(now, [])
+        assert (nv.gpus[0].limit_mw, nv.gpus[1].limit_mw) == (250_000, 300_000)
+        rep = pol.report()
+        assert rep["gpus"][0]["limit_w"] == 250.0 and rep["gpus"][1]["name"].startswith("unreadable (NVMLError_GpuIsLost")
+        render(rep)  # `lorad power` prints it
+        nv.gpus[1].lost = False  # the driver is reloaded
+        pol.tick(now, [])
+        assert nv.gpus[1].limit_mw == 250_000
+
+        job = RunningJob(job_id="j0", name="j0", pid=1, gpu=0, started_at=0.0, total=50,
+                         power={"limit_w": None, "max_slowdown": 0.1})
+        pol.on_job_start(job)
+        pol.on_heartbeat("j0", {"event": "step", "step": 1, "total": 50})
+        nv.gpus[0].lost = True  # its GPU is lost mid-job (the health watcher stops the job)
+        assert pol.tick(now, [job]).may_start and pol.tick(now, [job]).may_start
+        assert len([e for e in log.named("power: GPU unreadable") if e["gpu"] == 0]) == 1  # said once
+        pol.close()
 
 
 def test_open_device_off_and_simulated_are_said():

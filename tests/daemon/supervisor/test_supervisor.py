@@ -35,9 +35,11 @@ from daemon.system.log import setup
 from tests.helpers.daemon import job_events, wait_until
 
 FAKE_TRAINER = textwrap.dedent("""
-    import json, signal, sys, time
+    import json, os, signal, sys, time
     marks = open(sys.argv[1], "a")
     flags = sys.argv[2:]
+    if "oom_on_stop" in flags:
+        marks.write("plan " + os.environ.get("LORAD_MEMORY_PLAN", "-") + "\\n"); marks.flush()
     stop = []
     def usr1(*a):
         marks.write("usr1\\n"); marks.flush()
@@ -57,6 +59,12 @@ FAKE_TRAINER = textwrap.dedent("""
             sys.exit(0)
         time.sleep(0.05)
         if stop:
+            if "oom_on_stop" in flags:  # the step it was in when SIGTERM came ran out of GPU memory
+                plan = {"blocks": 19, "swap": 4, "keep": 0, "attention": 19, "recompute": 0, "samples": "on",
+                        "micro_batch": 1, "grad_accum": 1, "summary": "swap 4/19 blocks"}
+                print(json.dumps({"event": "out_of_memory", "step": step + 1, "phase": "step",
+                                  "needed_bytes": 1 << 30, "plan": plan, "message": "out of GPU memory"}), flush=True)
+                sys.exit(69)
             if "slow" in flags:
                 time.sleep(0.5)  # the final checkpoint takes a while
             print(json.dumps({"event": "stopped", "step": step}), flush=True)
@@ -343,6 +351,31 @@ def test_a_cancel_after_a_pause_that_is_still_in_progress_is_the_last_word(sup, 
     dispatch(ctx_for(sup, tmp_path), p.Cancel(job=c.job_id))
     run_ticks(sup, lambda: not sup.children and not sup.pending)
     assert sup.store.get(c.job_id)["state"] == states.CANCELLED
+
+
+@pytest.mark.parametrize("why", ["pause", "shutdown"])
+def test_an_out_of_memory_while_the_job_is_being_paused_or_stopped_keeps_its_replan(sup, tmp_path, why):
+    """Exit 69 while a pause (or a shutdown) is under way: the stop wins, and the re-plan is kept for the next
+    attempt, uncounted and logged as oom_replan, so the resumed job does not run out under the old plan again."""
+    use_fake_trainers(sup, tmp_path, "oom_on_stop")
+    jid = queue_job(sup, tmp_path)
+    run_ticks(sup, lambda: sup.store.get(jid)["step"] > 0)
+    if why == "pause":
+        dispatch(ctx_for(sup, tmp_path), p.Pause(job=jid))
+        run_ticks(sup, lambda: not sup.children and not sup.pending)
+    else:
+        sup.shutdown(5)
+    job = sup.store.get(jid)
+    assert job["state"] == (states.PAUSED if why == "pause" else states.INTERRUPTED), job
+    assert sup.store.attempts(jid)[-1]["exit_code"] == 69 and job["retries"] == 0
+    assert json.loads(job["memory"]) == {"swap_at_least": 8, "tried": ["blocks_to_swap 4→8"]}
+    (ev,) = [e for e in sup.store.events(jid) if e["kind"] == "oom_replan"]
+    assert ev["data"]["lever"] == "blocks_to_swap 4→8" and ev["data"]["before"] == "swap 4/19 blocks"
+    if why == "pause":  # resumed: the next attempt runs under the new plan
+        dispatch(ctx_for(sup, tmp_path), p.Resume(job=jid))
+        run_ticks(sup, lambda: jid in sup.children)
+        wait_until(lambda: (tmp_path / "marks").read_text().count("plan ") == 2, 10, "the second trainer")
+        assert (tmp_path / "marks").read_text().splitlines()[-1] == "plan " + job["memory"]
 
 
 # ---------------------------------------------------------------- store writes that fail are retried, never dropped

@@ -135,6 +135,46 @@ def test_an_edit_made_before_training_wins_enters_the_identity_and_is_never_trai
     assert f"caption_edits.{NAMES[0]}" in t.named("invalid_job")[-1]["message"]
 
 
+def test_held_for_review_after_the_stage_then_an_edit_and_resume_train_on_the_edited_caption(
+        reference, tiny_flux, tmp_path):
+    """data.captioner.hold_for_review: the trainer stops after its captions (exit 75, nothing trained); the daemon's
+    own `caption` and `resume` handlers edit a caption and release the hold; the next attempt trains on the edit."""
+    from daemon import protocol as p
+    from daemon.service import handlers
+    from daemon.store import states
+    from daemon.store.db import Store
+    from daemon.supervisor.exit_policy import HELD_FOR_REVIEW
+
+    ref_root, data = reference
+    job = tmp_path / "held.yaml"
+    job.write_text(yaml.safe_dump(flux_job_dict(tiny_flux, data, train={"steps": 2}, checkpoint={"every_steps": 2},
+                                                data={"captions": "auto", "captioner": {**CAPTIONER,
+                                                                                        "hold_for_review": True}})))
+    wd = _in_home(ref_root / "home", "held")  # the reference's captions are cached: nothing is generated
+    t = ForkedTrainer(job, wd)
+    assert t.finish(300) == 75
+    (ready,) = t.named("captions_ready")
+    assert "lorad resume" in ready["message"] and not t.named("step") and not (wd / "checkpoints").exists()
+    generated = json.loads((wd / "captions.json").read_text())  # shown for review
+
+    store = Store(tmp_path / "state.db")  # the job as the daemon holds it after that exit (reap_path.py)
+    jid = store.new_id("held")
+    store.add_job(jid, "held", wd, 0, 2, "submit:test")
+    store.transition(jid, states.QUEUED, states.PAUSED, HELD_FOR_REVIEW, stage=HELD_FOR_REVIEW)
+    ctx = handlers.Context(home=ref_root / "home", store=store, intake=None, supervisor=None, started_at=0.0,
+                           socket_path=tmp_path / "sock")
+    handlers.caption(ctx, p.EditCaption(job=jid, image=NAMES[0], caption="sks, reviewed words"))
+    assert handlers.resume(ctx, p.Resume(job=jid)).state == states.QUEUED
+    assert store.get(jid)["stage"] is None
+    store.close()
+
+    t = run_to_end(job, wd)
+    assert t.named("done") and not t.named("captions_ready") and not _generated(_all_events(wd))
+    assert json.loads((wd / "captions.json").read_text()) == {**generated, NAMES[0]: "sks, reviewed words"}
+    (manifest,) = [json.loads(m.read_text()) for m in (wd / "checkpoints").glob("step-*/manifest.json")][-1:]
+    assert set(manifest["identity"]["caption_edits"]) == {NAMES[0]}  # the edit is what it trained on
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_a_captioner_that_sees_no_images_or_needs_remote_code_is_refused_naming_the_key(tmp_path):
     from engine.captioning.captioner import check

@@ -42,6 +42,7 @@ EXAMPLE_HASHES = {
     "flux2-klein-4b-lora.yaml": "a8ccf5b04cbcd6dc",
     "flux2-klein-9b-lora.yaml": "ad2b1135f37ac85b",
     "sdxl-lora.yaml": "11c852068832b1f8",
+    "ideogram4-lora.yaml": "4414173863c74878",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",

@@ -12,6 +12,7 @@ FAMILY = Facts(
     offline=(Offline("tiny-flux3", "A FLUX.3-shaped modular pipeline (1 block per mode + 4 single blocks, tiny "
                      "FLUX.2 VAE, Qwen3-VL) with random weights.", "engine.builtin.tiny_flux3:build_tiny_flux3",
                      marker="modular_model_index.json"),),
+    comfyui_checked=False,
     export_keys="engine.families.image.flux3.family:bfl_name",
 )
 
