@@ -156,13 +156,13 @@ class SDXL(ImageData):
         self.sampled: torch.nn.Module | None = None
         self.path = ""
 
-    def _setup(self, cfg: JobConfig, workdir: Path) -> str:
+    def _setup(self, cfg: JobConfig, workdir: Path, log=None) -> str:
         from diffusers import EulerDiscreteScheduler
 
         self.cfg = cfg
         check_job(cfg)
         # a single-file checkpoint: its diffusers directory, converted once into the workdir (single_file.py)
-        path = self.path = diffusers_dir(resolve_model_path(cfg.model.path, workdir), cfg, workdir)
+        path = self.path = diffusers_dir(resolve_model_path(cfg.model.path, workdir), cfg, workdir, log)
         self.sched = dict(EulerDiscreteScheduler.load_config(path, subfolder="scheduler", revision=cfg.model.revision))
         self.pred = prediction(cfg, self.sched)
         self.ac = alphas_cumprod(self.sched, self.pred)
@@ -172,7 +172,7 @@ class SDXL(ImageData):
         from engine.families.image.cache import fill_cache
 
         quiet_libraries(diffusers=True)
-        path = self._setup(cfg, workdir)
+        path = self._setup(cfg, workdir, log)
         self.records, self.items, self.n_train = scan_images(cfg, log, workdir)
         enc = PipelineEncoder(SDXLEncoders(), path, cfg)
         text, kind = enc.text_encoder, "text"
@@ -185,7 +185,7 @@ class SDXL(ImageData):
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
         from diffusers import UNet2DConditionModel
 
-        path = self._setup(cfg, workdir)
+        path = self._setup(cfg, workdir, log)
         log.info("sdxl", prediction=self.pred, zero_terminal_snr=self.pred == "v",
                  text_encoders_train=cfg.lora.text_encoder)
         unet = load_lora_transformer(UNet2DConditionModel, path, cfg, device, log, fp8_skip=FP8_SKIP,
