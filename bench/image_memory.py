@@ -1,5 +1,5 @@
-"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image, Chroma, FLUX.3 and Krea 2 families at their
-published shapes.
+"""Memory arithmetic (not a measurement) for the FLUX.2, Qwen-Image, Z-Image, Chroma, FLUX.3, Krea 2, Qwen-Image 2.1
+and HiDream-I1 families at their published shapes.
 
     .venv/bin/python bench/image_memory.py
 
@@ -11,7 +11,10 @@ Chroma1-HD's (19 double + 38 single blocks, 24 heads × 128, the approximator),
 FLUX.3's (5 per-mode blocks for each of image, reference image and text, 28 joint single blocks, 24 heads × 128;
 the distilled flow map adds one timestep embedder), and Krea 2's (28 single-stream
 blocks, 48 query heads × 128 over 12 key/value heads, the 2 + 2 text-fusion blocks; the class defaults are
-ComfyUI's SingleStreamDiT defaults, base and Turbo alike) —
+ComfyUI's SingleStreamDiT defaults, base and Turbo alike), and Qwen-Image 2.1's (32 single-stream blocks, 32 heads ×
+128, SwiGLU × 3, 64 latent channels),
+and HiDream-I1's (16 double + 32 single blocks, 20 heads ×
+128, 4 routed + 1 shared expert per block; the text widths set to T5-XXL's and Llama 3.1 8B's 4096) —
 and prints: parameters and weight bytes in bf16 and fp8 (e4m3, 1 byte, plus
 one fp32 scale per output channel), the per-block sizes that decide
 `train.blocks_to_swap`, and the LoRA parameters of the family's default
@@ -77,12 +80,14 @@ def main() -> None:
         ChromaTransformer2DModel,
         Flux2Transformer2DModel,
         Flux3Transformer2DModel,
+        HiDreamImageTransformer2DModel,
         Krea2Transformer2DModel,
+        QwenImage21Transformer2DModel,
         QwenImageTransformer2DModel,
         ZImageTransformer2DModel,
     )
 
-    from engine.families.image import chroma, flux2, flux3, krea2, qwen_image, z_image
+    from engine.families.image import chroma, flux2, flux3, hidream, krea2, qwen_image, qwen_image_21, z_image
 
     with torch.device("meta"):
         f2 = Flux2Transformer2DModel()
@@ -91,6 +96,11 @@ def main() -> None:
         ch = ChromaTransformer2DModel()
         f3 = Flux3Transformer2DModel(flow_map=True)  # the distilled one: FLUX.3's plus its target-time embedder
         k2 = Krea2Transformer2DModel()
+        q21 = QwenImage21Transformer2DModel()
+        # HiDream-I1: the class defaults (16 + 32 blocks, 20 heads x 128, 4 experts) with the text widths the class
+        # leaves unset (T5-XXL and Llama 3.1 8B: 4096; one Llama layer index per block)
+        hd = HiDreamImageTransformer2DModel(patch_size=2, in_channels=16, caption_channels=[4096, 4096],
+                                            axes_dims_rope=(64, 32, 32), llama_layers=[0] * 48)
     report("FLUX.2-dev transformer", f2, flux2.DEFAULT_TARGETS, flux2.FP8_SKIP,
            ["transformer_blocks", "single_transformer_blocks"])
     report("Qwen-Image transformer", qi, qwen_image.DEFAULT_TARGETS, qwen_image.FP8_SKIP, ["transformer_blocks"])
@@ -101,6 +111,10 @@ def main() -> None:
     report("FLUX.3 (distilled) transformer", f3, flux3.DEFAULT_TARGETS, flux3.FP8_SKIP,
            ["txt_mode_blocks", "single_transformer_blocks"])
     report("Krea 2 transformer (base and Turbo)", k2, krea2.DEFAULT_TARGETS, krea2.FP8_SKIP, ["transformer_blocks"])
+    report("Qwen-Image 2.1 transformer", q21, qwen_image_21.DEFAULT_TARGETS, qwen_image_21.FP8_SKIP,
+           ["transformer_blocks"])
+    report("HiDream-I1 transformer (Full, Dev, Fast)", hd, hidream.DEFAULT_TARGETS, hidream.FP8_SKIP,
+           ["double_stream_blocks", "single_stream_blocks"])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from engine.config.declare import FAMILIES, IMAGE_FAMILIES, Strict, key
 
 # The image families whose trainer merges model.assistant_lora (engine/families/image/assistant.py): their
 # pipelines' LoRA loaders read it into the transformer alone.
-ASSISTANT_FAMILIES = ("flux2", "qwen_image", "z_image", "krea2")
+ASSISTANT_FAMILIES = ("flux2", "qwen_image", "z_image", "krea2", "qwen_image_21")
 
 
 class ModelConfig(Strict):

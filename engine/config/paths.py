@@ -156,20 +156,29 @@ def check_paths(cfg: JobConfig) -> None:
             _check_edit_job(cfg, mp, dp)
 
 
-# Pipelines whose names look like a family's but whose models it does not train: pipeline class -> (the family a
-# user would try, why not). Qwen-Image 2.1 is a new model, not a Qwen-Image checkpoint (docs/families/flux2-qwen-image.md).
-NOT_THE_FAMILYS = {"QwenImage21Pipeline": ("qwen_image", "Qwen-Image 2.1 has its own transformer "
-                                           "(QwenImage21Transformer2DModel, single-stream), VAE (16x) and text encoder "
-                                           "(Qwen3-VL); lorad has no qwen_image_21 family yet")}
+# Pipelines only one family trains, though another family's name looks like theirs: pipeline class -> that family.
+# A directory of one given to another family is refused naming the family to write, and that family refuses any
+# other pipeline (Qwen-Image 2.1 is a new model, not a Qwen-Image checkpoint: docs/families/qwen-image-21.md).
+PIPELINE_FAMILIES = {"QwenImage21Pipeline": "qwen_image_21"}
 
 
 def _check_not_another_model(family: str, mp: str) -> None:
     from engine.config.controls import pipeline_class
 
-    pipeline = pipeline_class(Path(mp))
-    if pipeline in NOT_THE_FAMILYS and NOT_THE_FAMILYS[pipeline][0] == family:
+    check_pipeline_family(family, pipeline_class(Path(mp)), mp)
+
+
+def check_pipeline_family(family: str, pipeline: str | None, mp: str) -> None:
+    """JobInvalid where model.path's pipeline class (None: unknown) is one only another family trains, or where
+    `family` trains only its own pipeline and this is not it (also the trainer's check of a hub id)."""
+    owner = PIPELINE_FAMILIES.get(pipeline or "")
+    if owner is not None and owner != family:
         raise JobInvalid(f"model.path: {mp} is a {pipeline}, which model.family {family} does not train: "
-                         f"{NOT_THE_FAMILYS[pipeline][1]}")
+                         f"it is {display(owner)}, a model of its own; write model.family: {owner}")
+    own = [p for p, f in PIPELINE_FAMILIES.items() if f == family]
+    if pipeline is not None and own and pipeline not in own:
+        raise JobInvalid(f"model.family: {family} trains {display(family)} ({', '.join(own)}), but model.path: "
+                         f"{mp} is a {pipeline}; give a {display(family)} directory or that model's model.family")
 
 
 def _check_edit_job(cfg: JobConfig, mp: str, dp: Path) -> None:

@@ -239,6 +239,10 @@ def video_jobs_read_what_they_can(cfg: JobConfig) -> list[Problem]:
         out.append(Problem("model.expert, resources.gpus",
                            "model.expert, resources.gpus: expert: both runs one expert per sample, which DDP "
                            "reads as unused parameters; use one process, or one job per expert"))
+    if cfg.model.family == "ltx2" and cfg.resources.gpus * cfg.resources.nodes > 1:
+        out.append(Problem("model.family, resources.gpus",
+                           "model.family, resources.gpus: an LTX-2 window without sound leaves the audio branch's "
+                           "LoRA without gradients, which DDP reads as unused parameters; use one process"))
     return out
 
 

@@ -31,7 +31,8 @@ NAME = "ai-toolkit"
 ARCH = {"flux": "flux", "flux_kontext": "flux", "flex1": "flux", "flux2": "flux2", "flux2_klein_4b": "flux2",
         "flux2_klein_9b": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "qwen_image_edit": "qwen_image",
         "qwen_image_edit_plus": "qwen_image", "zimage": "z_image", "wan22_5b": "wan", "wan22_14b": "wan",
-        "wan21": "wan", "krea2": "krea2", "sdxl": "sdxl", "ideogram4": "ideogram4"}
+        "wan21": "wan", "krea2": "krea2", "sdxl": "sdxl", "ideogram4": "ideogram4",
+        "hidream": "hidream"}
 
 
 def detect(doc: Any) -> bool:
@@ -179,7 +180,8 @@ TABLE: list[Key] = [
     Key("performance_log_every", None, why=OUTPUT),
     Key("device", None, why=other_way("resources.gpus", "the daemon gives the job its GPU")),
     Key("model.arch", "model.family", _family, doc="flux, flux_kontext, flex1 → flux; flux2, flux2_klein_* → flux2; "
-        "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; sdxl; ideogram4; others refused"),
+        "chroma; qwen_image*; zimage → z_image; wan21, wan22_5b, wan22_14b → wan; krea2; sdxl; ideogram4; hidream (I1; hidream_e1 "
+        "is refused); others refused"),
     Key("model.is_flux", "model.family", _is_flux, doc="true → flux"),
     Key("model.is_xl", "model.family", lambda v, ctx: "sdxl" if v else None, doc="true → sdxl"),
     Key("model.is_v_pred", "model.prediction", c.when_true("v"), doc="SDXL: true → v; false: unset (the base's "

@@ -19,23 +19,25 @@ from engine.importers.table import (
 )
 
 LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video",
-                  "sdxl", "ideogram4")
+                  "sdxl", "ideogram4", "qwen_image_21", "hidream")
 
 # Substrings of a model name or path (lower case, '-', '_', '.' and ' ' removed) → family; first match wins, so the
 # more specific come first. What lorad cannot train is named so that the refusal says which model it is.
 _NAME_FAMILIES = (
     ("flux2", "flux2"), ("flux.2", "flux2"), ("flux3", "flux3"), ("krea2", "krea2"), ("ideogram4", "ideogram4"),
     ("ideogramv4", "ideogram4"), ("chroma", "chroma"),
+    ("qwenimage2.1", "qwen_image_21"), ("qwenimage21", "qwen_image_21"),  # Qwen-Image 2.1 is not Qwen-Image
     ("qwenimage", "qwen_image"), ("zimage", "z_image"), ("wan2", "wan"), ("wanai", "wan"),
     ("hunyuanvideo15", "hunyuan_video"), ("hunyuanvideo1.5", "hunyuan_video"), ("flux1", "flux"), ("flux", "flux"),
     # SDXL and its fine-tunes' names (Illustrious, NoobAI, Pony), after every other family's
     ("stablediffusionxl", "sdxl"), ("sdxl", "sdxl"), ("illustriousxl", "sdxl"), ("noobaixl", "sdxl"),
     ("ponydiffusion", "sdxl"),
+    ("hidreami1", "hidream"),  # HiDream-I1 only: HiDream-O1 and -E1 are other models (UNSUPPORTED)
 )
 UNSUPPORTED = {
     "sd3": "Stable Diffusion 3", "stablediffusion3": "Stable Diffusion 3",
     "sd15": "Stable Diffusion 1.5", "stablediffusionv15": "Stable Diffusion 1.5", "sd2": "Stable Diffusion 2",
-    "pixart": "PixArt", "ltx": "LTX-Video", "hidream": "HiDream", "lumina": "Lumina", "framepack": "FramePack",
+    "pixart": "PixArt", "ltx": "LTX-Video", "hidream": "HiDream-O1 or -E1", "lumina": "Lumina", "framepack": "FramePack",
     "cosmos": "Cosmos", "hunyuanvideo": "HunyuanVideo 1.0", "auraflow": "AuraFlow", "sana": "Sana",
     "omnigen": "OmniGen", "kandinsky": "Kandinsky", "wuerstchen": "Würstchen", "stablecascade": "Stable Cascade",
     "sd1": "Stable Diffusion 1.5",

@@ -28,7 +28,7 @@ NAME = "diffusion-pipe"
 # hunyuan_video_15 the 1.5 lorad trains.
 TYPES = {"flux": "flux", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image", "wan": "wan",
          "flux2": "flux2", "krea2": "krea2", "hunyuan_video_15": "hunyuan_video",
-         "ideogram4": "ideogram4"}
+         "ideogram4": "ideogram4", "hidream": "hidream"}
 
 
 def detect(doc: Any) -> bool:

@@ -30,7 +30,7 @@ NAME = "onetrainer"
 # inpainting input of their own) are not one.
 MODEL_TYPES = {"FLUX_DEV_1": "flux", "FLUX_2": "flux2", "CHROMA_1": "chroma", "QWEN": "qwen_image",
                "Z_IMAGE": "z_image", "KREA_2": "krea2", "STABLE_DIFFUSION_XL_10_BASE": "sdxl",
-               "IDEOGRAM_4": "ideogram4"}
+               "IDEOGRAM_4": "ideogram4", "HI_DREAM_FULL": "hidream"}
 # a model part's weight_dtype (modules/util/enum/DataType.py) → model.base_precision; the others: lorad's auto.
 WEIGHT_DTYPES = {"FLOAT_8": "fp8", "FLOAT_W8A8": "fp8", "INT_8": "int8", "INT_W8A8": "int8", "NFLOAT_4": "nf4"}
 

@@ -29,7 +29,7 @@ NAME = "simpletuner"
 # model_family (simpletuner/helpers/models/model_metadata.json; hunyuanvideo is HunyuanVideo 1.5 there) → family.
 FAMILIES = {"flux": "flux", "flux2": "flux2", "chroma": "chroma", "qwen_image": "qwen_image", "z_image": "z_image",
             "wan": "wan", "hunyuanvideo": "hunyuan_video", "krea2": "krea2", "sdxl": "sdxl",
-            "ideogram": "ideogram4"}
+            "ideogram": "ideogram4", "hidream": "hidream"}
 
 
 def detect(doc: Any) -> bool:
@@ -64,10 +64,12 @@ FLAVOURS = {
     ("hunyuanvideo", "t2v-720p"): "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_t2v",
     ("krea2", "raw"): "krea/Krea-2-Raw", ("krea2", "turbo"): "krea/Krea-2-Turbo",
     ("sdxl", "base-1.0"): "stabilityai/stable-diffusion-xl-base-1.0",
+    ("hidream", "full"): "HiDream-ai/HiDream-I1-Full", ("hidream", "dev"): "HiDream-ai/HiDream-I1-Dev",
+    ("hidream", "fast"): "HiDream-ai/HiDream-I1-Fast",
 }
 DEFAULT_FLAVOURS = {"flux": "krea", "flux2": "klein-9b", "chroma": "base", "qwen_image": "v2.0",
                     "z_image": "turbo-ostris-v2", "wan": "t2v-480p-1.3b-2.1", "hunyuanvideo": "t2v-480p",
-                    "krea2": "raw", "sdxl": "base-1.0"}
+                    "krea2": "raw", "sdxl": "base-1.0", "hidream": "full"}
 
 
 def _flavour(v: Any, ctx: Context) -> str:

@@ -78,7 +78,8 @@ def model_card(cfg, f: dict[str, Any]) -> str:
     if f["samples"]:
         lines += ["## Samples", "", f"From the last samples rendered during training ({cfg.name}, the job's "
                   "`sample.prompts`):", ""]
-        lines += [f'<video src="{s}" controls loop muted></video>' if s.endswith(".mp4") else f"![sample {i}]({s})"
+        mute = "" if f["family"] == "ltx2" else " muted"  # LTX-2's sample clips carry their sound
+        lines += [f'<video src="{s}" controls loop{mute}></video>' if s.endswith(".mp4") else f"![sample {i}]({s})"
                   for i, s in enumerate(f["samples"])] + [""]
     lines += ["## Use it", ""] + _loading(f) + ["Written by lorad from the job file; `lorad-output.json` holds the same "
                                                  "facts for scripts.", ""]

@@ -86,9 +86,9 @@ def test_the_assisted_jobs_base_is_the_base_plus_the_assistants_update(runs):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
-@pytest.mark.parametrize("family", ["flux2", "qwen_image", "krea2"])
+@pytest.mark.parametrize("family", ["flux2", "qwen_image", "krea2", "qwen_image_21"])
 def test_the_other_families_merge_an_assistant_through_their_own_loaders(family, tiny_image_model, tmp_path):
-    """FLUX.2 (klein), Qwen-Image and Krea 2: a diffusers-format LoRA on two of the family's default targets,
+    """FLUX.2 (klein), Qwen-Image, Krea 2 and Qwen-Image 2.1: a diffusers-format LoRA on two of the family's default targets,
     read by that pipeline's lora_state_dict and merged: each named weight moves by exactly B·A, nothing else."""
     from engine.families import get_family
 

@@ -43,7 +43,9 @@ PRELOAD = ["engine.recipe", "engine.families.image.base", "engine.families.image
            "transformers.models.got_ocr2.processing_got_ocr2",
            "engine.families.video.wan.family", "engine.families.video.base", "diffusers.pipelines.wan.pipeline_wan",
            "transformers.models.umt5.modeling_umt5", "av",
-           "engine.families.image.ideogram4.family", "diffusers.pipelines.ideogram4.pipeline_ideogram4"]
+           "engine.families.image.ideogram4.family", "diffusers.pipelines.ideogram4.pipeline_ideogram4",
+           "engine.families.image.qwen_image_21.family", "diffusers.pipelines.qwenimage21.pipeline_qwenimage21",
+           "transformers.models.paddleocr_vl.processing_paddleocr_vl"]
 LM_PRELOAD = PRELOAD  # the name tests/e2e/test_resume_exact.py passes
 
 

@@ -107,7 +107,7 @@ def with_last_checkpoint(model, workdir: Path):
 
 # The families on the shared ImageFamily (engine/families/image/base.py): the one tuple the per-family feature
 # tests are parametrized over (new ImageModel families join here).
-IMAGE_FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "ideogram4")
+IMAGE_FAMILIES = ("flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "ideogram4", "qwen_image_21", "hidream")
 
 
 @pytest.fixture(scope="session")

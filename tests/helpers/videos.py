@@ -44,3 +44,33 @@ def truncated_mid_stream(path: Path, frames: int = 40) -> Path:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) * 2 // 3])
     return path
+
+
+def make_sound_clip(path: Path, frames: int = 9, fps: int = 16, size: int = 32, tone: float = 440.0,
+                    rate: int = 16000, seed: int = 0) -> Path:
+    """An MP4 of a moving square with an AAC stereo track: a sine of `tone` Hz lasting as long as the frames."""
+    from fractions import Fraction
+
+    import av
+    import numpy as np
+
+    from engine.data.clip_files import moving_square
+
+    n = round(frames / fps * rate)
+    wave = (0.5 * np.sin(2 * np.pi * tone * np.arange(n) / rate)).astype(np.float32)
+    wave = np.stack([wave, wave])
+    with av.open(str(path), "w", format="mp4") as box:
+        video = box.add_stream("libx264", rate=Fraction(fps))
+        video.width, video.height, video.pix_fmt = size, size, "yuv420p"
+        sound = box.add_stream("aac", rate=rate, layout="stereo")
+        for f in moving_square(frames, size, size, (30, 200, 90), seed=seed):
+            box.mux(video.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        box.mux(video.encode())
+        step = sound.codec_context.frame_size or 1024
+        for i in range(0, n, step):
+            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, i:i + step]), format="fltp",
+                                               layout="stereo")
+            chunk.sample_rate, chunk.pts = rate, i
+            box.mux(sound.encode(chunk))
+        box.mux(sound.encode())
+    return path

@@ -131,7 +131,8 @@ class SampleRenderer:
                         height=s.height,
                         width=s.width,
                         num_inference_steps=s.steps,
-                        guidance_scale=s.guidance,
+                        # Qwen-Image 2.1's pipeline has no guidance_scale (its sample_kwargs name its true_cfg_scale).
+                        **({"guidance_scale": s.guidance} if "guidance_scale" in accepted else {}),
                         generator=gen,
                         output_type="pil",
                     ).images[0]

@@ -77,7 +77,6 @@ class VideoFamily(ImageFamily):
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
         """Scan the clips, cut them into windows and make the latent/text cache complete (encoders freed after)."""
         from engine.data.videos import make_video_items, scan_videos
-        from engine.families.video.cache import fill_video_cache
 
         quiet_libraries(diffusers=True)
         self.cfg = cfg
@@ -88,10 +87,7 @@ class VideoFamily(ImageFamily):
 
             self.records = caption_records(cfg, self.records, workdir, log)
         items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, model_multiple(cfg, path))
-        enc = PipelineEncoder(self.model, path, cfg)
-        cache, plan, self.report = fill_video_cache(
-            cfg, items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
-            open_video_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
+        cache, plan, self.report = self.fill_window_cache(cfg, items, workdir, path, log, bar)
         # Windows whose clip broke while caching have no entry: they are left out (cache.py's docstring).
         keep = [i for i, k in enumerate(plan.item_latent) if cache.verify(k) is None]
         plan.item_latent = [plan.item_latent[i] for i in keep]
@@ -101,6 +97,16 @@ class VideoFamily(ImageFamily):
             from engine.errors import JobInvalid
 
             raise JobInvalid(f"data.path: no window of any clip in {cfg.data.path} could be decoded")
+
+    def fill_window_cache(self, cfg: JobConfig, items, workdir: Path, path: str, log, bar):
+        """(cache, plan, report): each window's latent and each caption's embeddings, encoded where missing (a
+        family with more per window overrides it: LTX-2's sound)."""
+        from engine.families.video.cache import fill_video_cache
+
+        enc = PipelineEncoder(self.model, path, cfg)
+        return fill_video_cache(
+            cfg, items, workdir, path, log, bar=bar, max_len=self.model.text_max_len(path, cfg.model.revision),
+            open_video_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
 
     def build_dataset(self, cfg: JobConfig, workdir: Path, log):
         from engine.data.images import BucketOrder

@@ -26,6 +26,7 @@ EXAMPLE_HASHES = {
     "flux2-lora-tiny.yaml": "6f588dc5741a214c",
     "flux3-lora.yaml": "4542a962f2941a00",
     "krea2-lora.yaml": "cbd8183678eecfb0",
+    "qwen-image-21-lora.yaml": "0c164b26af19eee2",
     "quickstart.yaml": "cd4477e81229dc57",
     "qwen-image-character.yaml": "e6df8589879c688b",
     "qwen-image-lora-tiny.yaml": "8a60fe8d31363931",
@@ -43,6 +44,8 @@ EXAMPLE_HASHES = {
     "flux2-klein-9b-lora.yaml": "ad2b1135f37ac85b",
     "sdxl-lora.yaml": "11c852068832b1f8",
     "ideogram4-lora.yaml": "4414173863c74878",
+    "ltx2-24gb.yaml": "7e8d2bc009e62083",
+    "hidream-lora.yaml": "cdf85a4a3e648eb0",
 }
 JOB_HASHES = {
     "flux2_default": "9a653a1ca3942414",

@@ -337,19 +337,45 @@ def test_a_run_with_model_quantize_warns_that_the_key_is_deprecated(tmp_path, mi
     assert [(e["level"], e["key"], e["use"]) for e in said] == [("warning", "model.quantize", "model.base_precision: nf4")]
 
 
-def test_a_qwen_image_21_base_is_refused_by_the_qwen_image_family_saying_why(tmp_path):
-    """Qwen-Image 2.1 is not a Qwen-Image checkpoint (another transformer, VAE and text encoder): refused at submit
-    naming model.path, never a traceback at load."""
+def _diffusers_dir(path, pipeline: str, transformer: str):
     import json
 
+    (path / "transformer").mkdir(parents=True)
+    (path / "transformer" / "config.json").write_text(json.dumps({"_class_name": transformer}))
+    (path / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    return path
+
+
+def test_a_qwen_image_21_base_is_refused_by_the_qwen_image_family_naming_the_family_that_trains_it(tmp_path):
+    """Qwen-Image 2.1 is not a Qwen-Image checkpoint (another transformer, VAE and text encoder): refused at submit
+    naming model.path and the family to write, never a traceback at load."""
     from tests.helpers.images import make_images
 
-    base = tmp_path / "qwen-image-2.1"
-    (base / "transformer").mkdir(parents=True)
-    (base / "transformer" / "config.json").write_text(json.dumps({"_class_name": "QwenImage21Transformer2DModel"}))
-    (base / "model_index.json").write_text(json.dumps({"_class_name": "QwenImage21Pipeline"}))
+    base = _diffusers_dir(tmp_path / "qwen-image-2.1", "QwenImage21Pipeline", "QwenImage21Transformer2DModel")
     job = {"name": "q21", "model": {"family": "qwen_image", "path": str(base)},
            "data": {"path": str(make_images(tmp_path / "data", [("a.png", 32, 32, "x")]))}}
     with pytest.raises(JobInvalid, match=r"^model\.path: .* is a QwenImage21Pipeline, which model\.family "
-                                         r"qwen_image does not train: .*QwenImage21Transformer2DModel"):
+                                         r"qwen_image does not train: it is Qwen-Image 2\.1, .*write model\.family: "
+                                         r"qwen_image_21$"):
         parse_job(job, tmp_path)
+    job["model"]["family"] = "qwen_image_21"
+    assert parse_job(job, tmp_path).model.family == "qwen_image_21"
+
+
+@pytest.mark.parametrize("path", ["dir", "builtin:tiny-qwen-image"])
+def test_a_qwen_image_base_is_refused_by_the_qwen_image_21_family_naming_model_family(tmp_path, path):
+    from tests.helpers.images import make_images
+
+    if path == "dir":
+        path = str(_diffusers_dir(tmp_path / "qwen-image", "QwenImagePipeline", "QwenImageTransformer2DModel"))
+    job = {"name": "q21", "model": {"family": "qwen_image_21", "path": path},
+           "data": {"path": str(make_images(tmp_path / "data", [("a.png", 32, 32, "x")]))}}
+    with pytest.raises(JobInvalid) as e:
+        parse_job(job, tmp_path)
+    said = str(e.value)
+    if path.startswith("builtin:"):
+        assert said.endswith("model.path: builtin:tiny-qwen-image is a qwen_image model, but model.family is "
+                             "qwen_image_21"), said
+    else:
+        assert said.startswith("model.family: qwen_image_21 trains Qwen-Image 2.1 (QwenImage21Pipeline), but "
+                               f"model.path: {path} is a QwenImagePipeline"), said

@@ -2,7 +2,7 @@
 factor × patch, declared in its package), so whatever the aspect ratio, resolution and frame count, the latent the
 planner gives the family is one its transformer takes. A resolution with no such bucket is refused at submit.
 
-Each family's tiny built-in model is prepared once for the module (one 32 px image or 5-frame clip, cached, the
+Each family's tiny built-in model is prepared once for the module (one 32 px image or a clip of one window, cached, the
 model loaded); hypothesis then draws sizes, and each draw runs the family's own loss on a latent of its bucket.
 """
 
@@ -31,7 +31,7 @@ def job(family: str, model: str, data, **data_over) -> dict:
          "lora": {"rank": 2, "alpha": 2}, "data": {"path": str(data), "resolution": [32], **data_over},
          "train": {"steps": 1, "batch_size": 1, "seed": 5}, "output": {"formats": ["diffusers"]}}
     if family in names("video"):
-        d["data"].setdefault("frames", [5])
+        d["data"].setdefault("frames", [families()[family].temporal + 1])  # one window: t·1 + 1 frames
     return d
 
 
@@ -54,7 +54,8 @@ def prepared(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("buckets-fit")
     images = make_images(root / "images", [("a.png", 32, 32, "a red square")])
-    clips = make_clips(root / "clips", [("red.mp4", 5, 32, 32, 16, "a red square")], still=False)
+    longest = max(families()[f].temporal or 1 for f in names("video")) + 1  # one window of every video family
+    clips = make_clips(root / "clips", [("red.mp4", longest, 32, 32, 16, "a red square")], still=False)
     done = {}
 
     def get(family: str):

@@ -107,8 +107,10 @@ def test_model_names_map_to_their_families_and_the_unknown_to_none():
                                         "Qwen/Qwen-Image", "Tongyi-MAI/Z-Image-Turbo", "lodestones/Chroma",
                                         "Wan-AI/Wan2.2-T2V-A14B-Diffusers", "builtin:tiny-flux",
                                         "stabilityai/stable-diffusion-xl-base-1.0", "Laxhar/noobai-XL-Vpred-1.0",
-                                        "stable-diffusion-v1-5/stable-diffusion-v1-5")] == \
-        ["flux", "flux2", "qwen_image", "z_image", "chroma", "wan", "flux", "sdxl", "sdxl", None]
+                                        "stable-diffusion-v1-5/stable-diffusion-v1-5", "Qwen/Qwen-Image-2.1",
+                                        "Qwen/Qwen-Image-2512")] == \
+        ["flux", "flux2", "qwen_image", "z_image", "chroma", "wan", "flux", "sdxl", "sdxl", None, "qwen_image_21",
+         "qwen_image"]
 
 
 ODD = [  # the right kind of file, the wrong shape inside: one line each, never a traceback

@@ -25,7 +25,9 @@ COMFY_KEY = {"chroma": lambda name: "lycoris_" + name.replace(".", "_"),
              "qwen_image": lambda name: "diffusion_model." + name,
              "z_image": lambda name: "diffusion_model." + name,
              "krea2": lambda name: "diffusion_model." + krea2_name(name),
-             "flux3": lambda name: "diffusion_model." + flux3_name(name)}
+             "qwen_image_21": lambda name: name,
+             "flux3": lambda name: "diffusion_model." + flux3_name(name),
+             "hidream": lambda name: "diffusion_model." + name}
 
 
 def _job(tmp_path, family: str, model, kind: str) -> dict:
@@ -45,7 +47,8 @@ def _loaded_transformer(model_path, out_dir):
         pipe.load_lora_weights(str(out_dir))
         return pipe.transformer
     parts = DiffusionPipeline.load_config(model_path)
-    drop = {k: None for k in parts if k.startswith(("text_encoder", "tokenizer", "processor", "vae"))}
+    # The processor stays: Qwen-Image 2.1's pipeline reads its chat template when it is built.
+    drop = {k: None for k in parts if k.startswith(("text_encoder", "tokenizer", "vae"))}
     pipe = DiffusionPipeline.from_pretrained(model_path, **drop)
     pipe.load_lora_weights(str(out_dir))
     return pipe.transformer
