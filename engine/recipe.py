@@ -63,7 +63,7 @@ from engine.training.ema import AdapterEMA
 from engine.training.heldout import due as validation_due
 from engine.training.heldout import evaluate
 from engine.training.lr_schedule import resume_plan
-from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, use_eval_weights
+from engine.training.optim import build_optimizer, eval_weights, optimizer_advice, set_lr, use_eval_weights
 from engine.training.rng import seed_everything
 from engine.training.stop import EXIT_IO, EXIT_OK, EXIT_STOPPED, StopFlag, debug_pause
 from engine.version import lorad_version
@@ -350,8 +350,7 @@ def train_step(family: Family, model, optimizer, params, batches: Prefetcher, at
     still on the device)."""
     train = cfg.train
     lr = at.lr(cfg)
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+    set_lr(optimizer, lr)
     loss_sum = None  # on the device: read once per optimizer step, never per micro-batch (a host sync)
     mine = share.positions(at.consumed)
     for k, pos in enumerate(mine):

@@ -23,8 +23,9 @@ TEXT_DIM = 16  # each CLIP's hidden size (the UNet's cross-attention dim is both
 TIME_DIM = 8  # addition_time_embed_dim (256 in SDXL)
 
 
-def build_tiny_sdxl(dest: Path, seed: int = 1234) -> None:
-    """Write a tiny random SDXL pipeline directory to `dest`."""
+def build_tiny_sdxl(dest: Path, seed: int = 1234, text_dim_2: int = TEXT_DIM) -> None:
+    """Write a tiny random SDXL pipeline directory to `dest`. text_dim_2: the second encoder's hidden size (a
+    single-file test tells the two encoders apart by it, as diffusers' converter does: the real ones differ)."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -43,7 +44,7 @@ def build_tiny_sdxl(dest: Path, seed: int = 1234) -> None:
             sample_size=4, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(8, 16),
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2),
-            attention_head_dim=(2, 4), cross_attention_dim=2 * TEXT_DIM, norm_num_groups=4,
+            attention_head_dim=(2, 4), cross_attention_dim=TEXT_DIM + text_dim_2, norm_num_groups=4,
             use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=TIME_DIM,
             projection_class_embeddings_input_dim=6 * TIME_DIM + TEXT_DIM,
         )
@@ -56,7 +57,8 @@ def build_tiny_sdxl(dest: Path, seed: int = 1234) -> None:
                       max_position_embeddings=77, bos_token_id=0, eos_token_id=1, pad_token_id=1,
                       hidden_act="gelu")
         te1 = CLIPTextModel(CLIPTextConfig(vocab_size=len(tok), **common))
-        te2 = CLIPTextModelWithProjection(CLIPTextConfig(vocab_size=len(tok2), projection_dim=TEXT_DIM, **common))
+        te2 = CLIPTextModelWithProjection(CLIPTextConfig(vocab_size=len(tok2), projection_dim=TEXT_DIM,
+                                                         **{**common, "hidden_size": text_dim_2}))
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
         steps_offset=1, timestep_spacing="leading", prediction_type="epsilon",

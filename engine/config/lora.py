@@ -7,7 +7,7 @@ from typing import Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config.declare import Strict
+from engine.config.declare import Strict, key
 
 
 class LoraConfig(Strict):
@@ -23,6 +23,18 @@ class LoraConfig(Strict):
     # A list of module-name suffixes, or one regular expression matched against the full module path.
     # None (the default) means the family's own default list (engine/families/*.py: DEFAULT_TARGETS).
     targets: Union[list[str], str, None] = None
+    # sdxl: LoRA on both CLIP text encoders too (their attention and MLP linears), trained with the UNet; captions
+    # are then tokenised, not encoded, before training (engine/families/image/sdxl/text.py)
+    text_encoder: bool = key(False, families=("sdxl",), dump_default=False)
+    # sdxl, with text_encoder: the encoders' learning rate (kohya's text_encoder_lr); unset = train.lr. It follows
+    # train.schedule as a fixed multiple of train.lr (engine/training/optim.py: LR_SCALE)
+    text_encoder_lr: float | None = key(None, families=("sdxl",), dump_default=False, gt=0, le=1.0)
+
+    @model_validator(mode="after")
+    def _text_encoder_lr(self):
+        if self.text_encoder_lr is not None and not self.text_encoder:
+            raise ValueError("lora.text_encoder_lr: only with lora.text_encoder: true")
+        return self
 
     @model_validator(mode="after")
     def _type_keys(self):

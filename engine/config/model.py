@@ -38,6 +38,10 @@ class ModelConfig(Strict):
     # sdxl: what the UNet predicts: epsilon (the noise), or v with the zero-terminal-SNR schedule (v-pred fine-tunes);
     # unset = the base's scheduler config's prediction_type (engine/families/image/sdxl/family.py)
     prediction: Literal["epsilon", "v"] | None = key(None, families=("sdxl",), dump_default=False)
+    # sdxl: the diffusers config (a local diffusers directory or hub id) of a single-file checkpoint as model.path;
+    # unset = the one diffusers infers from the file (from the hub) (engine/families/image/sdxl/single_file.py)
+    single_file_config: str | None = key(None, families=("sdxl",), dump_default=False, min_length=1,
+                                         max_length=4096)
 
     @model_validator(mode="after")
     def _assistant_before_quantisation(self):

@@ -64,7 +64,25 @@ def single_file_refusal(mp: str) -> str:
             "and give DIR")
 
 
-def _check_model_path(mp: str) -> None:
+def single_file_problem(mp: str, family: str | None) -> str | None:
+    """A single-file .safetensors checkpoint as model.path: "refused" where the family reads none, the line saying
+    why where it is not one the family reads, None where the family's trainer converts it (Facts.single_file)."""
+    import importlib
+
+    check = families()[family].single_file if family in IMAGE_FAMILIES else None
+    if check is None:
+        return "refused"
+    if not Path(mp).is_file():
+        return None  # not on this machine (an import): the validator says so where the job runs
+    module, name = check.split(":")
+    try:
+        getattr(importlib.import_module(module), name)(mp)
+    except JobInvalid as e:
+        return str(e)
+    return None
+
+
+def _check_model_path(mp: str, family: str) -> None:
     if mp.startswith(BUILTIN_PREFIX):
         name = mp[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_MODELS:
@@ -73,7 +91,12 @@ def _check_model_path(mp: str) -> None:
         if not Path(mp).exists():
             raise JobInvalid(f"model.path: {mp} does not exist (give a local model directory or a hub id like org/name)")
         if Path(mp).is_file() and mp.endswith(".safetensors"):
-            raise JobInvalid(single_file_refusal(mp))
+            why = single_file_problem(mp, family)
+            if why == "refused":
+                raise JobInvalid(single_file_refusal(mp))
+            if why is not None:
+                raise JobInvalid(why)
+            return  # the family's trainer converts it (SDXL: engine/families/image/sdxl/single_file.py)
         if not Path(mp).is_dir():
             raise JobInvalid(f"model.path: {mp} is not a directory")
 
@@ -81,7 +104,15 @@ def _check_model_path(mp: str) -> None:
 def check_paths(cfg: JobConfig) -> None:
     """Every path the trainer reads exists and holds what the family reads; JobInvalid at the first that does not."""
     mp = cfg.model.path
-    _check_model_path(mp)
+    _check_model_path(mp, cfg.model.family)
+    sfc = getattr(cfg.model, "single_file_config", None)
+    if sfc is not None:
+        if not (Path(mp).is_file() and mp.endswith(".safetensors")):
+            raise JobInvalid(f"model.single_file_config: only with a single-file checkpoint as model.path ({mp} is "
+                             "not one); leave it out")
+        if Path(sfc).is_absolute() and not (Path(sfc) / "model_index.json").is_file():
+            raise JobInvalid(f"model.single_file_config: {sfc} is not a diffusers directory (no model_index.json); "
+                             "give the base's diffusers directory or its hub id")
     if cfg.model.assistant_lora is not None and Path(cfg.model.assistant_lora).is_absolute():
         from engine.config.assistant import local_file
 
@@ -103,10 +134,11 @@ def check_paths(cfg: JobConfig) -> None:
             check_text_source(val_path, cfg.data.text_field, cfg.data.train_on, key="data.validation.path")
     elif cfg.model.family in IMAGE_FAMILIES:
         denoiser = families()[cfg.model.family].denoiser
-        if Path(mp).is_absolute() and not (Path(mp) / denoiser / "config.json").is_file():
+        single = Path(mp).is_file()  # a single-file checkpoint the family converts (_check_model_path)
+        if Path(mp).is_absolute() and not single and not (Path(mp) / denoiser / "config.json").is_file():
             what = display(cfg.model.family)
             raise JobInvalid(f"model.path: {mp} is not a {what} diffusers directory (no {denoiser}/config.json)")
-        if Path(mp).is_absolute():
+        if Path(mp).is_absolute() and not single:
             _check_not_another_model(cfg.model.family, mp)
         if cfg.model.family in VIDEO_FAMILIES:  # every clip probed (PyAV): a bad one is refused naming it
             from engine.config.clips import check_video_folder

@@ -34,7 +34,7 @@ from engine.errors import JobInvalid
 # Every path a trainer reads: a key missing here would let a job read outside the roots.
 PATH_KEYS = (("data", "path"), ("model", "path"), ("data", "validation", "path"), ("data", "masks", "path"),
              ("data", "regularisation", "path"), ("data", "control_path"),
-             ("model", "assistant_lora"))
+             ("model", "assistant_lora"), ("model", "single_file_config"))
 WALKED = "data"  # the section whose folders are checked file by file
 
 

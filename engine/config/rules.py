@@ -16,10 +16,13 @@ from engine.builtin.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from engine.config.buckets import bucket_step, buckets_for
 from engine.config.declare import (
     IMAGE_FAMILIES,
+    LM,
     VIDEO_FAMILIES,
+    declared,
     keys_not_read_by,
     keys_set_but_not_for,
     read_only_by,
+    section_type,
 )
 from engine.config.describe import shown
 from engine.config.train import FSDP_OPTIMIZERS, OPTIMIZER_ARGS
@@ -77,11 +80,23 @@ def keys_are_for_the_family(cfg: JobConfig) -> list[Problem]:
     if not wrong:
         return []
     keys = ", ".join(wrong)
+    owners = {f for k in wrong for f in _families_of(type(cfg), k)}
+    if len(owners) < len(IMAGE_FAMILIES) - 1 and not owners & set(LM):
+        # keys of a few image families (SDXL's model.prediction, lora.text_encoder; Wan's model.expert)
+        return [Problem(keys, f"{keys}: only for model.family {' or '.join(sorted(owners))}; this job is {family}")]
     if family == "causal_lm":
         others = "" if all(read_only_by(type(cfg), k) == ("flux",) for k in wrong) else \
             f" or another image family ({', '.join(IMAGE_FAMILIES[1:])})"
         return [Problem(keys, f"{keys}: only for model.family flux{others}; this job is causal_lm")]
     return [Problem(keys, f"{keys}: only for model.family causal_lm ({family} reads images and captions)")]
+
+
+def _families_of(section, dotted: str) -> tuple[str, ...]:
+    """The families declaration (key(families=...)) of a dotted key."""
+    for part in dotted.split("."):
+        field = section.model_fields[part]
+        section = section_type(field)
+    return declared(field, "families")
 
 
 def image_family_has_no_quantize(cfg: JobConfig) -> list[Problem]:

@@ -253,6 +253,7 @@ SINGLE_FILES = (("flux1-dev", "black-forest-labs/FLUX.1-dev"), ("flux1-schnell",
 def model_path(v: Any, ctx: Context) -> str:
     """A hub id or builtin name as is, a local path made absolute; a single-file checkpoint is refused with the
     validator's own line, except the official FLUX.1 files, whose hub repository lorad reads instead."""
+    # (and except an SDXL job's own: the SDXL trainer converts it; the docs tables keep the line above)
     s = str(v)
     if ctx.job.get("model", {}).get("family") == "ltx2" and any(k in _squash(s) for k in _LTX2_LATER_NAMES):
         raise unsupported("model path", s)  # LTX-2.3 or 2.5 weights under a tool's LTX-2 name
@@ -266,8 +267,13 @@ def model_path(v: Any, ctx: Context) -> str:
                 ctx.notes.append(f"model: {p.name} is a single-file checkpoint; lorad reads the same model's "
                                  f"diffusers layout, {repo}")
                 return repo
-        from engine.config.paths import single_file_refusal
+        from engine.config.paths import single_file_problem, single_file_refusal
 
+        family = ctx.job.get("model", {}).get("family")
+        if p.suffix == ".safetensors" and (why := single_file_problem(str(p), family)) != "refused":
+            if why is not None:
+                raise Problem(why)  # the validator's own line: not a checkpoint this family reads
+            return str(p)  # a family whose trainer converts it (SDXL)
         raise Problem(single_file_refusal(str(p)))  # lorad's validator's own line (exit 65), word for word
     return str(p)
 

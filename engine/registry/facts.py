@@ -64,6 +64,9 @@ class Facts:
     offline: tuple[Offline, ...] = field(default=())
     export_keys: str | None = None
     denoiser: str = "transformer"  # the model directory's folder of the trained network (SDXL: unet)
+    # "module:function" checking a single-file .safetensors checkpoint given as model.path (JobInvalid naming what
+    # is wrong), for a family whose trainer converts one (SDXL); None: refused (engine/config/paths.py)
+    single_file: str | None = None
     comfyui_checked: bool = True  # False: ComfyUI's key rules for it could not be read (the model card says so)
 
 

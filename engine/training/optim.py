@@ -15,6 +15,10 @@
 
 `train.optimizer_args` passes the constructor arguments listed in OPTIMIZER_ARGS (engine/config/train.py);
 the ones left out keep the library's defaults.
+
+A parameter whose family gave it an `lr_scale` attribute (LR_SCALE; SDXL's text encoders with
+lora.text_encoder_lr) trains in a parameter group of its own at that multiple of the schedule's lr; without any,
+there is one group, as there always was (checkpoints of such jobs resume as before).
 """
 
 from __future__ import annotations
@@ -32,9 +36,30 @@ from engine.config.train import TrainConfig
 PRODIGY_MIN_SENSIBLE_LR = 0.1
 
 
+LR_SCALE = "lorad_lr_scale"  # a parameter's attribute: its learning rate as a multiple of the schedule's
+
+
+def param_groups(params: list[torch.nn.Parameter], lr: float) -> list[torch.nn.Parameter] | list[dict[str, Any]]:
+    """The parameters as they are, or groups by LR_SCALE (in order of first appearance) with their lr and scale."""
+    scales = [getattr(p, LR_SCALE, 1.0) for p in params]
+    if all(s == 1.0 for s in scales):
+        return params
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    for p, s in zip(params, scales, strict=True):
+        groups.setdefault(s, []).append(p)
+    return [{"params": ps, "lr": lr * s, "lr_scale": s} for s, ps in groups.items()]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr for this step, times each group's lr_scale."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
 def build_optimizer(params: list[torch.nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
     args = {k: tuple(v) if isinstance(v, list) else v for k, v in train.optimizer_args.items()}
     kw = dict(lr=train.lr, weight_decay=train.weight_decay, betas=(0.9, 0.999), eps=1e-8) | args
+    params = param_groups(params, train.lr)
     name = train.optimizer
     if name == "adamw":
         return torch.optim.AdamW(params, **kw)

@@ -1,8 +1,9 @@
-"""SDXL LoRA on its tiny random pipeline (builtin:tiny-sdxl): an epsilon run and a v run (LoCon targets), each
-killed twice and resumed bit-identical in both files; the diffusers file reproduces the trained UNet through
-StableDiffusionXLPipeline.load_lora_weights; the kohya file's keys are the ones ComfyUI's rules map (written out
-below as comfy/utils.py's unet_to_diffusers and comfy/lora.py's model_lora_keys_unet have them), with kohya's
-alphas, and carry the trained update.
+"""SDXL LoRA on its tiny random pipeline (builtin:tiny-sdxl): an epsilon run that trains both text encoders too
+(lora.text_encoder) and a v run (LoCon targets), each killed twice and resumed bit-identical in both files; the
+diffusers file reproduces the trained UNet and text encoders through StableDiffusionXLPipeline.load_lora_weights;
+the kohya file's keys are the ones ComfyUI's rules map (written out below as comfy/utils.py's unet_to_diffusers
+and comfy/lora.py's model_lora_keys_unet and model_lora_keys_clip have them), with kohya's alphas, and carry the
+trained update.
 
 The killed-twice chains run as forked trainers (tests/helpers/kill_chain.py) while the references train here; the
 epsilon reference renders samples on the way, so its match with the chain also shows samples leave training alone.
@@ -19,6 +20,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
+from tests.helpers.comfy_sdxl import (
+    comfy_clip_key_map,
+    comfy_key_map,
+    comfy_unet_config,
+    comfy_unet_to_diffusers,
+)
 from tests.helpers.images import make_images, tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 from tests.helpers.kill_chain import Quiet, chains_beside_references
@@ -30,7 +37,7 @@ KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
 # LoCon: attention plus every resnet conv and the samplers (the v run)
 LOCON = r"^.*(transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)|resnets\.\d+\.(conv1|conv2|conv_shortcut)" \
         r"|(down|up)samplers\.0\.conv)$"
-RUNS = {"epsilon": {}, "v": {"lora": {"targets": LOCON}}}
+RUNS = {"epsilon": {"lora": {"text_encoder": True, "text_encoder_lr": 0.001}}, "v": {"lora": {"targets": LOCON}}}
 
 
 def job_dict(model_dir, data_dir, prediction: str, **over) -> dict:
@@ -82,13 +89,14 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(pre
         assert (reference / "samples" / "step-00000004" / "00.png").stat().st_size > 0
 
 
-def _trained(job):
-    """The LoRA UNet with the last checkpoint's adapter (what training ended with), and the family object."""
+def _trained(job, wd):
+    """The LoRA model with the last checkpoint's adapter (what training ended with: the UNet, or with
+    lora.text_encoder the UNet and both encoders), and the family object."""
     from engine.families import get_family
 
     fam = get_family("sdxl")
     model = fam.load_model(load_job(job), job.parent, torch.device("cpu"), Quiet())
-    return model, fam
+    return with_last_checkpoint(model, wd), fam
 
 
 def _inputs(unet) -> dict:
@@ -101,28 +109,46 @@ def _inputs(unet) -> dict:
                 return_dict=False)
 
 
+PROMPT = "sks, a red square on grass"
+
+
 @pytest.mark.parametrize("pred", list(RUNS))
-def test_load_lora_weights_reproduces_the_trained_unet(pred, runs):
+def test_load_lora_weights_reproduces_the_trained_unet_and_text_encoders(pred, runs):
+    """The UNet at fixed inputs, and (epsilon: lora.text_encoder) the pipeline's own encode_prompt of a caption
+    against the trained encoders' encoding of its token ids."""
     from diffusers import StableDiffusionXLPipeline
 
+    from engine.families.image.sdxl.text import IDS, open_tokenizers, parts
+
     model_dir, job, wd, _ = runs[pred]
-    mem, fam = _trained(job)
-    mem = with_last_checkpoint(mem, wd)
-    x = _inputs(mem)
+    mem, fam = _trained(job, wd)
+    unet, te = parts(mem)["unet"], "text_encoder" in parts(mem)
+    assert te == (pred == "epsilon")
+    x = _inputs(unet)
+    ids = {k: v[None] for k, v in open_tokenizers(str(model_dir), None)(PROMPT).items()}
+
+    def both(pipe) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        text = list(pipe.encode_prompt(PROMPT, device="cpu", do_classifier_free_guidance=False)[::2]) if te else []
+        return pipe.unet(**x)[0], text
+
     with torch.no_grad():
-        want = mem(**x)[0]
-        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, text_encoder=None, text_encoder_2=None,
-                                                         tokenizer=None, tokenizer_2=None, vae=None)
-        base = pipe.unet(**x)[0]
+        want = unet(**x)[0], list(mem.encode(*(ids[k] for k in IDS))) if te else []
+        pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, vae=None, **({} if te else dict.fromkeys(
+            ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))))
+        base = both(pipe)
         pipe.load_lora_weights(str(wd / "output"), weight_name=DIFFUSERS_FILE)
-        got = pipe.unet(**x)[0]
+        got = both(pipe)
         pipe.unload_lora_weights()
-        # diffusers reads kohya's file too (its SGM-name converter): the same update, up to rounding
+        # diffusers reads kohya's file too (its SGM-name converter, lora_te1_/lora_te2_ included): the same update,
+        # up to rounding
         pipe.load_lora_weights(str(wd / "output"), weight_name=KOHYA_FILE)
-        kohya = pipe.unet(**x)[0]
-    assert not torch.allclose(base, want, atol=1e-4), "training changed nothing; the test would prove nothing"
-    assert torch.equal(got, want), f"max diff {float((got - want).abs().max())}"
-    torch.testing.assert_close(kohya, want, rtol=1e-5, atol=1e-5)
+        kohya = both(pipe)
+    for b, w, g, k in zip([base[0], *base[1]], [want[0], *want[1]], [got[0], *got[1]], [kohya[0], *kohya[1]],
+                          strict=True):
+        assert not torch.allclose(b, w, atol=1e-4), "training changed nothing; the test would prove nothing"
+        assert torch.equal(g, w), f"max diff {float((g - w).abs().max())}"
+        torch.testing.assert_close(k, w, rtol=1e-5, atol=1e-5)
+    assert len(want[1]) == (2 if te else 0)  # prompt_embeds and pooled_prompt_embeds
     with safe_open(str(wd / "output" / DIFFUSERS_FILE), "pt") as f:
         md = f.metadata()
     assert md["lorad_prediction"] == pred and md["steps"] == "4"
@@ -132,79 +158,6 @@ def test_load_lora_weights_reproduces_the_trained_unet(pred, runs):
         assert fam.ac[-1] == 0
     else:
         assert 0.004 < float(fam.ac[-1]) < 0.005
-
-
-# ------------------------------------------------------------------ ComfyUI's rules, as its sources write them
-RESNET = {"in_layers.2": "conv1", "emb_layers.1": "time_emb_proj", "out_layers.3": "conv2",
-          "skip_connection": "conv_shortcut"}
-ATTN = ["proj_in", "proj_out"]
-BLOCK = [f"attn{i}.{p}" for i in (1, 2) for p in ("to_q", "to_k", "to_v", "to_out.0")] + ["ff.net.0.proj", "ff.net.2"]
-BASIC = {"input_blocks.0.0": "conv_in", "out.2": "conv_out", "time_embed.0": "time_embedding.linear_1",
-         "time_embed.2": "time_embedding.linear_2", "label_emb.0.0": "add_embedding.linear_1",
-         "label_emb.0.2": "add_embedding.linear_2"}
-
-
-def comfy_unet_config(config: dict) -> dict:
-    """ComfyUI's unet_config of a diffusers UNet (what comfy/model_detection.py reads from the SGM weights):
-    res blocks per level, transformer depth per input res block, per output block listed from the last output
-    block to the first, and the middle's."""
-    levels = len(config["down_block_types"])
-    per = config["transformer_layers_per_block"]
-    per = list(per) if isinstance(per, (list, tuple)) else [per] * levels
-    n = config["layers_per_block"]
-    depth = [per[x] if config["down_block_types"][x].startswith("CrossAttn") else 0 for x in range(levels)]
-    out_depth = [d for d in reversed(depth) for _ in range(n + 1)]  # output blocks in order: deepest level first
-    return {"num_res_blocks": [n] * levels, "transformer_depth": [d for d in depth for _ in range(n)],
-            "transformer_depth_output": list(reversed(out_depth)), "transformer_depth_middle": per[-1]}
-
-
-def comfy_unet_to_diffusers(uc: dict) -> dict[str, str]:
-    """diffusers module -> SGM module, by comfy/utils.py's unet_to_diffusers (weights' '.weight' dropped)."""
-    out: dict[str, str] = {}
-    nrb, depth, depth_out = uc["num_res_blocks"], list(uc["transformer_depth"]), list(uc["transformer_depth_output"])
-    for x in range(len(nrb)):
-        n = 1 + (nrb[x] + 1) * x
-        for i in range(nrb[x]):
-            out.update({f"down_blocks.{x}.resnets.{i}.{d}": f"input_blocks.{n}.0.{s}" for s, d in RESNET.items()})
-            t = depth.pop(0)
-            if t > 0:
-                out.update({f"down_blocks.{x}.attentions.{i}.{b}": f"input_blocks.{n}.1.{b}" for b in ATTN})
-                out.update({f"down_blocks.{x}.attentions.{i}.transformer_blocks.{k}.{b}":
-                            f"input_blocks.{n}.1.transformer_blocks.{k}.{b}" for k in range(t) for b in BLOCK})
-            n += 1
-        out[f"down_blocks.{x}.downsamplers.0.conv"] = f"input_blocks.{n}.0.op"
-    out.update({f"mid_block.attentions.0.{b}": f"middle_block.1.{b}" for b in ATTN})
-    out.update({f"mid_block.attentions.0.transformer_blocks.{k}.{b}": f"middle_block.1.transformer_blocks.{k}.{b}"
-                for k in range(uc["transformer_depth_middle"]) for b in BLOCK})
-    for i, n in enumerate([0, 2]):
-        out.update({f"mid_block.resnets.{i}.{d}": f"middle_block.{n}.{s}" for s, d in RESNET.items()})
-    rev = list(reversed(nrb))
-    for x in range(len(rev)):
-        n, count = (rev[x] + 1) * x, rev[x] + 1
-        for i in range(count):
-            out.update({f"up_blocks.{x}.resnets.{i}.{d}": f"output_blocks.{n}.0.{s}" for s, d in RESNET.items()})
-            c = 1
-            t = depth_out.pop()
-            if t > 0:
-                c += 1
-                out.update({f"up_blocks.{x}.attentions.{i}.{b}": f"output_blocks.{n}.1.{b}" for b in ATTN})
-                out.update({f"up_blocks.{x}.attentions.{i}.transformer_blocks.{k}.{b}":
-                            f"output_blocks.{n}.1.transformer_blocks.{k}.{b}" for k in range(t) for b in BLOCK})
-            if i == count - 1:
-                out[f"up_blocks.{x}.upsamplers.0.conv"] = f"output_blocks.{n}.{c}.conv"
-            n += 1
-    out.update({d: s for s, d in BASIC.items()})
-    return out
-
-
-def comfy_key_map(config: dict) -> dict[str, str]:
-    """comfy/lora.py's model_lora_keys_unet: lora_unet_<SGM name with _> (and <diffusers name with _>) ->
-    the model weight diffusion_model.<SGM name>.weight."""
-    keys = {}
-    for diff, sgm in comfy_unet_to_diffusers(comfy_unet_config(config)).items():
-        keys["lora_unet_" + sgm.replace(".", "_")] = f"diffusion_model.{sgm}.weight"
-        keys["lora_unet_" + diff.replace(".", "_")] = f"diffusion_model.{sgm}.weight"
-    return keys
 
 
 SDXL_UNET = dict(  # stabilityai/stable-diffusion-xl-base-1.0's unet/config.json, the keys that shape it
@@ -244,28 +197,47 @@ def test_every_sdxl_unet_module_maps_to_the_key_comfyui_maps():
 
 @pytest.mark.parametrize("pred", list(RUNS))
 def test_the_kohya_file_has_kohya_keys_and_alphas_with_the_trained_update(pred, runs):
+    """Every key of the file is one ComfyUI's maps (UNet and, with lora.text_encoder, both encoders), to every
+    trained module, with kohya's alpha and the trained update."""
+    from engine.families.image.sdxl.text import file_path, parts
+
     _model, job, wd, _ = runs[pred]
-    mem, _fam = _trained(job)
-    mem = with_last_checkpoint(mem, wd)
-    deltas = {n: m.get_delta_weight("default").detach() for n, m in mem.named_modules() if hasattr(m, "lora_A")}
+    mem, _fam = _trained(job, wd)
+    unet = parts(mem)["unet"]
     sd = load_file(str(wd / "output" / KOHYA_FILE))
-    keys = comfy_key_map(dict(mem.config))
-    to_diffusers = {f"diffusion_model.{s}.weight": d for d, s in comfy_unet_to_diffusers(
-        comfy_unet_config(dict(mem.config))).items()}
+    keys = comfy_key_map(dict(unet.config))
+    to_comfy = {d: f"diffusion_model.{s}.weight" for d, s in comfy_unet_to_diffusers(
+        comfy_unet_config(dict(unet.config))).items()}
+    deltas = {to_comfy[n]: m.get_delta_weight("default").detach() for n, m in unet.named_modules()
+              if hasattr(m, "lora_A")}
+    sdk: set[str] = set()  # ComfyUI's CLIP weights: clip_l / clip_g .transformer. + the transformers names
+    for part, clip in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g")):
+        if part not in parts(mem):
+            continue
+        te = parts(mem)[part]
+        sdk |= {f"{clip}.transformer.{file_path(n.replace('.base_layer', ''))}" for n, _ in te.named_parameters()
+                if "lora_" not in n}
+        deltas.update({f"{clip}.transformer.{file_path(n)}.weight": m.get_delta_weight("default").detach()
+                       for n, m in te.named_modules() if hasattr(m, "lora_A")})
+    keys.update(comfy_clip_key_map(sdk))
     bases = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in sd}
     assert set(sd) == {f"{b}.{s}" for b in bases for s in ("lora_down.weight", "lora_up.weight", "alpha")}
-    assert all("_input_blocks_" in b or "_output_blocks_" in b or "_middle_block_" in b for b in bases)
-    assert {to_diffusers[keys[b]] for b in bases} == set(deltas)  # every key maps, to every trained module
+    assert all(b.startswith("lora_unet_") and ("_input_blocks_" in b or "_output_blocks_" in b or "_middle_block_"
+                                                in b) or b.startswith(("lora_te1_", "lora_te2_")) for b in bases)
+    assert {keys[b] for b in bases} == set(deltas)  # every key maps, to every trained module
     convs = 0
     for b in bases:
         down, up, alpha = sd[f"{b}.lora_down.weight"], sd[f"{b}.lora_up.weight"], float(sd[f"{b}.alpha"])
         assert alpha == 8.0 and down.shape[0] == 4
-        delta = deltas[to_diffusers[keys[b]]]
+        delta = deltas[keys[b]]
         update = (alpha / down.shape[0]) * (up.flatten(1) @ down.flatten(1))
         convs += delta.dim() == 4
         torch.testing.assert_close(update.reshape(delta.shape), delta, rtol=1e-5, atol=1e-7, msg=b)
     assert (convs > 0) == (pred == "v")  # the v run trains LoCon (convs too)
+    te_keys = {b[:9] for b in bases if b.startswith("lora_te")}
+    assert te_keys == ({"lora_te1_", "lora_te2_"} if pred == "epsilon" else set())
     with safe_open(str(wd / "output" / KOHYA_FILE), "pt") as f:
         md = f.metadata()
     assert md["ss_network_dim"] == "4" and float(md["ss_network_alpha"]) == 8.0
     assert md["ss_v_parameterization"] == str(pred == "v")
+    assert md["ss_network_train_unet_only"] == str(pred != "epsilon")

@@ -63,8 +63,9 @@ def control_key(item: Item, slot: int, flip: bool, mid: str, dtype: str) -> str:
                              model=mid, dtype=dtype)
 
 
-def text_key(text: str, mid: str, max_len: int, dtype: str) -> str:
-    return store.content_key(kind="text", text=text, model=mid, max_len=max_len, dtype=dtype)
+def text_key(text: str, mid: str, max_len: int, dtype: str, kind: str = "text") -> str:
+    # kind: what the entry holds; "text" (the embeddings) keeps every key as it was
+    return store.content_key(kind=kind, text=text, model=mid, max_len=max_len, dtype=dtype)
 
 
 @dataclass
@@ -100,15 +101,18 @@ def edit_text_key(text: str, item: Item, flip: bool, mid: str, max_len: int, dty
 
 
 def plan(cfg: JobConfig, items: list[Item], model_path: str, max_len: int,
-         latent_need: LatentNeed = image_latent_need, text_sees_controls: bool = False) -> Plan:
+         latent_need: LatentNeed = image_latent_need, text_sees_controls: bool = False,
+         text_kind: str = "text") -> Plan:
     """text_sees_controls: the family encodes an edit pair's instruction with its control images (payload
-    (text, item, flip); the entry holds prompt_embeds and, with data.flip, prompt_embeds_flip)."""
+    (text, item, flip); the entry holds prompt_embeds and, with data.flip, prompt_embeds_flip). text_kind: the
+    kind of a text entry in its key, where a family caches something else than embeddings (SDXL's token ids when
+    its text encoders train)."""
     mid, dt = model_id(cfg, model_path), cfg.model.dtype
     latents: dict[str, store.Need] = {}
     texts: dict[str, store.Need] = {}
 
     def need_text(text: str) -> str:
-        k = text_key(text, mid, max_len, dt)
+        k = text_key(text, mid, max_len, dt, text_kind)
         texts.setdefault(k, store.Need(k, text, text))
         return k
 
@@ -193,14 +197,15 @@ def fill_cache(cfg: JobConfig, items: list[Item], workdir: Path, model_path: str
                open_image_encoder: ImageEncoderFactory, open_text_encoder: TextEncoderFactory, bar=None,
                fs: FileLayer | None = None, latent_need: LatentNeed = image_latent_need,
                encode_latents=_encode_latents,
-               text_sees_controls: bool = False) -> tuple[store.Cache, Plan, store.CacheReport]:
+               text_sees_controls: bool = False, text_kind: str = "text"
+               ) -> tuple[store.Cache, Plan, store.CacheReport]:
     """Make every latent and text embedding the job needs present and valid; encode only what is not.
 
     The image encoder is opened only if a latent is missing, the text encoder only if a text is, each in turn,
     so the VAE and the text encoders are never in memory together (engine/storage/cache.py frees each after its group).
     latent_need and encode_latents: a video family's windows (engine/families/video/cache.py) instead of images.
     """
-    p = plan(cfg, items, model_path, max_len, latent_need, text_sees_controls)
+    p = plan(cfg, items, model_path, max_len, latent_need, text_sees_controls, text_kind)
     groups = [store.Group("latent", p.latents, functools.partial(encode_latents, open_encoder=open_image_encoder,
                                                                  dtype=torch_dtype(cfg.model.dtype))),
               store.Group("text", p.texts, functools.partial(_encode_texts, open_encoder=open_text_encoder))]

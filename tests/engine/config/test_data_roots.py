@@ -97,3 +97,11 @@ def test_an_assistant_lora_outside_the_roots_refuses_the_job(tree, through_folde
     with pytest.raises(JobInvalid, match=r"^model\.assistant_lora: .*outside the allowed roots"):
         policy.check({"model": {"assistant_lora": str(named)}}, root)
     policy.check({"model": {"assistant_lora": "org/helper-lora"}}, root)  # a hub id is not a path
+
+
+def test_a_single_file_config_outside_the_roots_refuses_the_job(tree):
+    """model.single_file_config (SDXL's single-file base's diffusers config) is read by the trainer."""
+    root, elsewhere, policy = tree
+    with pytest.raises(JobInvalid, match=r"^model\.single_file_config: .*outside the allowed roots"):
+        policy.check({"model": {"single_file_config": str(elsewhere / "folder")}}, root)
+    policy.check({"model": {"single_file_config": "stabilityai/stable-diffusion-xl-base-1.0"}}, root)  # a hub id

@@ -46,10 +46,11 @@ network_alpha = 16
 zero_terminal_snr = true
 """
 
-# a fine-tune's single file, as kohya's SDXL users give it: refused as lorad's validator refuses it
-KOHYA_SDXL_SINGLE_FILE = """\
-accelerate launch sdxl_train_network.py --pretrained_model_name_or_path sdxl.safetensors --network_dim 8 \\
-  --train_data_dir {root}/kohya --max_train_steps 10
+# a FLUX.1 fine-tune's single file (no known name): refused as lorad's validator refuses it (an SDXL one imports:
+# the SDXL trainer converts it, tests/engine/importers/test_sdxl.py)
+KOHYA_FLUX_SINGLE_FILE = """\
+accelerate launch flux_train_network.py --pretrained_model_name_or_path my-flux-finetune.safetensors \\
+  --network_dim 8 --train_data_dir {root}/kohya --max_train_steps 10
 """
 
 # OneTrainer (training_presets/#sdxl 1.0 LoRA.json's shape)
@@ -147,7 +148,8 @@ SDXL_REFUSED = [
      r"network_module: unsupported model family: 'stable-diffusion-v1-5/.*' \(Stable Diffusion 1\.5\)"),
     ("onetrainer-sd3", "sd3.json", ONETRAINER_SD3, None,
      r"model_type: unsupported model family: 'STABLE_DIFFUSION_3' \(Stable Diffusion 3\)"),
-    ("kohya-sdxl-single-file", "sdxl.sh", KOHYA_SDXL_SINGLE_FILE, None,
-     r"^sdxl\.sh: pretrained_model_name_or_path: model\.path: /\S+/sdxl\.safetensors is a single-file checkpoint; "
+    ("kohya-flux-single-file", "flux.sh", KOHYA_FLUX_SINGLE_FILE, None,
+     r"^flux\.sh: pretrained_model_name_or_path: model\.path: /\S+/my-flux-finetune\.safetensors is a single-file "
+     r"checkpoint; "
      r"lorad trains on diffusers directories: convert it once .* and give DIR$"),
 ]

@@ -45,20 +45,53 @@ block to the first and taken from the end, transformer_depth_middle):
     ff.net.2 — the same names on both sides.
 
 The LoRA targets (lora.targets, default: attention) may include the resnets' convs and the samplers (LoCon):
-every module in the table maps. LoKr, LoHa and DoRA are refused for SDXL (the family's declaration).
+every module in the table maps.
+
+The text encoders (lora.text_encoder; text.py) add their LoRA to both files. In the diffusers file under the
+pipeline's component names, which load_lora_weights strips before loading each encoder's adapter (lora_base.py's
+_load_lora_into_text_encoder), with their own peft configs in the metadata under the same prefixes:
+
+    text_encoder.text_model.encoder.layers.N.<m>.lora_A.weight / .lora_B.weight     CLIP ViT-L
+    text_encoder_2.text_model.encoder.layers.N.<m>.lora_A.weight / .lora_B.weight   OpenCLIP bigG
+    <m>: self_attn.q_proj | k_proj | v_proj | out_proj, mlp.fc1 | fc2
+
+In kohya's file under kohya's SDXL text-encoder prefixes, the transformers module path with dots as underscores:
+
+    lora_te1_text_model_encoder_layers_N_<m with _>.lora_down.weight / .lora_up.weight / .alpha   (CLIP ViT-L)
+    lora_te2_text_model_encoder_layers_N_<m with _>.lora_down.weight / .lora_up.weight / .alpha   (bigG)
+
+ComfyUI's model_lora_keys_clip (comfy/lora.py) maps, for layer b and each c of LORA_CLIP_MAP {mlp.fc1: mlp_fc1,
+mlp.fc2: mlp_fc2, self_attn.k_proj: self_attn_k_proj, q_proj, v_proj, out_proj likewise}, when its model holds
+clip_l.transformer.text_model.encoder.layers.b.c.weight: `lora_te1_text_model_encoder_layers_b_<LORA_CLIP_MAP[c]>`
+to that weight (the SDXL base's CLIP-L), and then, with clip_l present, `lora_te2_text_model_encoder_layers_b_...`
+to clip_g.transformer.text_model.encoder.layers.b.c.weight. bigG's text_projection has no LoRA key there, so it
+is not a target.
+
+lora.type (every type is written where its loader applies it as trained; rules.py refuses the other file):
+
+- lora: the layouts above, both files;
+- dora: the diffusers file only, with each module's `lora_magnitude_vector` (peft's DoRA, which load_lora_weights
+  rebuilds from the metadata's use_dora); ComfyUI applies a DoRA magnitude by its own weight-norm convention;
+- lokr / loha: kohya's file only, under the same kohya keys, LyCORIS tensors (`<key>.lokr_w1`, `.lokr_w2`,
+  `.lokr_w2_a/_b`, ... or `<key>.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, and `<key>.alpha`), which
+  ComfyUI's load_lora reads for every key its maps name (scales: engine/families/image/export.py's
+  lycoris_state_dict); diffusers reads neither type.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.families.image.export import DIFFUSERS_FILE, cpu_f32, metadata, save
+from engine.families.image.export import DIFFUSERS_FILE, cpu_f32, lycoris_state_dict, metadata, save
+from engine.families.image.sdxl.text import file_path, parts
 
 KOHYA_FILE = "sdxl_lora_comfyui.safetensors"
+TE_PREFIX = {"text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}  # kohya's SDXL text-encoder keys
 _RESNET = {"conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "conv2": "out_layers.3",
            "conv_shortcut": "skip_connection"}
 _TOP = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "time_embedding.linear_1": "time_embed.0",
@@ -116,44 +149,69 @@ def lora_factors(unet: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.T
             if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {})}
 
 
-def diffusers_file(unet: torch.nn.Module, out_dir: Path, md: dict[str, str]) -> str:
-    """pytorch_lora_weights.safetensors under `unet.` with alpha / r folded into lora_B (the docstring above)."""
-    import json
-
+def diffusers_file(model: torch.nn.Module, out_dir: Path, md: dict[str, str]) -> str:
+    """pytorch_lora_weights.safetensors under `unet.` (and `text_encoder.`, `text_encoder_2.`) with alpha / r
+    folded into lora_B (the docstring above)."""
     from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+    from peft.utils import get_peft_model_state_dict
 
-    conf = unet.peft_config["default"].to_dict()
-    scale = conf["lora_alpha"] / conf["r"]
-    sd = {}
-    for name, (a, b) in lora_factors(unet).items():
-        sd[f"unet.{name}.lora_A.weight"], sd[f"unet.{name}.lora_B.weight"] = a, b * scale
-    # Dropout is a training setting: the loaded adapter would drop activations at inference (pipelines never eval()).
-    conf.update(lora_alpha=conf["r"], lora_dropout=0.0)
-    conf = {f"unet.{k}": sorted(v) if isinstance(v, set) else v for k, v in conf.items()}
-    md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(conf, indent=2, sort_keys=True), "lorad_alpha_folded": "true"}
+    sd, confs = {}, {}
+    for prefix, net in parts(model).items():
+        conf = net.peft_config["default"].to_dict()
+        scale = conf["lora_alpha"] / conf["r"]
+        for k, v in get_peft_model_state_dict(net, adapter_name="default").items():
+            if prefix != "unet":
+                # transformers' load_adapter (which diffusers loads the encoders with) names DoRA's magnitude
+                # <module>.lora_magnitude_vector.weight; peft's state dict leaves the .weight off
+                k = file_path(k) + (".weight" if k.endswith(".lora_magnitude_vector") else "")
+            sd[f"{prefix}.{k}"] = cpu_f32(v) * scale if k.endswith(".lora_B.weight") else cpu_f32(v)
+        # Dropout is a training setting: the loaded adapter would drop activations at inference (pipelines never
+        # eval()).
+        conf.update(lora_alpha=conf["r"], lora_dropout=0.0)
+        confs.update({f"{prefix}.{k}": sorted(v) if isinstance(v, set) else v for k, v in conf.items()})
+    md = {**md, LORA_ADAPTER_METADATA_KEY: json.dumps(confs, indent=2, sort_keys=True), "lorad_alpha_folded": "true"}
     return save(sd, Path(out_dir) / DIFFUSERS_FILE, md)
 
 
-def kohya_file(unet: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str]) -> str:
-    """sdxl_lora_comfyui.safetensors: lora_down / lora_up / alpha under kohya's SGM names (the docstring above)."""
-    config = dict(unet.config)
+def kohya_names(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """(network, its module path -> kohya key) for the UNet and, when they train, both text encoders."""
+    config = dict(parts(model)["unet"].config)
+    out = []
+    for part, net in parts(model).items():
+        if part == "unet":
+            out.append((net, lambda name: kohya_key(name, config)))
+        else:
+            out.append((net, lambda name, p=TE_PREFIX[part]: p + file_path(name).replace(".", "_")))
+    return out
+
+
+def kohya_file(model: torch.nn.Module, cfg, out_dir: Path, md: dict[str, str]) -> str:
+    """sdxl_lora_comfyui.safetensors: lora_down / lora_up / alpha (LyCORIS tensors for lokr / loha) under kohya's
+    SGM and text-encoder names (the docstring above)."""
     sd = {}
-    for name, (a, b) in lora_factors(unet).items():
-        key = kohya_key(name, config)
-        sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = a, b
-        sd[f"{key}.alpha"] = torch.tensor(float(cfg.lora.alpha))
+    for net, key_of in kohya_names(model):
+        if cfg.lora.type in ("lokr", "loha"):
+            sd.update(lycoris_state_dict(net, key_of))
+            continue
+        for name, (a, b) in lora_factors(net).items():
+            key = key_of(name)
+            sd[f"{key}.lora_down.weight"], sd[f"{key}.lora_up.weight"] = a, b
+            sd[f"{key}.alpha"] = torch.tensor(float(cfg.lora.alpha))
     kohya = {"ss_network_module": "networks.lora", "ss_network_dim": str(cfg.lora.rank),
              "ss_network_alpha": str(cfg.lora.alpha), "ss_base_model_version": "sdxl_base_v1-0",
+             "ss_network_train_unet_only": str(not cfg.lora.text_encoder),
              "ss_v_parameterization": str(md.get("lorad_prediction") == "v")}
+    if cfg.lora.type in ("lokr", "loha"):
+        kohya.update(ss_network_module="lycoris.kohya", ss_network_args=json.dumps({"algo": cfg.lora.type}))
     return save(sd, Path(out_dir) / KOHYA_FILE, {**md, **kohya})
 
 
-def export(unet: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any], prediction: str) -> list[str]:
+def export(model: torch.nn.Module, cfg, out_dir: Path, meta: dict[str, Any], prediction: str) -> list[str]:
     """The files output.formats names: diffusers' and kohya's (written for `comfyui`)."""
     md = {**metadata(cfg, meta), "lorad_prediction": prediction}
     names = []
     if "diffusers" in cfg.output.formats:
-        names.append(diffusers_file(unet, out_dir, md))
+        names.append(diffusers_file(model, out_dir, md))
     if "comfyui" in cfg.output.formats:
-        names.append(kohya_file(unet, cfg, out_dir, md))
+        names.append(kohya_file(model, cfg, out_dir, md))
     return names

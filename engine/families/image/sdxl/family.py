@@ -7,8 +7,8 @@ What is SDXL's own, all through diffusers' `StableDiffusionXLPipeline`:
   A VAE that says `force_upcast` encodes in float32 when the job's dtype is float16 (SDXL's VAE overflows in fp16).
 - Text: the pipeline's `encode_prompt` — both CLIP encoders' penultimate hidden states side by side (77 tokens,
   768 + 1280 wide) and the second encoder's pooled, projected embedding (1280), cached per caption as
-  `prompt_embeds` / `pooled_prompt_embeds`. The text encoders are frozen and never loaded while training
-  (training them is not offered: no job key names it).
+  `prompt_embeds` / `pooled_prompt_embeds`. The text encoders are frozen and never loaded while training; with
+  lora.text_encoder they train too, and the cache holds token ids instead (text.py).
 - Size and crop conditioning (the UNet's `add_time_ids`): per sample the image's original (height, width), the
   top-left corner of its centre crop in the resized image (engine/data/images.py's cover_crop: the crop's own
   arithmetic, mirrored with data.flip), and the bucket's (height, width) — what the pipeline passes as
@@ -41,6 +41,15 @@ from engine.families.image.dataset import CachedImages, ImageData, PipelineEncod
 from engine.families.image.dop import with_preservation
 from engine.families.image.flow_lora import flip_and_drop, load_lora_transformer, sample_sigmas
 from engine.families.image.masked_loss import batch_flow_loss
+from engine.families.image.sdxl.single_file import diffusers_dir
+from engine.families.image.sdxl.text import (
+    IDS,
+    TOKENS_KIND,
+    SDXLWithText,
+    load_text_encoders,
+    open_tokenizers,
+    parts,
+)
 from engine.report.quiet import quiet_libraries
 from engine.training.dtypes import torch_dtype
 
@@ -83,8 +92,8 @@ class SDXLEncoders:
 
 
 class SDXLDataset(CachedImages):
-    """SDXL batches: the two text tensors (all 77 tokens: no padding), each sample's size and crop, masks, weights
-    and DOP class prompts."""
+    """SDXL batches: the two text tensors (all 77 tokens: no padding; embeddings, or token ids when the encoders
+    train), each sample's size and crop, masks, weights and DOP class prompts."""
 
     def collate(self, indices: list[int]) -> dict[str, Any]:
         from engine.data.image_sets import extra_batch
@@ -100,7 +109,7 @@ class SDXLDataset(CachedImages):
 
     @staticmethod
     def texts(entries: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {k: torch.stack([e[k] for e in entries]) for k in CONDS}
+        return {k: torch.stack([e[k] for e in entries]) for k in entries[0]}
 
 
 def prediction(cfg: JobConfig, sched: dict[str, Any]) -> str:
@@ -127,8 +136,7 @@ def noised(x0: torch.Tensor, noise: torch.Tensor, ac: torch.Tensor, pred: str) -
 
 
 def check_job(cfg: JobConfig) -> None:
-    """What SDXL cannot do, said before anything is encoded (JobInvalid: the trainer's exit 65). A single-file
-    checkpoint as model.path is refused at submit (engine/config/paths.py)."""
+    """What SDXL cannot do, said before anything is encoded (JobInvalid: the trainer's exit 65)."""
     if cfg.train.timestep_sampling == "shift":
         raise JobInvalid("train.timestep_sampling: shift is a flow-matching schedule; SDXL's DDPM takes linear "
                          "(uniform, kohya's default) or sigmoid")
@@ -145,13 +153,16 @@ class SDXL(ImageData):
         self.pred = "epsilon"
         self.ac: torch.Tensor | None = None
         self.renderer = None
+        self.sampled: torch.nn.Module | None = None
+        self.path = ""
 
-    def _setup(self, cfg: JobConfig, workdir: Path) -> str:
+    def _setup(self, cfg: JobConfig, workdir: Path, log=None) -> str:
         from diffusers import EulerDiscreteScheduler
 
         self.cfg = cfg
-        path = resolve_model_path(cfg.model.path, workdir)
         check_job(cfg)
+        # a single-file checkpoint: its diffusers directory, converted once into the workdir (single_file.py)
+        path = self.path = diffusers_dir(resolve_model_path(cfg.model.path, workdir), cfg, workdir, log)
         self.sched = dict(EulerDiscreteScheduler.load_config(path, subfolder="scheduler", revision=cfg.model.revision))
         self.pred = prediction(cfg, self.sched)
         self.ac = alphas_cumprod(self.sched, self.pred)
@@ -161,20 +172,30 @@ class SDXL(ImageData):
         from engine.families.image.cache import fill_cache
 
         quiet_libraries(diffusers=True)
-        path = self._setup(cfg, workdir)
+        path = self._setup(cfg, workdir, log)
         self.records, self.items, self.n_train = scan_images(cfg, log, workdir)
         enc = PipelineEncoder(SDXLEncoders(), path, cfg)
+        text, kind = enc.text_encoder, "text"
+        if cfg.lora.text_encoder:  # the encoders train: their inputs are cached, not their outputs (text.py)
+            text, kind = (lambda: open_tokenizers(path, cfg.model.revision)), TOKENS_KIND
         self.cache, self.plan, self.report = fill_cache(
             cfg, self.items, workdir, path, log, bar=bar, max_len=TEXT_LEN,
-            open_image_encoder=enc.image_encoder, open_text_encoder=enc.text_encoder)
+            open_image_encoder=enc.image_encoder, open_text_encoder=text, text_kind=kind)
 
     def load_model(self, cfg: JobConfig, workdir: Path, device: torch.device, log) -> torch.nn.Module:
         from diffusers import UNet2DConditionModel
 
-        path = self._setup(cfg, workdir)
-        log.info("sdxl", prediction=self.pred, zero_terminal_snr=self.pred == "v")
-        return load_lora_transformer(UNet2DConditionModel, path, cfg, device, log, fp8_skip=FP8_SKIP,
+        path = self._setup(cfg, workdir, log)
+        log.info("sdxl", prediction=self.pred, zero_terminal_snr=self.pred == "v",
+                 text_encoders_train=cfg.lora.text_encoder)
+        unet = load_lora_transformer(UNet2DConditionModel, path, cfg, device, log, fp8_skip=FP8_SKIP,
                                      default_targets=DEFAULT_TARGETS, subfolder="unet")
+        if not cfg.lora.text_encoder:
+            return unet
+        model = SDXLWithText(unet, *load_text_encoders(path, cfg, device))
+        log.info("lora_text_encoders", trainable_params=sum(
+            p.numel() for n, p in model.named_parameters() if p.requires_grad and not n.startswith("unet.")))
+        return model
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Any], generator: torch.Generator,
              evaluate: bool = False) -> torch.Tensor:
@@ -182,7 +203,8 @@ class SDXL(ImageData):
         dropout, no preservation term), with only the noise and the timestep drawn."""
         cfg = self.cfg
         inner = getattr(model, "module", model)  # under DDP the forward goes through the wrapper
-        x0, flip, text = flip_and_drop(batch, cfg, generator, CONDS, draw=not evaluate)
+        conds = IDS if cfg.lora.text_encoder else CONDS
+        x0, flip, text = flip_and_drop(batch, cfg, generator, conds, draw=not evaluate)
         device, dtype = x0.device, inner.dtype
         b, _c, h, w = x0.shape
         noise = torch.randn(x0.shape, generator=generator).to(device)
@@ -200,32 +222,43 @@ class SDXL(ImageData):
         timesteps = t.to(device)
 
         def predict(embeds: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+            if cfg.lora.text_encoder:  # token ids, through the training encoders (SDXLWithText.forward)
+                return model(x_t.to(dtype), timesteps, input_ids=embeds.to(device), input_ids_2=pooled.to(device),
+                             time_ids=time_ids)[0]
             return model(x_t.to(dtype), timesteps, encoder_hidden_states=embeds.to(device, dtype),
                          added_cond_kwargs={"text_embeds": pooled.to(device, dtype), "time_ids": time_ids},
                          return_dict=False)[0]
 
-        pred = predict(text["prompt_embeds"], text["pooled_prompt_embeds"])
+        pred = predict(*(text[k] for k in conds))
         loss = batch_flow_loss(pred, target, batch, flip, lambda x: x, x0.shape)
         if evaluate:
             return loss
-        return with_preservation(loss, cfg, model, predict, batch, CONDS)
+        return with_preservation(loss, cfg, model, predict, batch, conds)
 
     def on_step_end(self, model: torch.nn.Module, step: int, cfg: JobConfig, workdir: Path, log) -> None:
         from engine.families.image.sample import SampleRenderer, sample_due
 
         if not sample_due(cfg, step):
             return
+        self.sampled = model  # its encoders turn the cached token ids into embeddings when they train
         if self.renderer is None:
-            path = resolve_model_path(cfg.model.path, workdir)
+            path = self.path
             self.renderer = SampleRenderer(cfg, path, self.cache, self.plan, Path(workdir),
-                                           pipeline=lambda unet: sample_pipeline(path, cfg, unet, self.pred),
-                                           prompt_kwargs=sample_kwargs)
+                                           pipeline=lambda m: sample_pipeline(path, cfg, parts(m)["unet"], self.pred),
+                                           prompt_kwargs=self.sample_kwargs)
         self.renderer.render(model, step, log)
 
     def export(self, model: torch.nn.Module, cfg: JobConfig, out_dir: Path, meta: dict[str, Any]) -> list[str]:
         from engine.families.image.sdxl.export import export
 
         return export(model, cfg, Path(out_dir), self.export_meta(cfg, meta), self.pred)
+
+    def sample_kwargs(self, emb, negative, device, dtype) -> dict[str, Any]:
+        if isinstance(self.sampled, SDXLWithText):  # cached token ids: encoded by the encoders as trained so far
+            emb, negative = ({k: v[0] for k, v in zip(CONDS, self.sampled.encode(e["input_ids"][None],
+                                                                                  e["input_ids_2"][None]), strict=True)}
+                             for e in (emb, negative))
+        return sample_kwargs(emb, negative, device, dtype)
 
 
 def sample_kwargs(emb, negative, device, dtype) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """SDXL on the image families' shared quality features, in process on its loss (builtin:tiny-sdxl): the size and
-crop ids the UNet sees, masks (exactly zero gradient outside), regularisation weights, DOP, the validation loss;
+crop ids the UNet sees, masks (exactly zero gradient outside), regularisation weights, DOP (with the text encoders
+training too: their LoRA off in its base pass), the validation loss;
 and what SDXL refuses, each naming its key. The features job is tests/e2e/test_image_quality.py's."""
 
 from __future__ import annotations
@@ -158,16 +159,18 @@ def test_what_sdxl_refuses_names_the_key(prepared, tmp_path):
     single = tmp_path / "noobai-xl-vpred.safetensors"
     single.write_bytes(b"\0" * 16)
     data = prepared.root / "data"
-    for over, words in (({"path": str(single)}, "is a single-file checkpoint"),
+    for over, words in (({"path": str(single)}, "is not a safetensors checkpoint (no readable header)"),
                         ({"family": "flux", "path": "builtin:tiny-flux", "prediction": "v"},
-                         "model.prediction: only for model.family"),
-                        ({"path": "builtin:tiny-sdxl"}, None)):
+                         "model.prediction: only for model.family sdxl; this job is flux"),
+                        ({"family": "causal_lm", "path": "builtin:tiny-llama", "text_encoder": True},
+                         "lora.text_encoder: only for model.family sdxl; this job is causal_lm")):
+        lora = {"text_encoder": over.pop("text_encoder")} if "text_encoder" in over else {}
         job = {"name": "x", "model": {"family": "sdxl", "path": "builtin:tiny-sdxl", **over},
-               "data": {"path": str(data)}, "lora": {"type": "dora"} if words is None else {}}
+               "data": {"path": str(data)}, "lora": lora}
         (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
         with pytest.raises(JobInvalid) as e:
             load_job(tmp_path / "job.yaml")
-        assert (words or "lora.type: dora is not supported for model.family sdxl") in str(e.value)
+        assert words in str(e.value)
 
 
 @pytest.mark.parametrize("pred", ["epsilon", "v"])
@@ -190,3 +193,53 @@ def test_the_noisy_latent_and_target_are_diffusers_ddpm_ones(pred):
     if pred == "v":
         torch.testing.assert_close(x_t[2], noise[2])
         torch.testing.assert_close(target[2], -x0[2])
+
+
+@pytest.fixture(scope="module")
+def prepared_te(tmp_path_factory, tiny_image_model):
+    """The features job with lora.text_encoder: the cache holds token ids, the model is UNet + both encoders."""
+    root = tmp_path_factory.mktemp("sdxl-features-te")
+    d = features_job(root, "sdxl", tiny_image_model("sdxl"))
+    d["train"]["timestep_sampling"] = "linear"
+    d["lora"]["text_encoder"] = True
+    cfg = parse_job(d, root)
+    fam, log = get_family("sdxl"), RecLog()
+    fam.prepare(cfg, root / "work", log)
+    ds = fam.build_dataset(cfg, root / "work", log)
+    torch.manual_seed(0)
+    model = fam.load_model(cfg, root / "work", torch.device("cpu"), log)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return SimpleNamespace(cfg=cfg, fam=fam, ds=ds, model=model, root=root, model_dir=tiny_image_model("sdxl"))
+
+
+def test_dop_with_trained_text_encoders_takes_the_base_from_the_encoders_without_their_lora(prepared_te):
+    """DOP's base pass turns the encoders' LoRA off with the UNet's: its text is what the frozen pipeline's
+    encode_prompt makes of the class captions; the LoRA pass's text is not."""
+    from diffusers import StableDiffusionXLPipeline
+
+    p = prepared_te
+    idx = p.ds.indices_at(p.cfg.train.seed, 0, 2)
+    batch = p.ds.collate(idx)
+    assert {"input_ids", "input_ids_2", "class_input_ids", "class_input_ids_2"} <= set(batch)
+    assert "prompt_embeds" not in batch  # the cache held token ids, not embeddings
+    seen = []
+    handle = p.model.unet.register_forward_hook(
+        lambda _m, _a, kw, out: seen.append((kw["encoder_hidden_states"], kw["added_cond_kwargs"]["text_embeds"],
+                                             out[0])), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            with_dop = p.fam.loss(p.model, batch, torch.Generator().manual_seed(5))
+    finally:
+        handle.remove()
+    (_, _, _), (base_emb, base_pooled, base_out), (lora_emb, _lora_pooled, lora_out) = seen
+    pipe = StableDiffusionXLPipeline.from_pretrained(p.model_dir, unet=None, vae=None)
+    texts = [p.fam.plan.texts[p.fam.plan.item_class_text[i]].payload for i in idx]
+    with torch.no_grad():
+        emb, _, pooled, _ = pipe.encode_prompt(texts, device="cpu", do_classifier_free_guidance=False)
+    torch.testing.assert_close(base_emb, emb, rtol=0, atol=1e-6)
+    torch.testing.assert_close(base_pooled, pooled, rtol=0, atol=1e-6)
+    assert not torch.allclose(lora_emb, emb, atol=1e-4)
+    assert torch.isfinite(with_dop) and torch.nn.functional.mse_loss(lora_out, base_out) > 0
