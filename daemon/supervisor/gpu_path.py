@@ -155,12 +155,12 @@ class GpuSupervision:
         v = min(views, key=lambda v: v.free_bytes())
         budget = v.free_bytes() / GIB
         held = v.foreign_bytes() / GIB
-        note = f"planned for {budget:.1f} GiB free on GPU {v.gpu}" + \
-            (f" (other programs hold {held:.1f} GiB)" if held else "")
+        free = f"{budget:.1f} GiB" if budget >= 1 else f"{v.free_bytes() >> 20} MiB"  # an almost full card: in MiB
+        note = f"planned for {free} free on GPU {v.gpu}" + (f" (other programs hold {held:.1f} GiB)" if held else "")
         self._note_gpu(job_id, note)
-        self.log.info("vram_plan", job=job_id, budget_gb=round(budget, 2), foreign_gb=round(held, 2), gpu=v.gpu)
-        job_event(workdir, job_id, "vram_plan", budget_gb=round(budget, 2), foreign_gb=round(held, 2), gpu=v.gpu)
-        return {BUDGET_ENV: f"{budget:.2f}"}
+        self.log.info("vram_plan", job=job_id, budget_gb=round(budget, 6), foreign_gb=round(held, 6), gpu=v.gpu)
+        job_event(workdir, job_id, "vram_plan", budget_gb=round(budget, 6), foreign_gb=round(held, 6), gpu=v.gpu)
+        return {BUDGET_ENV: f"{budget:.6f}"}  # to the KiB: a card almost full still gets the plan it leaves room for
 
     def _note_gpu(self, job_id: str, note: str | None) -> None:
         """What was decided about a job's GPU memory: in memory for `lorad status`, in meta for the dashboard."""

@@ -138,7 +138,7 @@ def test_xid_storm_on_gpu_1_of_2_quarantines_it_and_gpu_0s_job_goes_on(tmp_path,
         d.cleanup()
 
 
-def test_foreign_vram_under_wait_holds_the_job_and_under_plan_the_trainer_gets_the_budget(tmp_path, micro_model):
+def test_foreign_vram_under_wait_holds_the_job_and_under_plan_it_starts_with_a_smaller_plan(tmp_path, micro_model):
     faults = tmp_path / "faults.json"
     held = {"0": {"foreign_mib": 8192}}  # a game holds 8 GiB of the simulated 24
     job = write_yaml(tmp_path / "v.yaml", daemon_job(micro_model, steps=6, every=3, name="v"))
@@ -155,9 +155,11 @@ def test_foreign_vram_under_wait_holds_the_job_and_under_plan_the_trainer_gets_t
         assert "waiting for VRAM" in d.cli("status").stdout
         set_faults(faults, {})  # the game quits
         assert d.wait_state(jid, {"succeeded", "failed"}, 240)["state"] == "succeeded"
+        (roomy,) = [e for e in job_events(d.home / "jobs" / jid) if e.get("event") == "memory_plan"]
     finally:
         d.cleanup()
 
+    held = {"0": {"foreign_mib": 24 * 1024 - 2}}  # now the game leaves 2 MiB: less than the micro model's plan wants
     set_faults(faults, held)
     d = Daemon(tmp_path / "plan", gpu_config(tmp_path, micro_model, faults, 1, gpu_memory_policy="plan",
                                              faults=held, warm_trainer=False),
@@ -166,16 +168,19 @@ def test_foreign_vram_under_wait_holds_the_job_and_under_plan_the_trainer_gets_t
         jid = submit(d, job)
         (t,) = wait_until(d.trainers, 60, "the trainer to start")
         env = dict(kv.split("=", 1) for kv in Path(f"/proc/{t.pid}/environ").read_text().split("\0") if "=" in kv)
-        assert env["LORAD_VRAM_BUDGET_GB"] == "16.00"  # 24 GiB less the 8 GiB the game holds
+        assert env["LORAD_VRAM_BUDGET_GB"] == f"{2 / 1024:.6f}"  # 24 GiB less what the game holds
         assert d.wait_state(jid, {"succeeded", "failed"}, 240)["state"] == "succeeded"
         row = d.jobs()[0]
-        assert row["gpu_note"] == "planned for 16.0 GiB free on GPU 0 (other programs hold 8.0 GiB)"
+        assert row["gpu_note"] == "planned for 2 MiB free on GPU 0 (other programs hold 24.0 GiB)"
         events = job_events(d.home / "jobs" / jid)
         plan = [e for e in events if e.get("event") == "vram_plan"]
-        assert plan[0]["budget_gb"] == 16.0 and plan[0]["foreign_gb"] == 8.0
-        # the trainer planned within it (engine/memory_plan/budget.py): what a smaller budget pulls is
-        # tests/engine/memory_plan/test_planner.py's table
+        assert plan[0]["budget_gb"] == round(2 / 1024, 6) and plan[0]["foreign_gb"] == round(24 - 2 / 1024, 6)
+        # The trainer planned within it (engine/memory_plan/): where the first job, with no budget, kept every
+        # block's activations resident, this one pulls levers until its estimate fits the 2 MiB (or pulls them all).
         (mp,) = [e for e in events if e.get("event") == "memory_plan"]
-        assert (mp["budget"], mp["source"]) == (16 << 30, "LORAD_VRAM_BUDGET_GB")
+        assert mp["source"] == "LORAD_VRAM_BUDGET_GB" and abs(mp["budget"] - (2 << 20)) < 1 << 10  # to the KiB
+        assert roomy["budget"] is None and roomy["keep"] == roomy["blocks"] and roomy["swap"] == 0
+        assert mp["keep"] < roomy["keep"] or mp["swap"] > 0, mp["summary"]
+        assert mp["estimate"] < roomy["estimate"], (mp["summary"], roomy["summary"])
     finally:
         d.cleanup()
