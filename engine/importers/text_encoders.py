@@ -88,7 +88,8 @@ def kohya_unet_only(v: Any, ctx: Context) -> bool | None:
 def kohya_te_lr(v: Any, ctx: Context) -> float | None:
     first = _kohya_first(v)
     if isinstance(v, list) and len(v) > 1:
-        ctx.notes.append(f"text_encoder_lr {v}: sd-scripts' networks.lora trains both text encoders at the first, "
+        ctx.notes.append(f"text_encoder_lr {' '.join(map(str, v))}: sd-scripts' networks.lora trains both text "
+                         f"encoders at the first, "
                          f"{first}")
     if sdxl(ctx) and first is not None and c.number(first, ctx) == 0:
         raise CarriedIn("lora.text_encoder")  # sd-scripts skips a group whose lr is 0: the encoders do not train
@@ -170,6 +171,6 @@ def onetrainer_stop(part: str):
             return None  # no stop, or none within the run
         if ctx.job.get("lora", {}).get("text_encoder") is not True:
             raise NotCarried(NOT_TRAINED)
-        raise NotCarried(f"{NO_FEATURE} (the text encoders stopping after {n} {unit.lower()}; lorad trains "
+        raise NotCarried(f"{NO_FEATURE} (the text encoders stopping after {n} × {unit}; lorad trains "
                          "them to the end)")
     return conv
