@@ -248,10 +248,13 @@ TABLE: list[Key] = [
     Key("unet.train", None, te.unet_trains, doc="false: refused (lorad always trains the UNet)"),
     Key("text_encoder.train", "lora.text_encoder", te.onetrainer_train("text_encoder_2.train"), doc="SDXL (on by "
         "default there): either encoder → both"),
-    Key("text_encoder_2.train", "lora.text_encoder", te.onetrainer_train("text_encoder.train")),
-    Key("text_encoder.learning_rate", "lora.text_encoder_lr", te.onetrainer_lr("text_encoder_2")),
+    Key("text_encoder_2.train", "lora.text_encoder", te.onetrainer_train("text_encoder.train"), doc="as "
+        "text_encoder.train"),
+    Key("text_encoder.learning_rate", "lora.text_encoder_lr", te.onetrainer_lr("text_encoder_2"), doc="SDXL; "
+        "null: learning_rate; a second encoder's other rate is listed"),
     Key("text_encoder_2.learning_rate", "lora.text_encoder_lr", te.onetrainer_lr("text_encoder")),
-    Key("text_encoder.stop_training_after", None, te.onetrainer_stop("text_encoder")),
+    Key("text_encoder.stop_training_after", None, te.onetrainer_stop("text_encoder"), doc="a stop within the run "
+        "is listed (lorad trains the encoders to the end)"),
     Key("text_encoder.stop_training_after_unit", None, te.onetrainer_stop("text_encoder")),
     Key("text_encoder_2.stop_training_after", None, te.onetrainer_stop("text_encoder_2")),
     Key("text_encoder_2.stop_training_after_unit", None, te.onetrainer_stop("text_encoder_2")),
