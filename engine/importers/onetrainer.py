@@ -245,7 +245,7 @@ TABLE: list[Key] = [
     Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off, doc="before config version 10: ON, "
         "CPU_OFFLOADED → true"),
     Key("transformer.train", None, _transformer_train),
-    Key("unet.train", None, te.unet_trains, doc="false: refused (lorad always trains the UNet)"),
+    Key("unet.train", None, te.onetrainer_unet, doc="SDXL: false refused (lorad always trains the UNet)"),
     Key("text_encoder.train", "lora.text_encoder", te.onetrainer_train("text_encoder_2.train"), doc="SDXL (on by "
         "default there): either encoder → both"),
     Key("text_encoder_2.train", "lora.text_encoder", te.onetrainer_train("text_encoder.train"), doc="as "

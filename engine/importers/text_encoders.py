@@ -56,7 +56,8 @@ def lr_when(trains: str):
 def kohya_lrs(flat: dict[str, Any], notes: list[str]) -> None:
     """SDXL's encoders train at learning_rate when unet_lr takes the UNet and text_encoder_lr is unset: that
     learning_rate is then theirs (written as text_encoder_lr, so train.lr is unet_lr's)."""
-    if "unet_lr" in flat and "text_encoder_lr" not in flat and not on(flat.get("network_train_unet_only")):
+    if "unet_lr" in flat and "text_encoder_lr" not in flat and not any(
+            on(flat.get(k)) for k in ("network_train_unet_only", "cache_text_encoder_outputs")):
         v = flat.pop("learning_rate", 2e-6)  # sd-scripts' default learning_rate
         flat["text_encoder_lr"] = v
         notes.append(f"text_encoder_lr not set there: sd-scripts trains the text encoders at learning_rate ({v}), "
@@ -125,6 +126,13 @@ def onetrainer_defaults(flat: dict[str, Any], notes: list[str]) -> None:
     if unset:
         notes.append(f"{', '.join(unset)} not set there: OneTrainer's SDXL defaults written (the encoders train, "
                      "for their first 30 epochs)")
+
+
+def onetrainer_unet(v: Any, ctx: Context) -> None:
+    """OneTrainer's unet.train: SDXL's UNet (another family trains its transformer: the part is not read)."""
+    if not sdxl(ctx):
+        raise NotCarried(not_applicable("a frozen model part; lorad trains the transformer's LoRA"))
+    return unet_trains(v, ctx)
 
 
 def onetrainer_train(other: str):

@@ -76,7 +76,7 @@ KOHYA_TE = [
     ("--unet_lr 3e-4", True, 2e-6, 3e-4,  # the encoders at sd-scripts' default learning_rate
      "text_encoder_lr not set there: sd-scripts trains the text encoders at learning_rate (2e-06)"),
     ("--learning_rate 1e-4 --text_encoder_lr 0", False, None, 1e-4, None),  # a 0 group is skipped there
-    ("--learning_rate 1e-4 --cache_text_encoder_outputs", False, None, 1e-4,
+    ("--learning_rate 1e-4 --unet_lr 2e-4 --cache_text_encoder_outputs", False, None, 2e-4,
      "cache_text_encoder_outputs without network_train_unet_only: sd-scripts refuses"),
     ("--learning_rate 1e-4 --network_train_unet_only --unet_lr 2e-4", False, None, 2e-4, None),
 ]
