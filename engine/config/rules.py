@@ -300,6 +300,10 @@ _FSDP_EXCLUDES = {
     "train.blocks_to_swap": "block swapping moves whole blocks, which fsdp keeps sharded",
     "train.ema": "the average would need the whole adapter on one process at every update",
     "sample.every_steps": "samples render on rank 0 alone, which needs the whole model",
+    # fully_shard swaps every parameter for a sharded one, and the encoders' optimizer group (their lr_scale
+    # attribute, engine/training/optim.py) goes with the old one: they would train at train.lr unsaid
+    "lora.text_encoder_lr": "the encoders' own learning rate would be lost in sharding, and they would train at "
+                            "train.lr",
 }
 
 
@@ -319,7 +323,8 @@ def fsdp_can_shard_it(cfg: JobConfig) -> list[Problem]:
                            "types that FSDP cannot shard; use model.base_precision: auto or bf16 with "
                            "train.sharding: fsdp (sharding is what makes a big base fit)"))
     setting = {"train.blocks_to_swap": bool(cfg.train.blocks_to_swap), "train.ema": cfg.train.ema is not None,
-               "sample.every_steps": cfg.sample.every_steps is not None}
+               "sample.every_steps": cfg.sample.every_steps is not None,
+               "lora.text_encoder_lr": cfg.lora.text_encoder_lr is not None}
     for key, why in _FSDP_EXCLUDES.items():
         if setting[key]:
             out.append(Problem(f"{key}, train.sharding", f"{key}, train.sharding: not with train.sharding: fsdp "

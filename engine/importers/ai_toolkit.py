@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 from engine.importers import common as c
+from engine.importers import text_encoders as te
 from engine.importers.table import (
     NO_FEATURE,
     CarriedIn,
@@ -166,14 +167,6 @@ def _sample_every(v: Any, ctx: Context) -> int | None:
     return c.positive_int(v, ctx)
 
 
-def _on_only(why: str):
-    def conv(v: Any, ctx: Context) -> None:
-        if v:
-            raise NotCarried(why)
-        return None
-    return conv
-
-
 def _push(v: Any, ctx: Context) -> str | None:
     if not ctx.source.get("save.push_to_hub"):
         raise NotCarried(other_way("output.push_to_hub", "push_to_hub is off there"))
@@ -273,7 +266,12 @@ TABLE: list[Key] = [
         "owning its σ; no switching by steps")),
     Key("train.noise_scheduler", None, why=not_applicable("each family has its own noise scheduler")),
     Key("train.train_unet", None, why=not_applicable("lorad always trains the transformer's LoRA")),
-    Key("train.train_text_encoder", None, _on_only(f"{NO_FEATURE} (a text-encoder LoRA)")),
+    Key("train.train_text_encoder", "lora.text_encoder", te.switch, doc="SDXL: both CLIP encoders' LoRA"),
+    Key("train.train_unet", None, te.unet_trains, doc="false: refused (lorad always trains the UNet)"),
+    Key("train.unet_lr", None, why=not_applicable("its LoRA network trains at train.lr; this is its full "
+        "fine-tune's")),
+    Key("train.text_encoder_lr", None, why=not_applicable("its LoRA network trains the text encoders at train.lr; "
+        "this is its full fine-tune's")),
     Key("train.skip_first_sample", None, why=other_way("sample.every_steps", "samples come every N steps")),
     Key("train.disable_sampling", None, why=other_way("sample.every_steps", "left unset: no samples")),
     Key("train.cache_text_embeddings", None, why=CACHE),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.importers import common as c
+from engine.importers import text_encoders as te
 from engine.importers.kohya_args import (  # noqa: F401 — re-exported: the importers' entry reads them here
     MODULES,
     MUSUBI_SCRIPTS,
@@ -223,7 +224,9 @@ TABLE: list[Key] = [
     Key("network_args.conv_dim", None, why=f"{NO_FEATURE} (conv layers: lorad's transformers have none)"),
     Key("network_args.conv_alpha", None, why=f"{NO_FEATURE} (conv layers: lorad's transformers have none)"),
     Key("network_weights", None, why=f"{NO_FEATURE} (starting from a trained LoRA)"),
-    Key("network_train_unet_only", None, why=not_applicable("lorad always trains the transformer's LoRA only")),
+    Key("network_train_unet_only", "lora.text_encoder", te.kohya_unet_only, doc="SDXL: unset or false → true (both "
+        "encoders train there by default); 0 as text_encoder_lr, or cached encoder outputs → false"),
+    Key("network_train_text_encoder_only", None, te.kohya_te_only, doc="true: refused (lorad always trains the UNet)"),
     Key("train_data_dir", "data.path", c.local_path, doc="kohya's N_name folders: see the dataset rows"),
     Key("reg_data_dir", "data.regularisation.path", c.local_path),
     Key("dataset_config", None, why=other_way("data.path", "the dataset TOML is read with the config")),
@@ -262,9 +265,10 @@ TABLE: list[Key] = [
     Key("max_bucket_reso", None, why=BUCKETS), Key("bucket_reso_steps", None, why=BUCKETS),
     Key("bucket_no_upscale", None, why=BUCKETS), Key("general.bucket_no_upscale", None, why=BUCKETS),
     Key("datasets[].bucket_no_upscale", None, why=BUCKETS),
+    Key("unet_lr", "train.lr", c.number, doc="wins over learning_rate, as there"),
     Key("learning_rate", "train.lr", c.number),
-    Key("unet_lr", "train.lr", c.number),
-    Key("text_encoder_lr", None, why=f"{NO_FEATURE} (a text-encoder LoRA)"),
+    Key("text_encoder_lr", "lora.text_encoder_lr", te.kohya_te_lr, doc="SDXL; a list: its first, as networks.lora "
+        "takes it for both encoders; unset with unet_lr: learning_rate"),
     Key("optimizer_type", "train.optimizer", c.optimizer),
     Key("use_8bit_adam", "train.optimizer", _use_8bit),
     Key("optimizer_args.weight_decay", "train.weight_decay", c.number),
@@ -320,8 +324,9 @@ DEFAULTS = {"lr_scheduler": "constant", "max_train_steps": 1600, "network_dim": 
 # "no": float32) and flux_train_network's --discrete_flow_shift and --guidance_scale (library/flux_train_utils.py).
 SD_SCRIPTS_DEFAULTS = {"caption_extension": ".caption", "mixed_precision": "no", "discrete_flow_shift": 3.0}
 FLUX_DEFAULTS = {"guidance_scale": 3.5}
-# sdxl_train_network's: timesteps drawn uniformly (it has no flow shift) and epsilon unless --v_parameterization.
-SDXL_DEFAULTS = {"timestep_sampling": "uniform", "v_parameterization": False}
+# sdxl_train_network's: timesteps drawn uniformly (no flow shift), epsilon unless --v_parameterization, and both
+# text encoders' LoRA trained unless --network_train_unet_only (train_network.py: is_train_text_encoder).
+SDXL_DEFAULTS = {"timestep_sampling": "uniform", "v_parameterization": False, "network_train_unet_only": False}
 # musubi-tuner's own: --discrete_flow_shift 1.0; a dataset's resolution (960, 544) (dataset/config_utils.py).
 MUSUBI_DEFAULTS = {"discrete_flow_shift": 1.0}
 MUSUBI_RESOLUTION = [960, 544]
@@ -378,6 +383,8 @@ def read(cfg_args: dict[str, Any], script: str | None, dataset: dict[str, Any] |
         repeat_folders(Path(c.local_path(flat["train_data_dir"], ctx)), flat, ctx, out)
     if cfg_args:
         family = out.get("model.family") or c.family_of_name(str(flat.get("pretrained_model_name_or_path", "")))
+        if family == "sdxl":
+            te.kohya_lrs(flat, out.notes)
         _defaults(flat, out.tool == MUSUBI, family, out)
     if "dit" in flat:
         flat["_dit_expert"] = flat["dit"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.importers import common as c
+from engine.importers import text_encoders as te
 from engine.importers.table import (
     NO_FEATURE,
     CarriedIn,
@@ -244,6 +245,19 @@ TABLE: list[Key] = [
     Key("gradient_checkpointing", "train.gradient_checkpointing", _on_off, doc="before config version 10: ON, "
         "CPU_OFFLOADED → true"),
     Key("transformer.train", None, _transformer_train),
+    Key("unet.train", None, te.onetrainer_unet, doc="SDXL: false refused (lorad always trains the UNet)"),
+    Key("text_encoder.train", "lora.text_encoder", te.onetrainer_train("text_encoder_2.train"), doc="SDXL (on by "
+        "default there): either encoder → both"),
+    Key("text_encoder_2.train", "lora.text_encoder", te.onetrainer_train("text_encoder.train"), doc="as "
+        "text_encoder.train"),
+    Key("text_encoder.learning_rate", "lora.text_encoder_lr", te.onetrainer_lr("text_encoder_2"), doc="SDXL; "
+        "null: learning_rate; a second encoder's other rate is listed"),
+    Key("text_encoder_2.learning_rate", "lora.text_encoder_lr", te.onetrainer_lr("text_encoder")),
+    Key("text_encoder.stop_training_after", None, te.onetrainer_stop("text_encoder"), doc="a stop within the run "
+        "is listed (lorad trains the encoders to the end)"),
+    Key("text_encoder.stop_training_after_unit", None, te.onetrainer_stop("text_encoder")),
+    Key("text_encoder_2.stop_training_after", None, te.onetrainer_stop("text_encoder_2")),
+    Key("text_encoder_2.stop_training_after_unit", None, te.onetrainer_stop("text_encoder_2")),
     Key("dynamic_timestep_shifting", "train.timestep_sampling", _dynamic_shift, doc="true → shift (uniform) or "
         "not carried (with another distribution)"),
     Key("timestep_shift", None, why=NO_FEATURE),
@@ -310,8 +324,10 @@ def read(doc: dict[str, Any], ctx: Context, out: Imported, concepts: Any = None,
         flat.update({f"concepts[0].{k}": v for k, v in flatten(conc[0]).items()})
     if samp is not None:
         flat["samples"] = samp
+    if str(flat.get("model_type", "")).upper().startswith("STABLE_DIFFUSION_XL"):
+        te.onetrainer_defaults(flat, out.notes)
     for part in PARTS:  # the frozen parts: lorad reads them from the model's folder, in its own precision
-        for k in [k for k in flat if k.startswith(part + ".")]:
+        for k in [k for k in flat if k.startswith(part + ".") and k not in te.ONETRAINER_ROWS]:
             out.drop(k, flat.pop(k), not_applicable("a frozen model part; lorad trains the transformer's LoRA"))
     defaults = dict(DEFAULTS)
     if "gradient_checkpointing" in flat:  # a config from before version 10 says it at the top

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.importers import common as c
+from engine.importers import text_encoders as te
 from engine.importers.table import (
     NO_FEATURE,
     CarriedIn,
@@ -249,6 +250,9 @@ TABLE: list[Key] = [
     Key("train_batch_size", "train.batch_size", c.integer),
     Key("gradient_accumulation_steps", "train.grad_accum", c.positive_int),
     Key("learning_rate", "train.lr", c.number),
+    Key("train_text_encoder", "lora.text_encoder", te.switch, doc="SDXL: both CLIP encoders' LoRA"),
+    Key("text_encoder_lr", "lora.text_encoder_lr", te.lr_when("train_text_encoder false"), doc="SDXL, with "
+        "train_text_encoder"),
     Key("optimizer", "train.optimizer", c.optimizer),
     Key("lr_scheduler", "train.schedule", c.schedule),
     Key("lr_warmup_steps", "train.warmup_steps", c.integer),

@@ -87,3 +87,18 @@ def test_defaults_that_depend_on_other_keys_are_resolved_before_the_rules_and_on
     lokr = parse_job({**flux, "lora": {"type": "lokr"}}, Path("/"), check_paths=False)
     assert lokr.output.formats == ["comfyui"]
     assert parse_job(LM, Path("/"), check_paths=False).output.formats == ["peft"]
+
+
+def test_the_text_encoders_own_lr_is_refused_under_fsdp_naming_both_keys_and_kept_under_ddp():
+    # fully_shard replaces the parameters that carry the encoders' optimizer group: refused, not trained at train.lr
+    sdxl = {**LM, "model": {"family": "sdxl", "path": "/m/sdxl"}, "data": {"path": "/d"},
+            "lora": {"text_encoder": True, "text_encoder_lr": 5e-5}, "train": {"optimizer": "adamw", "lr": 1e-4}}
+    ddp = parse_job(sdxl, Path("/"), check_paths=False)
+    assert (ddp.train.sharding, ddp.lora.text_encoder_lr) == ("ddp", 5e-5)
+    with pytest.raises(JobInvalid) as e:
+        parse_job({**sdxl, "train": {**sdxl["train"], "sharding": "fsdp"}}, Path("/"), check_paths=False)
+    assert str(e.value).startswith("job: lora.text_encoder_lr, train.sharding: not with train.sharding: fsdp")
+    assert "leave lora.text_encoder_lr out or use train.sharding: ddp" in str(e.value)
+    same_lr = parse_job({**sdxl, "lora": {"text_encoder": True}, "train": {**sdxl["train"], "sharding": "fsdp"}},
+                        Path("/"), check_paths=False)
+    assert same_lr.lora.text_encoder and same_lr.lora.text_encoder_lr is None

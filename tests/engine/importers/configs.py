@@ -590,7 +590,7 @@ CASES = [
       "sample.prompts": ["p3r5on holding a sign that says 'hello'", "a chess game in the park, p3r5on"],
       "sample.every_steps": 250, "sample.guidance": 4.0},
      {"job", "type", "training_folder", "device", "save.dtype", "save.push_to_hub", "datasets[0].shuffle_tokens",
-      "datasets[0].cache_latents_to_disk", "train.noise_scheduler", "train.train_unet", "sample.sampler",
+      "datasets[0].cache_latents_to_disk", "train.noise_scheduler", "sample.sampler",
       "sample.sample_start_step", "meta.name", "meta.version"}),
     ("ai-toolkit-qwen-lokr-dop", "lokr.yml", AI_TOOLKIT_LOKR_DOP, None,
      {"model.family": "qwen_image", "lora.type": "lokr", "lora.rank": 32, "lora.alpha": 32.0, "lora.factor": 8,
