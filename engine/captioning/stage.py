@@ -108,6 +108,17 @@ def caption_records(cfg: JobConfig, records: list[ImageRecord], workdir: Path, l
     return out
 
 
+def _still_scanned(r: ImageRecord) -> bool:
+    """Whether the file still holds the bytes its record's sha256 was taken from."""
+    import hashlib
+
+    try:
+        with open(r.path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() == r.sha256
+    except OSError:
+        return False
+
+
 class _Skips:
     """The `caption_skipped` warnings, once per job (its WORKDIR/captions_skipped.json), and this attempt's skips."""
 
@@ -145,17 +156,19 @@ def _generate(todo: list[list[ImageRecord]], store: CaptionStore, model_dir: Pat
                 except Unseeable as e:
                     fresh.append((r, e))
             texts = captioner.caption([ims for _r, ims in seen], prompt, c.max_tokens) if seen else []
-            # Only the lasting skips are committed: a file the machine failed to read is tried by the next job.
+            # Only the lasting skips are committed, and only under the bytes that broke: a file the machine failed
+            # to read, or one changed since the scan, is tried by the next job.
+            lasting = [(r, e) for r, e in fresh if e.lasting and _still_scanned(r)]
             store.put_all({r.sha256: t for (r, _ims), t in zip(seen, texts, strict=True)
                            if store.get(r.sha256) is None},
-                          {r.sha256: str(e) for r, e in fresh if e.lasting})
+                          {r.sha256: str(e) for r, e in lasting})
             done += len(batch)
             rate = (time.monotonic() - t0) / done
             log.info("captions_committed", images=[r.rel for r, _ims in seen], done=done, total=total,
                      eta_s=round(rate * (total - done), 1))
             for r, e in fresh:
-                skips.warn(r, str(e), "recorded: not tried again until the file changes" if e.lasting else
-                           "not recorded: the machine failed to read it, the next job tries again")
+                skips.warn(r, str(e), "recorded: not tried again until the file changes" if (r, e) in lasting else
+                           "not recorded: it could not be read as scanned, the next job tries again")
             debug_pause()  # tests: a kill between two batches lands before the stage ends
     finally:
         captioner.close()
