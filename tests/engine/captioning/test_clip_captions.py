@@ -120,10 +120,9 @@ def test_the_frame_count_is_a_video_key_and_part_of_the_identity(tmp_path):
     doc["data"]["captioner"] = {**CAPTIONER, "hold_for_review": True}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
     assert load_job(tmp_path / "c.yaml").identity_hash() == base.identity_hash()  # the hold changes no weight
-    doc["data"]["dedupe"] = "warn"
+    doc["data"]["dedupe"] = "skip"  # read on clips (test_clip_dedupe.py): it decides what is trained on
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(doc))
-    with pytest.raises(JobInvalid, match="data.dedupe: not read by model.family wan"):
-        load_job(tmp_path / "d.yaml")
+    assert load_job(tmp_path / "d.yaml").identity_hash() != base.identity_hash()
 
     flux = flux_job_dict("builtin:tiny-flux", make_images(tmp_path / "images"),
                          data={"captions": "auto", "captioner": {"frames": 4}})
@@ -205,6 +204,28 @@ def test_a_broken_clip_is_skipped_once_recorded_with_its_batch_and_captioned_onc
     assert not _events(fixed, "caption_skipped")
     caps = json.loads((fixed / "captions.json").read_text())
     assert caps["broken.mp4"].startswith("sks, ") and caps == {**ours, "broken.mp4": caps["broken.mp4"]}
+
+
+def test_a_video_job_leaves_out_a_near_duplicate_clip_before_captioning_it(reference, tmp_path):
+    import shutil
+
+    job_ref, _ref, _data = reference
+    model = Path(yaml.safe_load(job_ref.read_text())["model"]["path"])
+    from tests.helpers.videos import CLIPS
+
+    # red.mp4 alone: blue.gif is the same synthetic square in another colour, near it by grey perceptual hashes
+    data = make_clips(tmp_path / "clips", clips=CLIPS[:1])
+    shutil.copy(data / "red.mp4", data / "red-copy.mp4")
+    job = _job(tmp_path / "job.yaml", model, data, {**CAPTIONER, "hold_for_review": True})
+    doc = yaml.safe_load(job.read_text())
+    doc["data"]["dedupe"] = "skip"
+    job.write_text(yaml.safe_dump(doc))
+    wd = _in_home(tmp_path / "home", "dups")
+    assert ForkedTrainer(job, wd).finish(300) == 75
+    (dups,) = _events(wd, "duplicates")
+    assert dups["groups"] == [["red-copy.mp4", "red.mp4"]] and dups["skipped"] == ["red.mp4"]
+    assert sorted(_generated(wd)) == ["red-copy.mp4", "still.png"]  # red.mp4 left out first
+    assert sorted(json.loads((wd / "captions.json").read_text())) == ["red-copy.mp4", "still.png"]
 
 
 def test_lorad_check_counts_a_video_jobs_captions(tmp_path, capsys):
