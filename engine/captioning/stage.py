@@ -162,13 +162,13 @@ def _generate(todo: list[list[ImageRecord]], store: CaptionStore, model_dir: Pat
             store.put_all({r.sha256: t for (r, _ims), t in zip(seen, texts, strict=True)
                            if store.get(r.sha256) is None},
                           {r.sha256: str(e) for r, e in lasting})
+            for r, e in fresh:  # before the batch's event: a kill after that event finds them said
+                skips.warn(r, str(e), "recorded: not tried again until the file changes" if (r, e) in lasting else
+                           "not recorded: it could not be read as scanned, the next job tries again")
             done += len(batch)
             rate = (time.monotonic() - t0) / done
             log.info("captions_committed", images=[r.rel for r, _ims in seen], done=done, total=total,
                      eta_s=round(rate * (total - done), 1))
-            for r, e in fresh:
-                skips.warn(r, str(e), "recorded: not tried again until the file changes" if (r, e) in lasting else
-                           "not recorded: it could not be read as scanned, the next job tries again")
             debug_pause()  # tests: a kill between two batches lands before the stage ends
     finally:
         captioner.close()
