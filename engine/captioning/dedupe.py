@@ -89,6 +89,8 @@ def _near(a: tuple[tuple[int, int], ...] | None, b: tuple[tuple[int, int], ...] 
 def near_duplicate_groups(named: list[tuple[str, Path]], fps: float | None = None) -> list[list[str]]:
     """Groups (of two or more names, each group and its names sorted) of near-duplicate images, or with `fps` of a
     video folder's clips and stills."""
+    if fps is not None:  # said (ImportError), not taken for broken clips: a client without PyAV cannot compare
+        import av  # noqa: F401
     return group([(name, file_fingerprint(p, fps)) for name, p in named])
 
 
