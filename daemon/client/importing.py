@@ -82,7 +82,7 @@ def dataset_summary(cfg) -> dict[str, Any]:
                 bw, bh = assign_bucket(*size, res)
                 buckets[f"{bw}x{bh}"] += 1
     items = len(files) * (1 if video else len(cfg.data.resolution))
-    counts = caption_counts(cfg, folder, files, set(missing))  # data.dedupe is refused for clips: none computed
+    counts = caption_counts(cfg, folder, files, set(missing), cfg.data.fps if video else None)
     if video:
         counts["media"] = "clips and stills"
     return {**counts, "path": cfg.data.path, "files": len(files), "items": items, "repeats": cfg.data.repeats,
@@ -91,9 +91,10 @@ def dataset_summary(cfg) -> dict[str, Any]:
             "trigger": cfg.data.trigger, "caption_ext": cfg.data.caption_ext}
 
 
-def caption_counts(cfg, folder: Path, files: list[Path], missing: set[str]) -> dict[str, Any]:
+def caption_counts(cfg, folder: Path, files: list[Path], missing: set[str], fps: float | None = None) -> dict[str, Any]:
     """The caption stage's counts (docs/captions.md): images, captioned (by their files), to caption (by the
-    captioner), and with data.dedupe the near-duplicate groups by name (the perceptual hashes computed here)."""
+    captioner), and with data.dedupe the near-duplicate groups by name (the perceptual hashes computed here; of a
+    video job's clips, with its fps, by their sampled frames)."""
     names = [str(p.relative_to(folder)) for p in files]
     out: dict[str, Any] = {"images": len(names), "caption_mode": cfg.data.caption_mode}
     dropped: set[str] = set()
@@ -101,7 +102,7 @@ def caption_counts(cfg, folder: Path, files: list[Path], missing: set[str]) -> d
         try:
             from engine.captioning.dedupe import near_duplicate_groups
 
-            groups = near_duplicate_groups(list(zip(names, files, strict=True)))
+            groups = near_duplicate_groups(list(zip(names, files, strict=True)), fps)
         except ImportError as e:  # the thin client: no Pillow or numpy
             groups = None
             out["duplicates_note"] = f"not computed here ({e.name} is not installed)"
@@ -182,7 +183,8 @@ def _caption_rows(d: dict[str, Any]) -> list[tuple[str, str]]:
     if "duplicate_groups" in d:
         groups = d["duplicate_groups"]
         rows.append(("duplicates", d.get("duplicates_note") if groups is None else "none" if not groups else
-                     f"{d['duplicates']} images in {len(groups)} group(s): " + "; ".join(", ".join(g) for g in groups)
+                     f"{d['duplicates']} {d.get('media', 'images')} in {len(groups)} group(s): "
+                     + "; ".join(", ".join(g) for g in groups)
                      + (f" ({len(d['skipped'])} left out: data.dedupe skip)" if d["skipped"] else "")))
     return rows
 

@@ -25,13 +25,32 @@ def frame_indices(n: int, count: int) -> list[int]:
     return sorted({round(k * (n - 1) / (count - 1)) for k in range(count)})
 
 
+class Unseeable(Exception):
+    """A file the captioner cannot be shown (str: why, phrased after "it"). `lasting` when its bytes are at fault, so
+    the same content breaks the same way again and the skip may be recorded (stage.py); not when the machine is
+    (an OSError with an errno: gone, no permission, an I/O error; out of memory), which the next job retries."""
+
+    def __init__(self, reason: str, lasting: bool):
+        super().__init__(reason)
+        self.lasting = lasting
+
+
+def _lasting(e: BaseException | None) -> bool:
+    return not isinstance(e, MemoryError) and not (isinstance(e, OSError) and e.errno is not None)
+
+
 def images_of(record, fps: float, count: int) -> list:
     """The PIL images the captioner sees of one record: a still (or a plain image record) as itself, a clip's
-    sampled frames. ClipUnreadable when the clip breaks before its last sampled frame."""
+    sampled frames. Unseeable when the image does not decode or the clip breaks before its last sampled frame."""
+    from engine.config.clips import ClipUnreadable
     from engine.data.images import load_upright
-
-    if getattr(record, "still", True):  # an image job's record has no `still`: an image
-        return [load_upright(record.path)]
     from engine.data.videos import _frames_at
 
-    return _frames_at(record.path, [i / fps for i in frame_indices(record.frames, count)])
+    try:
+        if getattr(record, "still", True):  # an image job's record has no `still`: an image
+            return [load_upright(record.path)]
+        return _frames_at(record.path, [i / fps for i in frame_indices(record.frames, count)])
+    except ClipUnreadable as e:  # raised `from None`: what broke is its context
+        raise Unseeable(str(e), _lasting(e.__context__)) from None
+    except Exception as e:  # noqa: BLE001 - Pillow raises many kinds for a broken image (a truncated one: OSError)
+        raise Unseeable(f"is not a readable image ({type(e).__name__}: {e})", _lasting(e)) from None

@@ -82,9 +82,9 @@ class DataConfig(Strict):
     captions: Literal["files", "auto", "files-else-auto"] | None = key(None, families=IMAGE_FAMILIES,
                                                                         dump_default=False)
     captioner: CaptionerConfig | None = key(None, families=IMAGE_FAMILIES, dump_default=False)
-    # Near-duplicate images (perceptual hashes, engine/captioning/dedupe.py): listed (warn), or one kept (skip).
-    dedupe: Literal["off", "warn", "skip"] | None = key(None, families=IMAGE_FAMILIES, read_by=STILL_FAMILIES,
-                                                        dump_default=False)
+    # Near-duplicate images (perceptual hashes, engine/captioning/dedupe.py): listed (warn), or one kept (skip);
+    # clips by the hashes of their sampled frames.
+    dedupe: Literal["off", "warn", "skip"] | None = key(None, families=IMAGE_FAMILIES, dump_default=False)
     flip: bool = key(False, families=IMAGE_FAMILIES)
     repeats: int = key(1, ge=1, le=10000, families=IMAGE_FAMILIES)
     # the image families' quality features (engine/data/image_sets.py)

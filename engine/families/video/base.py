@@ -82,6 +82,10 @@ class VideoFamily(ImageFamily):
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
         self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
+        if cfg.data.dedupe_mode != "off":  # near-duplicate clips by their sampled frames (engine/captioning/dedupe.py)
+            from engine.captioning.dedupe import dedupe_records
+
+            self.records = dedupe_records(cfg.data.dedupe_mode, self.records, log, cfg.data.fps)
         if cfg.data.caption_mode != "files":  # captions from sampled frames, before the cache (engine/captioning/)
             from engine.captioning.stage import caption_records
 

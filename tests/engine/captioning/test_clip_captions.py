@@ -21,21 +21,25 @@ CAPTIONER = {"model": "builtin:tiny-captioner", "batch_size": 1, "max_tokens": 6
 FILES = ("blue.gif", "red.mp4", "still.png")
 
 
-def _job(path: Path, model: Path, data: Path) -> Path:
+def _job(path: Path, model: Path, data: Path, captioner: dict = CAPTIONER) -> Path:
     path.write_text(yaml.safe_dump({
         "name": "clip-captions", "model": {"family": "wan", "path": str(model), "dtype": "float32"},
         "lora": {"rank": 4, "alpha": 8},
         "data": {"path": str(data), "resolution": [32], "frames": [5], "fps": 16, "trigger": "sks",
-                 "captions": "auto", "captioner": CAPTIONER},
+                 "captions": "auto", "captioner": captioner},
         "train": {"steps": 2, "batch_size": 1, "lr": 0.002, "schedule": "constant", "optimizer": "adamw", "seed": 3},
         "checkpoint": {"every_steps": 1, "every_seconds": None, "keep": 2},
         "output": {"formats": ["diffusers"]}}))
     return path
 
 
-def _generated(wd: Path) -> list[str]:
+def _events(wd: Path, name: str) -> list[dict]:
     events = [json.loads(ln) for ln in (wd / "events.jsonl").read_text().splitlines() if ln.strip()]
-    return [name for e in events if e.get("event") == "captions_committed" for name in e["images"]]
+    return [e for e in events if e.get("event") == name]
+
+
+def _generated(wd: Path) -> list[str]:
+    return [name for e in _events(wd, "captions_committed") for name in e["images"]]
 
 
 def _in_home(home: Path, job_id: str) -> Path:
@@ -116,10 +120,9 @@ def test_the_frame_count_is_a_video_key_and_part_of_the_identity(tmp_path):
     doc["data"]["captioner"] = {**CAPTIONER, "hold_for_review": True}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(doc))
     assert load_job(tmp_path / "c.yaml").identity_hash() == base.identity_hash()  # the hold changes no weight
-    doc["data"]["dedupe"] = "warn"
+    doc["data"]["dedupe"] = "skip"  # read on clips (test_clip_dedupe.py): it decides what is trained on
     (tmp_path / "d.yaml").write_text(yaml.safe_dump(doc))
-    with pytest.raises(JobInvalid, match="data.dedupe: not read by model.family wan"):
-        load_job(tmp_path / "d.yaml")
+    assert load_job(tmp_path / "d.yaml").identity_hash() != base.identity_hash()
 
     flux = flux_job_dict("builtin:tiny-flux", make_images(tmp_path / "images"),
                          data={"captions": "auto", "captioner": {"frames": 4}})
@@ -154,6 +157,76 @@ def test_a_clip_that_breaks_before_a_sampled_frame_is_skipped_by_name_and_the_ot
     (skip,) = [kw for ev, kw in log.said if ev == "caption_skipped"]
     assert skip["file"] == "broken.mp4" and "broke while decoding" in skip["reason"]
     assert [n for ev, kw in log.said if ev == "captions_committed" for n in kw["images"]] == ["still.png"]
+
+
+def test_a_broken_clip_is_skipped_once_recorded_with_its_batch_and_captioned_once_fixed(reference, tmp_path):
+    """A clip that always breaks is recorded as skipped with its batch: a job killed after that batch and resumed,
+    and a second job, neither decode it again nor regenerate its batch-mates; fixed, it is captioned."""
+    from engine.data.clip_files import moving_square, write_mp4
+    from tests.helpers.videos import truncated_mid_stream
+
+    job_ref, _ref, _data = reference
+    model = Path(yaml.safe_load(job_ref.read_text())["model"]["path"])  # the tiny TI2V-5B, built once
+    data = make_clips(tmp_path / "clips")
+    truncated_mid_stream(data / "broken.mp4")  # probes whole; in the first batch: blue.gif, broken.mp4
+    # Held for review: the trainer stops after its captions (exit 75), nothing trained.
+    job = _job(tmp_path / "job.yaml", model, data, {**CAPTIONER, "batch_size": 2, "hold_for_review": True})
+    whole = _in_home(tmp_path / "home-a", "whole")
+    assert ForkedTrainer(job, whole).finish(300) == 75
+
+    wd = _in_home(tmp_path / "home-b", "killed")
+    # A long pause after each batch (the kill ends it): on a loaded machine the kill still lands before the next.
+    t = ForkedTrainer(job, wd, LORAD_DEBUG_STEP_DELAY_S="3")
+    t.wait_for(lambda: bool(t.named("captions_committed")))  # the batch holding the broken clip
+    t.kill()
+    assert _generated(wd) == ["blue.gif"], "the kill came after the whole stage"
+    assert ForkedTrainer(job, wd).finish(300) == 75
+    (resumed,) = _events(wd, "captioning")[1:]
+    assert (resumed["cached"], resumed["skipped"], resumed["to_caption"]) == (1, 1, 2)  # the skip read back
+    good = ["blue.gif", "red.mp4", "still.png"]
+    assert sorted(_generated(wd)) == sorted(_generated(whole)) == good  # each generated exactly once
+    for d in (wd, whole):  # said once per job, naming the file and why
+        (skip,) = _events(d, "caption_skipped")
+        assert skip["file"] == "broken.mp4" and "broke while decoding" in skip["reason"]
+    ours, theirs = (json.loads((d / "captions.json").read_text()) for d in (wd, whole))
+    assert ours == theirs and ours["broken.mp4"] == "sks"  # no caption file: the trigger alone
+
+    again = _in_home(tmp_path / "home-b", "again")  # a second job: nothing decoded, nothing generated
+    assert ForkedTrainer(job, again).finish(300) == 75
+    (ev,) = _events(again, "captioning")
+    assert (ev["cached"], ev["skipped"], ev["to_caption"]) == (3, 1, 0) and not _generated(again)
+    (skip,) = _events(again, "caption_skipped")
+    assert skip["file"] == "broken.mp4" and "skipped before" in skip["message"]
+
+    write_mp4(moving_square(8, 32, 32, (20, 90, 220), seed=5), data / "broken.mp4", 16)  # fixed: other bytes
+    fixed = _in_home(tmp_path / "home-b", "fixed")
+    assert ForkedTrainer(job, fixed).finish(300) == 75
+    assert _generated(fixed) == ["blue.gif", "broken.mp4"]  # its batch, once more; blue.gif's caption kept
+    assert not _events(fixed, "caption_skipped")
+    caps = json.loads((fixed / "captions.json").read_text())
+    assert caps["broken.mp4"].startswith("sks, ") and caps == {**ours, "broken.mp4": caps["broken.mp4"]}
+
+
+def test_a_video_job_leaves_out_a_near_duplicate_clip_before_captioning_it(reference, tmp_path):
+    import shutil
+
+    job_ref, _ref, _data = reference
+    model = Path(yaml.safe_load(job_ref.read_text())["model"]["path"])
+    from tests.helpers.videos import CLIPS
+
+    # red.mp4 alone: blue.gif is the same synthetic square in another colour, near it by grey perceptual hashes
+    data = make_clips(tmp_path / "clips", clips=CLIPS[:1])
+    shutil.copy(data / "red.mp4", data / "red-copy.mp4")
+    job = _job(tmp_path / "job.yaml", model, data, {**CAPTIONER, "hold_for_review": True})
+    doc = yaml.safe_load(job.read_text())
+    doc["data"]["dedupe"] = "skip"
+    job.write_text(yaml.safe_dump(doc))
+    wd = _in_home(tmp_path / "home", "dups")
+    assert ForkedTrainer(job, wd).finish(300) == 75
+    (dups,) = _events(wd, "duplicates")
+    assert dups["groups"] == [["red-copy.mp4", "red.mp4"]] and dups["skipped"] == ["red.mp4"]
+    assert sorted(_generated(wd)) == ["red-copy.mp4", "still.png"]  # red.mp4 left out first
+    assert sorted(json.loads((wd / "captions.json").read_text())) == ["red-copy.mp4", "still.png"]
 
 
 def test_lorad_check_counts_a_video_jobs_captions(tmp_path, capsys):
