@@ -37,11 +37,9 @@ def window_need(fps: float):
     return need
 
 
-def encode_windows(todo: list[store.Need], done: store.Done, *, open_encoder, dtype: torch.dtype, fps: float,
-                   log) -> None:
-    """Each needed window through the video encoder ([1, 3, F, H, W] in [-1, 1] → [C, F', h, w]); a clip that breaks
-    is skipped with a reason."""
-    encode = None
+def readable_windows(todo: list[store.Need], fps: float, log):
+    """(need, item, flip, frames [3, F, H, W] in [-1, 1]) for each needed window whose clip decodes; a clip that
+    breaks is skipped with a reason (the module's docstring)."""
     for need in todo:
         item, flip = need.payload
         try:
@@ -50,6 +48,14 @@ def encode_windows(todo: list[store.Need], done: store.Done, *, open_encoder, dt
             log.warning("clip_skipped", file=item.record.rel, start=item.start, frames=item.bucket[0], reason=str(e),
                         message=f"data.path: {item.record.rel} {e}; its window at frame {item.start} is left out")
             continue
+        yield need, item, flip, x
+
+
+def encode_windows(todo: list[store.Need], done: store.Done, *, open_encoder, dtype: torch.dtype, fps: float,
+                   log) -> None:
+    """Each needed window through the video encoder ([1, 3, F, H, W] in [-1, 1] → [C, F', h, w])."""
+    encode = None
+    for need, _item, flip, x in readable_windows(todo, fps, log):
         encode = encode or open_encoder()  # the VAE loads only once a window is readable
         with torch.no_grad():
             out = {"latent": encode(x[None]).to(dtype)}

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from engine.data.videos import ClipUnreadable, VideoItem, read_window
+from engine.data.videos import VideoItem
 from engine.families.image.dataset import CachedImages
+from engine.families.video.cache import readable_windows
 from engine.storage import cache as store
 
 TEXT_NAMES = ("prompt_embeds", "prompt_audio_embeds", "prompt_mask")
@@ -80,14 +81,7 @@ def encode_av_windows(todo: list[store.Need], done: store.Done, *, open_encoder,
     """Each window's video (and flipped) latent and its audio latent; a clip that breaks is skipped with a reason
     (engine/families/video/cache.py)."""
     enc = None
-    for need in todo:
-        item, flip = need.payload
-        try:
-            x = read_window(item, fps)
-        except ClipUnreadable as e:
-            log.warning("clip_skipped", file=item.record.rel, start=item.start, frames=item.bucket[0], reason=str(e),
-                        message=f"data.path: {item.record.rel} {e}; its window at frame {item.start} is left out")
-            continue
+    for need, item, flip, x in readable_windows(todo, fps, log):
         enc = enc or open_encoder()
         with torch.no_grad():
             out = {"latent": enc.video(x[None]).to(dtype)}
