@@ -19,12 +19,12 @@ from tests.e2e.test_image_quality import _batch_with, _positions, features_job
 from tests.helpers.fakes import RecLog
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_image_model):
-    root = tmp_path_factory.mktemp("sdxl-features")
-    d = features_job(root, "sdxl", tiny_image_model("sdxl"))
+def _prepare(root, model_dir, *, flip: bool = False, **lora):
+    """The features job on SDXL, prepared and loaded on the CPU, its lora_B nonzero so the adapter acts."""
+    d = features_job(root, "sdxl", model_dir)
     d["train"]["timestep_sampling"] = "linear"
-    d["data"]["flip"] = True
+    d["data"]["flip"] = flip
+    d["lora"].update(lora)
     cfg = parse_job(d, root)
     fam, log = get_family("sdxl"), RecLog()
     fam.prepare(cfg, root / "work", log)
@@ -35,7 +35,12 @@ def prepared(tmp_path_factory, tiny_image_model):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    return SimpleNamespace(cfg=cfg, fam=fam, ds=ds, model=model, root=root)
+    return SimpleNamespace(cfg=cfg, fam=fam, ds=ds, model=model, root=root, model_dir=model_dir)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_image_model):
+    return _prepare(tmp_path_factory.mktemp("sdxl-features"), tiny_image_model("sdxl"), flip=True)
 
 
 @pytest.fixture
@@ -198,21 +203,7 @@ def test_the_noisy_latent_and_target_are_diffusers_ddpm_ones(pred):
 @pytest.fixture(scope="module")
 def prepared_te(tmp_path_factory, tiny_image_model):
     """The features job with lora.text_encoder: the cache holds token ids, the model is UNet + both encoders."""
-    root = tmp_path_factory.mktemp("sdxl-features-te")
-    d = features_job(root, "sdxl", tiny_image_model("sdxl"))
-    d["train"]["timestep_sampling"] = "linear"
-    d["lora"]["text_encoder"] = True
-    cfg = parse_job(d, root)
-    fam, log = get_family("sdxl"), RecLog()
-    fam.prepare(cfg, root / "work", log)
-    ds = fam.build_dataset(cfg, root / "work", log)
-    torch.manual_seed(0)
-    model = fam.load_model(cfg, root / "work", torch.device("cpu"), log)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return SimpleNamespace(cfg=cfg, fam=fam, ds=ds, model=model, root=root, model_dir=tiny_image_model("sdxl"))
+    return _prepare(tmp_path_factory.mktemp("sdxl-features-te"), tiny_image_model("sdxl"), text_encoder=True)
 
 
 def test_dop_with_trained_text_encoders_takes_the_base_from_the_encoders_without_their_lora(prepared_te):
