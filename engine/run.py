@@ -23,7 +23,7 @@ from engine.distributed.liveness import Liveness, die_with_parent
 from engine.errors import JobInvalid
 from engine.imports import unwalked_imports
 from engine.storage import cache_evict
-from engine.training.stop import EXIT_INVALID, EXIT_STOPPED, StopFlag
+from engine.training.stop import EXIT_INVALID, EXIT_OK, EXIT_STOPPED, StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     # The training stack (torch and the rest: seconds) is imported once the job is known to be valid: an invalid
     # one is refused in a fraction of a second.
     with unwalked_imports():
+        from engine.distributed.ddp import leave_process_group
         from engine.recipe import train
     if stop.requested:
         print(f"lorad: stopped ({stop.reason}) before training began; nothing to save", file=sys.stderr, flush=True)
@@ -59,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     if alive is not None:
         alive.start()
     try:
-        return train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
+        code = train(cfg, Path(args.workdir), progress=args.progress, stop=stop)
     finally:
         if alive is not None:
             alive.stop()  # a rank done before the others (rank 0 still exporting) is not a silent one
+    leave_process_group(code, clean=code in (EXIT_OK, EXIT_STOPPED))  # only in a distributed run
+    return code
 
 
 if __name__ == "__main__":
