@@ -53,13 +53,18 @@ class Client:
             buf = b""
             try:
                 s.sendall(p.encode(req))
+            except (BrokenPipeError, ConnectionResetError):
+                # A daemon with no free connection answers `busy` at once and hangs up without reading: its
+                # answer is still ours to read below. (A BrokenPipeError here is not our stdout's.)
+                pass
+            try:
                 while not buf.endswith(b"\n"):
                     chunk = s.recv(1 << 20)
                     if not chunk:
                         break
                     buf += chunk
-            except (BrokenPipeError, ConnectionResetError):
-                buf = b""  # the daemon went away mid-request (a BrokenPipeError here is not our stdout's)
+            except ConnectionResetError:
+                buf = b""  # the daemon went away mid-request
         finally:
             s.close()
         if not buf:

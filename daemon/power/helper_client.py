@@ -42,7 +42,10 @@ class HelperLimits:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(self.timeout_s)
                 s.connect(str(self.path))
-                s.sendall(json.dumps(request).encode() + b"\n")
+                try:
+                    s.sendall(json.dumps(request).encode() + b"\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused before it read the request (busy): its answer is still ours to read
                 data = s.makefile("rb").readline(MAX_LINE + 1)
         except OSError as e:
             raise CapRefused(f"power caps unavailable: the power helper at {self.path}: {e}") from None

@@ -177,6 +177,8 @@ def test_many_concurrent_clients_are_answered_or_told_busy_never_left_hanging(se
             results.append("ok")
         except p.ProtocolError as e:
             results.append(e.code)  # over max_connections (8 here): a `busy` error at once
+        except Exception as e:  # noqa: BLE001 — named in the assertion below, not lost with the thread
+            results.append(repr(e))
 
     ts = [threading.Thread(target=one) for _ in range(20)]
     for t in ts:
@@ -184,6 +186,30 @@ def test_many_concurrent_clients_are_answered_or_told_busy_never_left_hanging(se
     for t in ts:
         t.join(15)
     assert len(results) == 20 and set(results) <= {"ok", "busy"} and "ok" in results
+
+
+def test_a_busy_answer_sent_before_the_request_was_read_reaches_the_client(tmp_path):
+    """A full daemon answers `busy` and hangs up at once, unread: a client still sending gets a broken pipe,
+    and must read the answer anyway instead of saying the daemon closed without answering."""
+    path = tmp_path / "busy.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def answer_busy_unread():
+        conn, _ = listener.accept()
+        conn.sendall(p.error("busy", "too many connections; try again"))
+        conn.close()
+
+    t = threading.Thread(target=answer_busy_unread)
+    t.start()
+    # Far more than a socket buffer holds: the send is still going when the daemon hangs up.
+    big = p.Submit(name="job.yaml", text="x" * (8 << 20))
+    with pytest.raises(p.ProtocolError) as e:
+        Client(path, timeout_s=10).call(big)
+    assert e.value.code == "busy"
+    t.join(10)
+    listener.close()
 
 
 def test_every_verb_has_one_handler_and_one_cli_subcommand():
