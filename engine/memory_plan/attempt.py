@@ -14,7 +14,8 @@ under (engine/memory_plan/choose.py), whatever the job or the budget says:
 replan(): after an out-of-memory, the next lever from the plan the trainer ran with (its `out_of_memory` event
 carries it), in this order: samples skipped first when the samples ran out of memory; more block swap (doubled,
 up to every block); more activation checkpointing (attention outputs only, then whole blocks); samples skipped;
-then a smaller micro-batch (halved, or its largest proper divisor). None: no lever left.
+then a smaller micro-batch (halved, or its largest proper divisor). None: no lever left. An out-of-memory while
+the frozen base was placed (phase `load`) has block swap alone.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ def replan(ran: dict[str, Any], current: AttemptMemory, phase: str = "step") -> 
     ladder = [more_swap, more_checkpointing, skip_samples, smaller_micro_batch]
     if phase == "sample":
         ladder.insert(0, skip_samples)
+    if phase == "load":  # the frozen base did not fit: only fewer of its blocks on the device helps
+        ladder = [more_swap]
     for lever in ladder:
         if (step := lever()) is not None:
             change, words = step

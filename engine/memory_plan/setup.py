@@ -25,7 +25,7 @@ from engine.memory_plan.attempt import AttemptMemory, attempt_memory
 from engine.memory_plan.budget import vram_budget
 from engine.memory_plan.choose import MemoryPlan, plan_for
 from engine.memory_plan.costs import measure
-from engine.memory_plan.oom import first_line, needed_bytes
+from engine.memory_plan.oom import LoadOutOfMemory, first_line, needed_bytes
 from engine.training.dtypes import torch_dtype
 
 __all__ = ["AttemptMemory", "MemoryPlan", "load_planned", "micro_batch", "plan_attempt", "samples_config", "with_train"]
@@ -48,8 +48,9 @@ def load_planned(family, cfg, workdir, device: torch.device, floor: AttemptMemor
     try:
         model = family.load_model(with_train(cfg, blocks_to_swap=max(cfg.train.blocks_to_swap, floor.swap_at_least)),
                                   workdir, device, log)
-    except torch.OutOfMemoryError as e:
-        raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), None) from None
+    except torch.OutOfMemoryError as e:  # placing the base: the plan it was placed with, for the re-plan
+        plan = e.plan() if isinstance(e, LoadOutOfMemory) else None
+        raise OutOfMemory("load", 0, first_line(e), needed_bytes(e), plan) from None
     plan = plan_attempt(model, cfg, device, floor, micro, grad_accum, log)
     # A model without blocks keeps the job's swap, refused there as before (JobInvalid).
     apply_train_speedups(model, with_train(cfg, blocks_to_swap=plan.swap or cfg.train.blocks_to_swap,

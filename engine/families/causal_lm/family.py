@@ -11,7 +11,7 @@ from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.data.text import TokenDataset, encode_documents, read_documents
 from engine.errors import JobInvalid
-from engine.frozen_base.blockswap import place_model
+from engine.frozen_base.blockswap import place_model, placing
 from engine.frozen_base.precision import apply_base_precision, quantization_config
 from engine.frozen_base.precision import resolve as resolve_precision
 from engine.training.adapters import check_base_precision, import_bitsandbytes, peft_config, set_adapter_dtype
@@ -62,26 +62,28 @@ class CausalLM:
         # fp8: swap the frozen linears for FP8 layers before peft wraps them, quantising each on the device
         # as it moves there (the bf16 base never sits on the GPU whole); logs the choice either way.
         swap = cfg.train.blocks_to_swap
-        apply_base_precision(model, choice, device, log, compute_dtype=dtype, blocks_to_swap=swap)
-        if quantize is not None:
-            from peft import prepare_model_for_kbit_training
+        with placing(model, swap):  # an out-of-memory here: the daemon swaps more blocks and loads again
+            apply_base_precision(model, choice, device, log, compute_dtype=dtype, blocks_to_swap=swap)
+            if quantize is not None:
+                from peft import prepare_model_for_kbit_training
 
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
-        elif cfg.train.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            model.enable_input_require_grads()
-        targets = cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS
-        lcfg = peft_config(cfg.lora, targets, task_type="CAUSAL_LM")
-        try:
-            model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
-        except ValueError as e:
-            raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
-        set_adapter_dtype(model, cfg.lora.dtype)  # fp32 by default over any base (engine/training/adapters.py)
-        self._chunked = use_chunked_loss(model, cfg, log)
-        if quantize is None:
-            # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
-            # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
-            place_model(model, device, swap)
+                model = prepare_model_for_kbit_training(
+                    model, use_gradient_checkpointing=cfg.train.gradient_checkpointing)
+            elif cfg.train.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.enable_input_require_grads()
+            targets = cfg.lora.targets if cfg.lora.targets is not None else DEFAULT_TARGETS
+            lcfg = peft_config(cfg.lora, targets, task_type="CAUSAL_LM")
+            try:
+                model = get_peft_model(model, lcfg, autocast_adapter_dtype=False)
+            except ValueError as e:
+                raise JobInvalid(f"lora.targets: {e}".splitlines()[0]) from None
+            set_adapter_dtype(model, cfg.lora.dtype)  # fp32 by default over any base (engine/training/adapters.py)
+            self._chunked = use_chunked_loss(model, cfg, log)
+            if quantize is None:
+                # After LoRA, so the adapters of swapped blocks (created next to their host weights) move too; the
+                # swapped blocks' frozen weights stay in host memory and never reach the GPU whole.
+                place_model(model, device, swap)
         return model
 
     def _token_dataset(self, cfg: JobConfig, workdir: Path, path: Path, log, what: str) -> TokenDataset:

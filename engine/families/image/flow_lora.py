@@ -10,7 +10,7 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.errors import JobInvalid
-from engine.frozen_base.blockswap import place_model
+from engine.frozen_base.blockswap import place_model, placing
 from engine.frozen_base.precision import apply_base_precision, quantization_config
 from engine.frozen_base.precision import resolve as resolve_precision
 from engine.training.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype
@@ -108,14 +108,15 @@ def load_lora_transformer(model_cls: type, path: str, cfg: JobConfig, device: to
 
         transformer = prepare_model_for_kbit_training(transformer, use_gradient_checkpointing=False)
     swap = cfg.train.blocks_to_swap
-    apply_base_precision(transformer, cfg.model.effective_base_precision, device, log, compute_dtype=dtype, skip=fp8_skip,
-                         blocks_to_swap=swap)
-    if cfg.train.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    add_lora(transformer, cfg, default_targets)
-    set_adapter_dtype(transformer, cfg.lora.dtype)  # fp32 by default over any base (engine/training/adapters.py)
-    if qconf is None:
-        place_model(transformer, device, swap)
+    with placing(transformer, swap):  # an out-of-memory here: the daemon swaps more blocks and loads again
+        apply_base_precision(transformer, cfg.model.effective_base_precision, device, log, compute_dtype=dtype,
+                             skip=fp8_skip, blocks_to_swap=swap)
+        if cfg.train.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        add_lora(transformer, cfg, default_targets)
+        set_adapter_dtype(transformer, cfg.lora.dtype)  # fp32 by default over any base (engine/training/adapters.py)
+        if qconf is None:
+            place_model(transformer, device, swap)
     n = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
     log.info("lora", trainable_params=n, modules=len(adapter_layers(transformer)), type=cfg.lora.type)
     return transformer
