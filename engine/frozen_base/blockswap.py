@@ -56,8 +56,6 @@ the copies cost a memcpy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +63,6 @@ import torch.nn as nn
 
 from engine.errors import JobInvalid
 from engine.frozen_base.swap_ops import CudaOps, HostOps, LastUse, owned_host_buffer
-from engine.memory_plan.oom import LoadOutOfMemory, debug_load_oom
 
 
 @dataclass
@@ -307,19 +304,6 @@ def swapped_blocks(model: nn.Module, blocks_to_swap: int) -> list[nn.Module]:
 def host_weights(model: nn.Module, blocks_to_swap: int) -> set[int]:
     """ids of the frozen parameters block swapping streams (what must never be moved to the GPU whole)."""
     return {id(p) for b in swapped_blocks(model, blocks_to_swap) for p in b.parameters() if not p.requires_grad}
-
-
-@contextmanager
-def placing(model: nn.Module, blocks_to_swap: int) -> Iterator[None]:
-    """Around putting `model`'s frozen base on the device (FP8 layers made there, then place_model): an
-    out-of-memory in it becomes a LoadOutOfMemory naming the model's blocks and the swap it was placed with."""
-    try:
-        debug_load_oom(blocks_to_swap)
-        yield
-    except LoadOutOfMemory:
-        raise
-    except torch.OutOfMemoryError as e:
-        raise LoadOutOfMemory(str(e), len(find_blocks(model)), blocks_to_swap) from None
 
 
 def place_model(model: nn.Module, device: torch.device, blocks_to_swap: int = 0,

@@ -14,12 +14,7 @@ $LORAD_DEBUG_OOM_FILE=PATH (tests only): an out-of-memory at a moment another pr
 Whichever trainer's optimizer step first finds PATH removes it and raises the same error there, once (the soak's
 out_of_memory fault, bench/soak_faults.py, writes it while one trainer trains).
 
-$LORAD_DEBUG_OOM_AT_LOAD=N (tests only): putting the frozen base on the device raises the same error while fewer
-than N blocks are swapped: a model that loads once the re-plan swaps N of its blocks.
-
-An out-of-memory while the frozen base goes onto the device is a LoadOutOfMemory: it says how many blocks the model
-has and how many were swapped, so that the daemon's re-plan can swap more and load again (a 24 GB base on a 24 GB
-card); one anywhere else in the load (a bitsandbytes quantisation on the GPU) says nothing to re-plan from.
+An out-of-memory while the frozen base is put on the device: engine/frozen_base/placing.py.
 """
 
 from __future__ import annotations
@@ -32,33 +27,8 @@ import torch
 OOM_AT_STEP_ENV = "LORAD_DEBUG_OOM_AT_STEP"
 OOM_UNTIL_LEVEL_ENV = "LORAD_DEBUG_OOM_UNTIL_LEVEL"
 OOM_FILE_ENV = "LORAD_DEBUG_OOM_FILE"
-OOM_AT_LOAD_ENV = "LORAD_DEBUG_OOM_AT_LOAD"
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) ?(B|KiB|MiB|GiB|TiB)")
-
-
-class LoadOutOfMemory(torch.OutOfMemoryError):
-    """Out of memory while placing a model of `blocks` blocks with `swapped` of them left on the host."""
-
-    def __init__(self, message: str, blocks: int, swapped: int):
-        super().__init__(message)
-        self.blocks, self.swapped = blocks, swapped
-
-    def plan(self) -> dict | None:
-        """The plan the load ran under, as MemoryPlan.report() says it (the fields the re-plan reads); None for a
-        model without blocks, which has no lever."""
-        if not self.blocks:
-            return None
-        return {"blocks": self.blocks, "swap": self.swapped, "micro_batch": 1, "samples": "none",
-                "summary": f"swap {self.swapped}/{self.blocks} blocks while loading"}
-
-
-def debug_load_oom(swapped: int) -> None:
-    """Raise torch.OutOfMemoryError while the base is placed with too few blocks swapped (module docstring)."""
-    at = os.environ.get(OOM_AT_LOAD_ENV, "").strip()
-    if at and swapped < int(at):
-        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 1.00 GiB. (raised by {OOM_AT_LOAD_ENV}="
-                                     f"{at} with {swapped} blocks swapped)")
 
 
 def needed_bytes(error: BaseException) -> int | None:

@@ -19,13 +19,14 @@ import torch
 from engine.errors import OutOfMemory
 from engine.frozen_base.blockswap import find_blocks
 from engine.frozen_base.compiling import start_compiling
+from engine.frozen_base.placing import LoadOutOfMemory
 from engine.frozen_base.speedups import apply_train_speedups
 from engine.memory_plan.apply import checkpoint_blocks
 from engine.memory_plan.attempt import AttemptMemory, attempt_memory
 from engine.memory_plan.budget import vram_budget
 from engine.memory_plan.choose import MemoryPlan, plan_for
 from engine.memory_plan.costs import measure
-from engine.memory_plan.oom import LoadOutOfMemory, first_line, needed_bytes
+from engine.memory_plan.oom import first_line, needed_bytes
 from engine.training.dtypes import torch_dtype
 
 __all__ = ["AttemptMemory", "MemoryPlan", "load_planned", "micro_batch", "plan_attempt", "samples_config", "with_train"]

@@ -11,7 +11,8 @@ from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
 from engine.data.text import TokenDataset, encode_documents, read_documents
 from engine.errors import JobInvalid
-from engine.frozen_base.blockswap import place_model, placing
+from engine.frozen_base.blockswap import place_model
+from engine.frozen_base.placing import placing
 from engine.frozen_base.precision import apply_base_precision, quantization_config
 from engine.frozen_base.precision import resolve as resolve_precision
 from engine.training.adapters import check_base_precision, import_bitsandbytes, peft_config, set_adapter_dtype

@@ -10,7 +10,8 @@ import torch
 
 from engine.config.job import JobConfig
 from engine.errors import JobInvalid
-from engine.frozen_base.blockswap import place_model, placing
+from engine.frozen_base.blockswap import place_model
+from engine.frozen_base.placing import placing
 from engine.frozen_base.precision import apply_base_precision, quantization_config
 from engine.frozen_base.precision import resolve as resolve_precision
 from engine.training.adapters import adapter_layers, check_base_precision, peft_config, set_adapter_dtype

@@ -10,9 +10,8 @@ import torch
 import torch.nn as nn
 
 from daemon.supervisor.oom_replan import after_oom
-from engine.frozen_base.blockswap import placing
+from engine.frozen_base.placing import LoadOutOfMemory, placing
 from engine.memory_plan.attempt import AttemptMemory, replan
-from engine.memory_plan.oom import LoadOutOfMemory
 from engine.recipe import train
 from tests.helpers.jobs import adapter_bytes, read_events, tiny_job
 
