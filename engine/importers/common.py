@@ -17,9 +17,11 @@ from engine.importers.table import (
     not_applicable,
     other_way,
 )
+from engine.registry import families as registry
 
-LORAD_FAMILIES = ("flux", "flux2", "qwen_image", "z_image", "chroma", "flux3", "krea2", "wan", "hunyuan_video",
-                  "sdxl", "ideogram4", "qwen_image_21", "hidream", "ltx2")
+# What another trainer's config can be imported to: every image, edit and video family (the registry's; a family
+# that joins is named here without an edit).
+LORAD_FAMILIES = registry.names("image", "edit", "video")
 
 # Substrings of a model name or path (lower case, '-', '_', '.' and ' ' removed) → family; first match wins, so the
 # more specific come first. What lorad cannot train is named so that the refusal says which model it is.
