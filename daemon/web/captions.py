@@ -25,6 +25,9 @@ from engine.config.reading import YamlProblem, read_yaml
 
 CLIP_SUFFIXES = (".mp4", ".webm", ".mov")  # shown as <video>: engine/data/videos.py's clips that are not images
 MOST_SHOWN = 500  # images on the page; the rest are named by `lorad captions ID --to DIR`
+SKIPS_FILE = "captions_skipped.json"  # engine/captioning/stage.py's: the files it could not read, path → sha256
+MAX_SKIPS_BYTES = 4 << 20
+MOST_SKIPS_NAMED = 50
 
 
 def _read_map(path: Path, limit: int) -> dict[str, str]:
@@ -93,5 +96,19 @@ def section(j: dict[str, Any], csrf: str) -> str:
         rows.append(f"<tr data-image='{e(rel)}'><td>{img}</td><td>{e(rel)}{tag}</td>"
                     f"<td style='width:60%'>{cell}</td></tr>")
     more = f"<p>… and {len(captions) - MOST_SHOWN} more</p>" if len(captions) > MOST_SHOWN else ""
-    return (f"<section id=captions><h2>Captions ({len(captions)} images)</h2>{note}<table><thead><tr><th>image</th>"
+    return (f"<section id=captions><h2>Captions ({len(captions)} images)</h2>{note}"
+            f"{skipped_note(Path(j['workdir']))}<table><thead><tr><th>image</th>"
             f"<th>file</th><th>caption</th></tr></thead><tbody>{''.join(rows)}</tbody></table>{more}</section>")
+
+
+def skipped_note(workdir: Path) -> str:
+    """The files the caption stage could not read (not decodable, unreadable): not captioned, not trained on, until
+    the file changes. Named here so that nobody finds out from the count alone; why, in the job's events."""
+    skipped = sorted(_read_map(workdir / SKIPS_FILE, MAX_SKIPS_BYTES))
+    if not skipped:
+        return ""
+    names = ", ".join(e(rel) for rel in skipped[:MOST_SKIPS_NAMED])
+    more = f" … and {len(skipped) - MOST_SKIPS_NAMED} more" if len(skipped) > MOST_SKIPS_NAMED else ""
+    return (f"<p class=note id=captions-skipped>{len(skipped)} file{'s' if len(skipped) != 1 else ''} could not be "
+            f"read and {'were' if len(skipped) != 1 else 'was'} skipped (not captioned, not trained on until the "
+            f"file changes; why: the job's <code>caption_skipped</code> events): {names}{more}</p>")

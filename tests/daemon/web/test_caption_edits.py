@@ -99,3 +99,22 @@ def test_an_edit_is_refused_once_training_has_begun_or_for_what_the_captions_do_
     reply = json.loads(handlers.dispatch(site.ctx, p.EditCaption(job=bare, image="a.png", caption="x")))
     assert "has no captions yet" in reply["message"]
     assert not (site.workdir(bare) / EDITS_FILE).exists()
+
+
+def test_the_files_the_caption_stage_could_not_read_are_named_on_the_job_page(site, tmp_path):
+    from daemon.web import captions
+    from engine.captioning import stage
+
+    assert captions.SKIPS_FILE == stage.SKIPS_FILE  # the page reads the file the stage writes
+    jid = _captioned_job(site, tmp_path)
+    with TestClient(site.app, base_url=BASE) as client:
+        signed_in(client, site.token)
+        assert "id=captions-skipped" not in client.get(f"/jobs/{jid}").text  # nothing skipped: nothing said
+        (site.workdir(jid) / "captions_skipped.json").write_text(json.dumps({"broken<b>.png": "ab" * 32}))
+        page = client.get(f"/jobs/{jid}").text
+        note = re.search(r"<p class=note id=captions-skipped>(.*?)</p>", page).group(1)
+        assert note.startswith("1 file could not be read and was skipped") and note.endswith("broken&lt;b&gt;.png")
+        (site.workdir(jid) / "captions_skipped.json").write_text(json.dumps({f"bad-{i:02d}.png": "0" for i in range(60)}))
+        note = re.search(r"id=captions-skipped>(.*?)</p>", client.get(f"/jobs/{jid}").text).group(1)
+        assert note.startswith("60 files") and "bad-49.png" in note and "bad-50.png" not in note
+        assert note.endswith("… and 10 more")
