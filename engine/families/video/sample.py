@@ -14,6 +14,7 @@ import inspect
 import io
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.families.image.sample import SampleRenderer
@@ -45,13 +46,9 @@ class ClipRenderer(SampleRenderer):
         return self.pipe
 
     def render(self, transformer: torch.nn.Module, step: int, log) -> list[Path]:
-        import numpy as np
-
-        s, cfg = self.cfg.sample, self.cfg
         out_dir = self.workdir / "samples" / f"step-{step:08d}"
         ensure_dir_durable(self.fs, out_dir)
         pipe = self._pipeline(transformer)
-        accepted = inspect.signature(pipe.__call__).parameters
         device, paths = transformer.device, []
         was_training = transformer.training
         transformer.eval()
@@ -61,17 +58,28 @@ class ClipRenderer(SampleRenderer):
                 for i, (emb, neg, (_text, _negative, seed)) in enumerate(zip(self.prompts, self.negatives,
                                                                              self.entries, strict=True)):
                     log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
-                    gen = torch.Generator(device="cpu").manual_seed(seed)
-                    kwargs = {**self.prompt_kwargs(emb, neg, device, transformer.dtype), "height": s.height,
-                              "width": s.width, "num_frames": max(cfg.data.frames), "num_inference_steps": s.steps,
-                              "guidance_scale": s.guidance, "generator": gen, "output_type": "np"}
-                    # Only what the pipeline takes: HunyuanVideo's guidance is its guider's (sample_pipeline).
-                    video = pipe(**{k: v for k, v in kwargs.items() if k in accepted}).frames[0]
-                    frames = (np.clip(np.asarray(video, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
+                    prompt = self.prompt_kwargs(emb, neg, device, transformer.dtype)
+                    clip = self.clip(pipe, prompt, torch.Generator(device="cpu").manual_seed(seed))
                     path = out_dir / f"{i:02d}.mp4"
-                    write_file_durable(self.fs, path, clip_bytes(frames, cfg.data.fps))
+                    write_file_durable(self.fs, path, clip)
                     paths.append(path)
         finally:
             transformer.train(was_training)
         log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries])
         return paths
+
+    def clip(self, pipe, prompt: dict, generator: torch.Generator) -> bytes:
+        """One prompt's clip, as the MP4 file's bytes."""
+        s, cfg = self.cfg.sample, self.cfg
+        kwargs = {**prompt, "height": s.height, "width": s.width, "num_frames": max(cfg.data.frames),
+                  "num_inference_steps": s.steps, "guidance_scale": s.guidance, "generator": generator,
+                  "output_type": "np"}
+        # Only what the pipeline takes: HunyuanVideo's guidance is its guider's (sample_pipeline).
+        accepted = inspect.signature(pipe.__call__).parameters
+        video = pipe(**{k: v for k, v in kwargs.items() if k in accepted}).frames[0]
+        return clip_bytes(frames_u8(video), cfg.data.fps)
+
+
+def frames_u8(video) -> np.ndarray:
+    """A pipeline's float frames in [0, 1] as the uint8 frames a clip is written from."""
+    return (np.clip(np.asarray(video, dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.families.video.sample import ClipRenderer
-from engine.storage.fsio import ensure_dir_durable, write_file_durable
+from engine.families.video.sample import ClipRenderer, frames_u8
 
 
 class CachedConnectors(torch.nn.Module):
@@ -62,38 +61,16 @@ class SoundClipRenderer(ClipRenderer):
             self.pipe.connectors = CachedConnectors(self.prompts[0]["prompt_embeds"].shape[-1])
         return self.pipe
 
-    def render(self, transformer: torch.nn.Module, step: int, log) -> list[Path]:
-        import numpy as np
-
+    def clip(self, pipe, prompt: dict, generator: torch.Generator) -> bytes:
+        """One prompt's clip with its sound track, as the MP4 file's bytes."""
         from engine.families.video.ltx2.audio import write_mp4_with_audio
 
         s, cfg = self.cfg.sample, self.cfg
-        out_dir = self.workdir / "samples" / f"step-{step:08d}"
-        ensure_dir_durable(self.fs, out_dir)
-        pipe = self._pipeline(transformer)
-        rate = int(pipe.vocoder.config.output_sampling_rate)
-        device, paths = transformer.device, []
-        was_training = transformer.training
-        transformer.eval()
-        devices = [torch.cuda.current_device()] if device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices), torch.no_grad():
-                for i, (emb, neg, (_text, _negative, seed)) in enumerate(zip(self.prompts, self.negatives,
-                                                                             self.entries, strict=True)):
-                    log.info("heartbeat", phase="samples", step=step, prompt=i, prompts=len(self.prompts))
-                    out = pipe(**self.prompt_kwargs(emb, neg, device, transformer.dtype), height=s.height,
-                               width=s.width, num_frames=max(cfg.data.frames), frame_rate=cfg.data.fps,
-                               num_inference_steps=s.steps, guidance_scale=s.guidance, audio_guidance_scale=s.guidance,
-                               stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
-                               spatio_temporal_guidance_blocks=None,
-                               generator=torch.Generator(device="cpu").manual_seed(seed), output_type="np")
-                    frames = (np.clip(np.asarray(out.frames[0], dtype=np.float32), 0, 1) * 255).round().astype(np.uint8)
-                    buf = io.BytesIO()
-                    write_mp4_with_audio(frames, buf, cfg.data.fps, out.audio[0].float().cpu().numpy(), rate)
-                    path = out_dir / f"{i:02d}.mp4"
-                    write_file_durable(self.fs, path, buf.getvalue())
-                    paths.append(path)
-        finally:
-            transformer.train(was_training)
-        log.info("samples", step=step, paths=[str(p) for p in paths], prompts=[p for p, _n, _s in self.entries])
-        return paths
+        out = pipe(**prompt, height=s.height, width=s.width, num_frames=max(cfg.data.frames), frame_rate=cfg.data.fps,
+                   num_inference_steps=s.steps, guidance_scale=s.guidance, audio_guidance_scale=s.guidance,
+                   stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0,
+                   spatio_temporal_guidance_blocks=None, generator=generator, output_type="np")
+        buf = io.BytesIO()
+        write_mp4_with_audio(frames_u8(out.frames[0]), buf, cfg.data.fps, out.audio[0].float().cpu().numpy(),
+                             int(pipe.vocoder.config.output_sampling_rate))
+        return buf.getvalue()
