@@ -22,7 +22,9 @@ from daemon.system.safe_files import open_at, opened_dir
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
 
 CAPTIONS_FILE = "captions.json"  # engine/captioning/stage.py's
+SKIPS_FILE = "captions_skipped.json"  # engine/captioning/stage.py's: the files it could not read, path → sha256
 MAX_BYTES = 64 << 20
+MOST_SKIPS_NAMED = 10
 
 
 def cmd_captions(args: argparse.Namespace) -> int:
@@ -53,7 +55,23 @@ def cmd_captions(args: argparse.Namespace) -> int:
         ensure_dir_durable(fs, path.parent)
         write_file_durable(fs, path, (text + "\n").encode("utf-8"))
     print(f"job {job}: {len(files)} caption(s) written to {dest}")
+    if skipped := skipped_files(workdir):
+        names = ", ".join(skipped[:MOST_SKIPS_NAMED]) + (" …" if len(skipped) > MOST_SKIPS_NAMED else "")
+        print(render.term_safe(f"job {job}: {len(skipped)} file(s) could not be read and have no caption (why: "
+                               f"`lorad logs {job}`, caption_skipped): {names}"))
     return 0
+
+
+def skipped_files(workdir: Path) -> list[str]:
+    """The files the caption stage skipped (unreadable; not trained on until they change), sorted; [] if none."""
+    try:
+        with opened_dir(workdir) as d:
+            fd = open_at(d, SKIPS_FILE)
+        with open(fd, "rb") as f:
+            said = json.loads(f.read(MAX_BYTES))
+    except (OSError, ValueError):
+        return []
+    return sorted(k for k in said if isinstance(k, str)) if isinstance(said, dict) else []
 
 
 def cmd_caption(args: argparse.Namespace) -> int:

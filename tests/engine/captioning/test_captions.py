@@ -7,6 +7,7 @@ AutoProcessor / AutoModelForImageTextToText loading runs); the base is the tiny 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,21 @@ def test_lorad_captions_writes_them_out_as_text_files_without_a_daemon(reference
     assert "--force" in capsys.readouterr().err and (out / "wide-0.txt").read_text() == "mine"
     assert lorad(["captions", "nope", "--home", str(home), "--to", str(out)]) == 1
     assert "holds no job named 'nope'" in capsys.readouterr().err
+    assert "could not be read" not in capsys.readouterr().out  # nothing skipped: nothing said
+
+
+def test_lorad_captions_names_the_files_the_stage_could_not_read(reference, tmp_path, capsys):
+    from daemon.client import captions
+    from daemon.client.cli import main as lorad
+    from engine.captioning import stage
+
+    assert captions.SKIPS_FILE == stage.SKIPS_FILE  # the CLI reads the file the stage writes
+    ref_root, _data = reference
+    home = tmp_path / "home"
+    shutil.copytree(ref_root / "home" / "jobs" / "ref", home / "jobs" / "ref", symlinks=True)
+    (home / "jobs" / "ref" / stage.SKIPS_FILE).write_text(json.dumps({"broken.png": "ab" * 32, "cut.png": "cd" * 32}))
+    capsys.readouterr()
+    assert lorad(["captions", "ref", "--home", str(home), "--to", str(tmp_path / "out")]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == ("job ref: 2 file(s) could not be read and have no caption (why: `lorad logs ref`, "
+                    "caption_skipped): broken.png, cut.png")
