@@ -29,7 +29,9 @@ compiles once for every block of that type. What this module adds around torch.c
   sequence length, swapping, checkpointing): a resume after an outage and the next job on the same model start warm. A
   file that is torn, of another format, or that torch refuses is a cold compile (a `compile_cache` event
   says which), never a crash. Inductor's own cache directory (the C++ kernels it builds on the CPU are not in
-  the artifacts) is kept beside the file and committed with a manifest (InductorDir).
+  the artifacts) is kept beside the file and committed with a manifest (InductorDir). Both count toward
+  HOME/cache's size limit (engine/storage/cache_evict.py): the attempt leases its key, a warm start touches
+  them, and least-recently-used keys no one leases are evicted with the latent entries.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 
 from engine.frozen_base.inductor_dir import InductorDir
+from engine.storage import cache_evict
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 from engine.storage.home import cache_dir
 
@@ -211,6 +214,7 @@ class CompileCache:
             return self._said("corrupt", f"refused by torch: {type(e).__name__}")
         if info is None:
             return self._said("corrupt", "refused by torch")
+        cache_evict.touch(self.path)  # used now: the last to be evicted
         return self._said("warm", bytes=len(data))
 
     def save(self) -> bool:
@@ -261,8 +265,10 @@ def _payload(data: bytes) -> bytes | None:
 class Compiler:
     """One attempt's compile: the state its forwards report to, and the caches it starts from and saves to."""
 
-    def __init__(self, state: CompileState, cache: CompileCache | None, inductor_dir: InductorDir | None = None):
+    def __init__(self, state: CompileState, cache: CompileCache | None, inductor_dir: InductorDir | None = None,
+                 lease: cache_evict.Lease | None = None):
         self.state, self.cache, self.inductor_dir = state, cache, inductor_dir
+        self.lease = lease  # the compile key, kept from eviction while this attempt's model (its hook) lives
 
     def after_step(self) -> None:
         """After a step that compiled something (called before each forward: cheap when nothing was compiled): say
@@ -300,9 +306,23 @@ def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bo
     only). The compiled forwards report to their own CompileState (apply_train_speedups'); this one's log says
     what the caches served."""
     state = CompileState(log)
-    path = compile_cache_file(workdir, cache_key(cfg, device))
+    key = cache_key(cfg, device)
+    path = compile_cache_file(workdir, key)
+    lease = _lease(cache_dir(workdir), key, log if saves else None)
     inductor_dir = InductorDir(path.with_suffix(".d"), log)
     inductor_dir.adopt()  # before the artifacts: loading them writes into inductor's cache directory
     cache = CompileCache(path, log)
     cache.load()
-    return Compiler(state, cache if saves else None, inductor_dir)
+    return Compiler(state, cache if saves else None, inductor_dir, lease)
+
+
+def _lease(root: Path, key: str, log) -> cache_evict.Lease | None:
+    """Lease the compile key before its caches are looked at (an evicter sees the lease, or has finished), then
+    keep HOME/cache under the daemon's limit (with `log`: the rank that saves) as a latent fill does."""
+    try:
+        lease = cache_evict.Lease(root, [key])
+    except OSError:  # a home cache this process cannot write: it saves nothing there either
+        return None
+    if log is not None and (max_bytes := cache_evict.limit()) is not None:
+        cache_evict.evict(root, max_bytes, log)
+    return lease

@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+from engine.storage import cache_evict
 from engine.storage.fsio import FileLayer, RealFs, write_file_durable
 
 
@@ -24,7 +25,7 @@ class InductorDir:
     the whole directory go: a cold compile, never a half-written kernel loaded.
     """
 
-    MANIFEST = "MANIFEST.json"
+    MANIFEST = cache_evict.MANIFEST  # removed first by an eviction (engine/storage/cache_evict.py)
 
     def __init__(self, path: Path, log=None, fs: FileLayer | None = None):
         self.path, self.log, self.fs = Path(path), log, fs or RealFs()
@@ -57,7 +58,10 @@ class InductorDir:
         for f in self._files():
             if f.relative_to(self.path).as_posix() not in listed and f.name != self.MANIFEST:
                 f.unlink(missing_ok=True)  # written after the last commit
-        return "warm" if listed else "cold"
+        if not listed:
+            return "cold"
+        cache_evict.touch(self.path / self.MANIFEST)  # used now: the last to be evicted
+        return "warm"
 
     def _wipe(self, why: str) -> str:
         shutil.rmtree(self.path, ignore_errors=True)
