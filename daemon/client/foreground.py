@@ -118,8 +118,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
     print(f"lorad: cache of job {cfg.name} in {where}", file=sys.stderr)
     code = cache_job(cfg, workdir, progress="none" if args.quiet else "bar")
     n, size = cache_evict.usage(where)
+    keys, compiled = cache_evict.compile_usage(where)  # counted in the limit with the entries
     bound = f"limit {limit / 2**20:.1f} MiB" if limit else "no limit (--config: the daemon's cache_max_bytes)"
-    print(f"lorad: cache {where}: {n} entries, {size / 2**20:.1f} MiB; {bound}", file=sys.stderr)
+    print(f"lorad: cache {where}: {n} entries, {size / 2**20:.1f} MiB; compile cache {keys} keys, "
+          f"{compiled / 2**20:.1f} MiB; {bound}", file=sys.stderr)
     return code
 
 

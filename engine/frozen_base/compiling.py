@@ -29,7 +29,9 @@ compiles once for every block of that type. What this module adds around torch.c
   sequence length, swapping, checkpointing): a resume after an outage and the next job on the same model start warm. A
   file that is torn, of another format, or that torch refuses is a cold compile (a `compile_cache` event
   says which), never a crash. Inductor's own cache directory (the C++ kernels it builds on the CPU are not in
-  the artifacts) is kept beside the file and committed with a manifest (InductorDir).
+  the artifacts) is kept beside the file and committed with a manifest (InductorDir). Both count toward
+  HOME/cache's size limit (engine/storage/cache_evict.py): the attempt leases its key, a warm start touches
+  them, and least-recently-used keys no one leases are evicted with the latent entries.
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.frozen_base.inductor_dir import InductorDir
+from engine.storage import cache_evict
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 from engine.storage.home import cache_dir
 
@@ -211,6 +214,7 @@ class CompileCache:
             return self._said("corrupt", f"refused by torch: {type(e).__name__}")
         if info is None:
             return self._said("corrupt", "refused by torch")
+        cache_evict.touch(self.path)  # used now: the last to be evicted
         return self._said("warm", bytes=len(data))
 
     def save(self) -> bool:
@@ -258,93 +262,13 @@ def _payload(data: bytes) -> bytes | None:
     return payload
 
 
-class InductorDir:
-    """HOME/cache/compile/KEY.d: inductor's own cache directory (TORCHINDUCTOR_CACHE_DIR) for this key, committed.
-
-    The artifacts file holds inductor's graphs and, on a GPU, their Triton kernels, but not the C++ kernels
-    inductor builds for the CPU (shared objects in its cache directory): without them a CPU resume compiles
-    again whatever the artifacts say. So the directory itself lives in the home too, and is committed like a
-    checkpoint: after a step that compiled something every file in it is fsynced and MANIFEST (each file's size
-    and sha256) is written last, atomically. At start a file the manifest does not list (written after it, by a
-    process killed before the next commit) is removed, and a listed file that is missing, short or changed makes
-    the whole directory go: a cold compile, never a half-written kernel loaded.
-    """
-
-    MANIFEST = "MANIFEST.json"
-
-    def __init__(self, path: Path, log=None, fs: FileLayer | None = None):
-        self.path, self.log, self.fs = Path(path), log, fs or RealFs()
-
-    def adopt(self) -> str:
-        """Check the directory against its manifest and make it this process's inductor cache; the status."""
-        status = self._check()
-        self.path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.path)  # read by inductor at each use
-        if self.log is not None:
-            self.log.info("compile_cache", status=status, dir=str(self.path))
-        return status
-
-    def _check(self) -> str:
-        try:
-            listed = json.loads((self.path / self.MANIFEST).read_text())["files"]
-        except FileNotFoundError:
-            listed = None
-        except (OSError, ValueError, KeyError, TypeError):
-            return self._wipe("an unreadable manifest")
-        if listed is None:
-            return self._wipe("no manifest") if self.path.exists() and any(self.path.iterdir()) else "cold"
-        for rel, (size, digest) in listed.items():
-            f = self.path / rel
-            try:
-                if f.stat().st_size != size or _sha256(f) != digest:
-                    return self._wipe(f"{rel} changed since it was committed")
-            except OSError:
-                return self._wipe(f"{rel} is missing")
-        for f in self._files():
-            if f.relative_to(self.path).as_posix() not in listed and f.name != self.MANIFEST:
-                f.unlink(missing_ok=True)  # written after the last commit
-        return "warm" if listed else "cold"
-
-    def _wipe(self, why: str) -> str:
-        shutil.rmtree(self.path, ignore_errors=True)
-        if self.log is not None:
-            self.log.warning("compile_cache", status="corrupt", dir=str(self.path), reason=why,
-                             message=f"compile cache directory {self.path.name} not used ({why}): compiling cold")
-        return "corrupt"
-
-    def _files(self) -> list[Path]:
-        return sorted(p for p in self.path.rglob("*") if p.is_file() and not p.is_symlink())
-
-    def commit(self) -> None:
-        files = {}
-        for f in self._files():
-            rel = f.relative_to(self.path).as_posix()
-            if rel == self.MANIFEST or ".tmp" in f.name:
-                continue
-            try:
-                files[rel] = [f.stat().st_size, _sha256(f)]
-                self.fs.fsync(f)
-            except FileNotFoundError:  # inductor replaced it meanwhile: the next commit lists it
-                continue
-        dirs = {self.path / p for rel in files for p in Path(rel).parents}  # every directory up to the root
-        for d in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
-            self.fs.fsync_dir(d)
-        write_file_durable(self.fs, self.path / self.MANIFEST, json.dumps({"files": files}).encode())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Compiler:
     """One attempt's compile: the state its forwards report to, and the caches it starts from and saves to."""
 
-    def __init__(self, state: CompileState, cache: CompileCache | None, inductor_dir: InductorDir | None = None):
+    def __init__(self, state: CompileState, cache: CompileCache | None, inductor_dir: InductorDir | None = None,
+                 lease: cache_evict.Lease | None = None):
         self.state, self.cache, self.inductor_dir = state, cache, inductor_dir
+        self.lease = lease  # the compile key, kept from eviction while this attempt's model (its hook) lives
 
     def after_step(self) -> None:
         """After a step that compiled something (called before each forward: cheap when nothing was compiled): say
@@ -382,9 +306,23 @@ def start_compiler(cfg, workdir: Path, device: torch.device, log=None, saves: bo
     only). The compiled forwards report to their own CompileState (apply_train_speedups'); this one's log says
     what the caches served."""
     state = CompileState(log)
-    path = compile_cache_file(workdir, cache_key(cfg, device))
+    key = cache_key(cfg, device)
+    path = compile_cache_file(workdir, key)
+    lease = _lease(cache_dir(workdir), key, log if saves else None)
     inductor_dir = InductorDir(path.with_suffix(".d"), log)
     inductor_dir.adopt()  # before the artifacts: loading them writes into inductor's cache directory
     cache = CompileCache(path, log)
     cache.load()
-    return Compiler(state, cache if saves else None, inductor_dir)
+    return Compiler(state, cache if saves else None, inductor_dir, lease)
+
+
+def _lease(root: Path, key: str, log) -> cache_evict.Lease | None:
+    """Lease the compile key before its caches are looked at (an evicter sees the lease, or has finished), then
+    keep HOME/cache under the daemon's limit (with `log`: the rank that saves) as a latent fill does."""
+    try:
+        lease = cache_evict.Lease(root, [key])
+    except OSError:  # a home cache this process cannot write: it saves nothing there either
+        return None
+    if log is not None and (max_bytes := cache_evict.limit()) is not None:
+        cache_evict.evict(root, max_bytes, log)
+    return lease

@@ -20,6 +20,13 @@ cache's sweep removes like any writer's leftover; a cache cut off anywhere still
 
 The current job never loses what it needs: its keys are leased, so if they alone are over the limit the cache
 stays over it (`cache_over_limit`, said by that fill).
+
+The compile caches count too (engine/frozen_base/compiling.py): cache/compile/KEY.bin (torch's artifacts) and
+cache/compile/KEY.d (inductor's directory, committed by its MANIFEST.json) are one entry per KEY, sized on disk,
+last used at the newer mtime of the file and the manifest (touched when a trainer finds them warm), leased by the
+trainer that compiles with KEY, and evicted in the same least-recently-used order as the latent entries. Each goes
+manifest first (the directory is then uncommitted: its next user wipes it, a cold compile), the directory synced,
+then the artifacts file (a torn one fails its checksum), then the rest of the directory.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
+import stat
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +46,8 @@ from typing import Any
 ENTRY = ".entry.json"
 LEASES = ".leases"  # the one name the cache's own bookkeeping adds to the cache directory
 LOCK = "lock"
+COMPILE = "compile"  # cache/compile: the torch.compile caches
+MANIFEST = "MANIFEST.json"  # the commit of a compile key's KEY.d (engine/frozen_base/inductor_dir.py)
 
 _limit: list[int | None] = [None]  # bytes; set once by the trainer from its command line (engine/run.py)
 
@@ -130,6 +141,7 @@ class Entry:
     size: int  # its data file's bytes (from the entry)
     used: float  # its entry file's mtime
     file: str
+    kind: str = "latent"  # or "compile": file is then compile/KEY (KEY.bin and KEY.d)
 
 
 def entries(root: Path) -> list[Entry]:
@@ -148,6 +160,47 @@ def entries(root: Path) -> list[Entry]:
     return out
 
 
+def compile_entries(root: Path) -> list[Entry]:
+    """One entry per compile key in `root`/compile: its KEY.bin and KEY.d together (either may be absent)."""
+    d = Path(root) / COMPILE
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    keys: dict[str, tuple[int, float]] = {}
+    for name in names:
+        key, _, ext = name.rpartition(".")
+        if name.startswith(".") or ext not in ("bin", "d") or (part := _compile_part(d / name)) is None:
+            continue  # a writer's temp file (.KEY.bin.tmp-...) or something not ours
+        size, used = keys.get(key, (0, 0.0))
+        keys[key] = size + part[0], max(used, part[1])
+    return [Entry(k, size, used, f"{COMPILE}/{k}", "compile") for k, (size, used) in keys.items()]
+
+
+def _compile_part(p: Path) -> tuple[int, float] | None:
+    """(bytes on disk, last use) of a KEY.bin or a KEY.d; None when it is neither a file nor a directory."""
+    try:
+        st = os.lstat(p)
+        if stat.S_ISREG(st.st_mode):
+            return st.st_size, st.st_mtime
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        try:
+            used = os.stat(p / MANIFEST).st_mtime
+        except FileNotFoundError:
+            used = st.st_mtime  # uncommitted: a running compile's (leased), or a killed one's leftover
+        size = 0
+        for top, _, files in os.walk(p):
+            for f in files:
+                try:
+                    size += os.lstat(os.path.join(top, f)).st_size
+                except OSError:
+                    continue
+        return size, used
+    except OSError:
+        return None
+
+
 def usage(root: Path) -> tuple[int, int]:
     """(entries, bytes of their data files) in the cache `root`; (0, 0) when there is none."""
     if not Path(root).is_dir():
@@ -156,26 +209,55 @@ def usage(root: Path) -> tuple[int, int]:
     return len(es), sum(e.size for e in es)
 
 
-def _remove(root: Path, e: Entry) -> None:
-    """One entry, whole: the entry file (the commit), the directory synced, then the data file."""
-    os.unlink(root / (e.key + ENTRY))
-    dfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+def compile_usage(root: Path) -> tuple[int, int]:
+    """(compile keys, their bytes on disk) in the cache `root`."""
+    es = compile_entries(Path(root))
+    return len(es), sum(e.size for e in es)
+
+
+def _fsync_dir(d: Path) -> None:
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def _remove(root: Path, e: Entry) -> None:
+    """One entry, whole: the entry file (the commit), the directory synced, then the data file."""
+    if e.kind == "compile":
+        return _remove_compile(root / COMPILE, e.key)
+    os.unlink(root / (e.key + ENTRY))
+    _fsync_dir(root)
     try:
         os.unlink(root / e.file)
     except FileNotFoundError:
         pass  # another evicter, or a sweep, was first
 
 
+def _remove_compile(d: Path, key: str) -> None:
+    """A compile key: KEY.d's manifest first (from then on the directory loads as uncommitted, never warm), then
+    KEY.bin, then what is left of KEY.d."""
+    inductor = d / (key + ".d")
+    try:
+        os.unlink(inductor / MANIFEST)
+        _fsync_dir(inductor)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # never committed, or gone already
+    try:
+        os.unlink(d / (key + ".bin"))
+    except FileNotFoundError:
+        pass
+    _fsync_dir(d)
+    shutil.rmtree(inductor, ignore_errors=True)
+
+
 def evict(root: Path, max_bytes: int, log) -> list[Entry]:
-    """Remove least-recently-used entries no live lease holds until the cache's entries fit `max_bytes`."""
+    """Remove least-recently-used entries (latent and compile) no live lease holds until they fit `max_bytes`."""
     root = Path(root)
     with _locked(root, fcntl.LOCK_EX):
         live = _live_keys(root)
-        es = entries(root)
+        es = entries(root) + compile_entries(root)
         total = sum(e.size for e in es)
         removed: list[Entry] = []
         for e in sorted(es, key=lambda e: e.used):

@@ -121,7 +121,7 @@ def test_lorad_cache_ahead_of_time_leaves_the_daemon_job_nothing_to_encode(job, 
     assert len(_entries(home / "cache")) == 17  # HOME/cache, not jobs/NAME/cache
     said = capsys.readouterr().err.splitlines()[-1]  # its size and the daemon's limit
     assert re.fullmatch(rf"lorad: cache {re.escape(str((home / 'cache').resolve()))}: 17 entries, \d+\.\d MiB; "
-                        r"limit 1024\.0 MiB", said), said
+                        r"compile cache 0 keys, 0\.0 MiB; limit 1024\.0 MiB", said), said
     # the daemon runs the job in jobs/<name>-<id>, a directory `lorad cache` never saw
     rep, log, _ = prepare(job, home / "jobs" / "tiny-flux-3f9c2a")
     assert rep.encoded == {"latent": [], "text": []} and rep.reused == 17
