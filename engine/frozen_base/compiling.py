@@ -7,8 +7,8 @@ compiles once for every block of that type. What this module adds around torch.c
 
 - **Once.** A block already compiled is left as it is; compiling it again would stack a second dynamo frame
   on the first.
-- **Never a crash.** A compile error (dynamo, the backend, inductor) turns that block type back to eager for the
-  rest of the attempt, with one `compile_fallback` event. So does dynamo's recompile limit
+- **Never a crash.** A compile error (dynamo, the backend, inductor; the backward's too, lowered with the forward)
+  turns that block type back to eager for the rest of the attempt, with one `compile_fallback` event. So does dynamo's recompile limit
   (torch._dynamo.config.recompile_limit, 8 per code object): past it dynamo would run the block eagerly without
   a word; here the limit raises inside the call (fail_on_recompile_limit_hit), and the block type goes eager
   with the event, which the daemon keeps for `lorad status JOB` ("compile: eager ...").
@@ -70,6 +70,17 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return (TorchDynamoException,)  # BackendCompilerFailed and inductor's InductorError are among them
 
 
+def why_not_compiled(e: BaseException) -> str:
+    """A compile error in one line: a backend's failure by its own error (dynamo's first line only says which
+    backend raised)."""
+    def line(x: BaseException) -> str:
+        first = str(x).strip().splitlines()[0] if str(x).strip() else ""
+        return f"{type(x).__name__}: {first}" if first else type(x).__name__
+
+    inner = getattr(e, "inner_exception", None)
+    return f"{type(e).__name__} ({line(inner)})" if isinstance(inner, BaseException) else line(e)
+
+
 def _graphs() -> int:
     from torch._dynamo.utils import counters
 
@@ -118,16 +129,18 @@ class CompiledForward:
         before = _graphs()
         _mark_dynamic((args, kwargs))
         try:
-            # Raise at the limit instead of dynamo's silent eager run, so the fallback is said.
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            # Raise at the limit instead of dynamo's silent eager run, so the fallback is said. And lower the
+            # backward with the forward: AOTAutograd otherwise compiles it at the first backward, where an error
+            # would escape this call and crash the step.
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+                    torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 out = self.compiled(*args, **kwargs)
         except FailOnRecompileLimitHit:
             self.state.fall_back(self.name, f"dynamo's recompile limit "
                                             f"({torch._dynamo.config.recompile_limit} per code object)")
             return self.eager(*args, **kwargs)
         except _compile_errors() as e:
-            self.state.fall_back(self.name, f"compile error: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
-                                 if str(e).strip() else f"compile error: {type(e).__name__}")
+            self.state.fall_back(self.name, f"compile error: {why_not_compiled(e)}")
             return self.eager(*args, **kwargs)
         if (n := _graphs() - before) > 0:
             self.state.compiled(self.name, n)

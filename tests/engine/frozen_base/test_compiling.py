@@ -72,6 +72,30 @@ def test_a_compile_error_falls_back_to_eager_and_is_said_once():
     assert state.eager == {"Block": falls[0]["reason"]}
 
 
+def backend_whose_backward_fails(gm, example_inputs):
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward(bw_gm, bw_inputs):
+        raise RuntimeError("the backend cannot build this backward")
+
+    return aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=backward)(gm, example_inputs)
+
+
+def test_a_compile_error_in_the_backward_falls_back_to_eager_too_and_the_gradients_are_eagers():
+    model, ref = make_stack(n=3), make_stack(n=3)
+    log = RecLog()
+    compile_blocks(list(model.blocks), backend=backend_whose_backward_fails, state=CompileState(log))
+    x = torch.randn(4, 32)
+    model(x).backward()  # lowered lazily, this backward would raise the backend's error: the step would crash
+    ref(x).backward()
+    grads = [(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters(), strict=True)]
+    assert any(a is not None for a, _ in grads)
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in grads)
+    (fall,) = log.named("compile_fallback")
+    assert fall["reason"] == ("compile error: BackendCompilerFailed (RuntimeError: the backend cannot build this "
+                              "backward)")
+
+
 class Scaled(nn.Module):
     """A block with a Python number among its arguments: dynamo specialises on its value."""
 
