@@ -7,7 +7,7 @@ renumbered in their original order, and its data order is the usual seeded permu
 (engine/data/order.py) — a pure function of the seed, as without validation, but a different order from
 the same job without `fraction` (which is why `fraction` is part of the job's identity hash and `path`,
 `every_steps` and `batches` are not). The causal LM holds out packed samples (data.seq_len tokens), the image
-families hold out images (with every resolution of each).
+families hold out images (with every resolution of each), the video families clips (with every window of each).
 
 An evaluation (`evaluate`) reads the first `batches` batches of train.batch_size samples of the set, in a
 fixed order, so every evaluation sees the same samples. It runs in eval mode without gradients, on the

@@ -48,10 +48,14 @@ def run(tmp_path_factory):
     data = make_clips(root / "data", [("quiet.mp4", 9, 32, 32, 16, "a red square slides right")], still=False)
     make_sound_clip(data / "talk.mp4")
     (data / "talk.txt").write_text("a green square hums\n")
+    val = make_clips(root / "val", [("hush.mp4", 10, 32, 32, 16, "a red square slides right")], still=False)
+    make_sound_clip(val / "hum.mp4", tone=660.0, seed=4)
+    (val / "hum.txt").write_text("a green square hums higher\n")
     model = materialise("tiny-ltx2", root / "models")
     job, sampled = root / "ltx2.yaml", root / "ltx2-sampled.yaml"
-    job.write_text(yaml.safe_dump(job_dict(str(model), data)))
-    sampled.write_text(yaml.safe_dump(job_dict(str(model), data, sample={
+    over = {"validation": {"path": str(val), "every_steps": 2}}
+    job.write_text(yaml.safe_dump(job_dict(str(model), data, data=over)))
+    sampled.write_text(yaml.safe_dump(job_dict(str(model), data, data=over, sample={
         "every_steps": 4, "prompts": ["sks"], "steps": 2, "width": 32, "height": 32})))
     with chains_beside_references(root, {"ltx2": (job, sampled)}) as done:
         yield (model, job, *done["ltx2"])
@@ -64,6 +68,59 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(run
         want, got = tensor_bytes(ref / "output" / name), tensor_bytes(wd / "output" / name)
         assert sorted(want) == sorted(got) and want
         assert [k for k in want if want[k] != got[k]] == [], f"{name} differs; {story}"
+
+
+def test_validation_is_reported_every_two_steps_with_the_same_losses_after_two_kills(run):
+    """data.validation.path (hum.mp4 with sound, hush.mp4 without, one window each) every 2 steps: a finite loss at
+    steps 2 and 4, the same values in the killed-twice run at every step it evaluated, the 2 windows counted apart
+    from the 2 trained on."""
+    import math
+
+    from tests.helpers.jobs import read_events
+
+    _model, _job, ref, killed = run
+    wd, story = killed.result(timeout=900)
+    want = {e["step"]: e["loss"] for e in read_events(ref) if e["event"] == "validation"}
+    assert sorted(want) == [2, 4] and all(math.isfinite(v) and v > 0 for v in want.values()), want
+    got = [(e["step"], e["loss"]) for e in read_events(wd) if e["event"] == "validation"]
+    assert {s for s, _ in got} == {2, 4} and [(s, v) for s, v in got if v != want[s]] == [], story
+    for events in (read_events(ref), read_events(wd)):
+        assert {(e["windows"], e["validation"]) for e in events if e["event"] == "dataset"} == {(2, 2)}
+
+
+def test_held_out_clips_validate_on_the_loss_they_would_train_on(run):
+    """Each validation window's loss is the training loss in evaluate mode (no flip, no caption dropout) on its own
+    fixed generator: hum.mp4's with its audio term, so a change to the audio branch's LoRA moves its loss, and
+    hush.mp4's (no sound: the isolated forward) on the video alone, which that change leaves bit-identical."""
+    from engine.families import get_family
+    from engine.families.video.ltx2.family import AUDIO_BRANCH
+    from engine.report.events import EventLog
+    from engine.training.heldout import sample_generator
+
+    _model, job, ref, _ = run
+    cfg, fam, cpu = load_job(job), get_family("ltx2"), torch.device("cpu")
+    fam.prepare(cfg, ref, EventLog(ref / "events-validation.jsonl", to_stdout=False))
+    dataset = fam.build_dataset(cfg, ref, Quiet())
+    model = fam.load_model(cfg, ref, cpu, Quiet()).eval()
+    by_clip = {fam.items[i].record.rel: i for i in fam.validation_set(cfg, ref, Quiet()).indices}
+    assert sorted(by_clip) == ["hum.mp4", "hush.mp4"] and min(by_clip.values()) == fam.n_train
+
+    def losses() -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            return {c: fam.validation_loss(model, dataset, [i], cfg.train.seed, cpu) for c, i in by_clip.items()}
+
+    first = losses()
+    for clip, i in by_clip.items():
+        batch = dataset.collate([i])
+        assert batch["has_audio"].tolist() == [clip == "hum.mp4"]
+        with torch.no_grad():
+            assert torch.equal(first[clip], fam.loss(model, batch, sample_generator(cfg.train.seed, i), evaluate=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n and re.search(AUDIO_BRANCH, n):
+                p.add_(0.1)
+    moved = losses()
+    assert not torch.equal(moved["hum.mp4"], first["hum.mp4"]) and torch.equal(moved["hush.mp4"], first["hush.mp4"])
 
 
 def _inputs(transformer) -> dict:
@@ -133,7 +190,7 @@ def test_comfyui_keys_follow_the_docstring_rules_with_the_trained_update(run):
 
 
 def test_clips_with_sound_train_the_audio_branch_and_clips_without_do_not(run):
-    """The cache holds an audio latent for talk.mp4's windows only, of the pipeline's audio length for 9 frames at
+    """The cache holds an audio latent for the windows of the clips with sound only, of the pipeline's audio length for 9 frames at
     16 fps (round(9 / 16 · 16000 / 160 / 4) = 14); the quiet clip's batch gives the audio branch's LoRA no gradient
     (its forward isolates the modalities), the sound clip's does, and both train the video branch."""
     from engine.families import get_family
@@ -151,7 +208,7 @@ def test_clips_with_sound_train_the_audio_branch_and_clips_without_do_not(run):
     for i, it in enumerate(fam.items):
         by_clip.setdefault(it.record.rel, []).append(i)
         entry = fam.cache.load(fam.plan.item_latent[i])
-        assert ("audio_latent" in entry) == (it.record.rel == "talk.mp4")
+        assert ("audio_latent" in entry) == (it.record.rel in ("talk.mp4", "hum.mp4"))  # hum.mp4: validation's
         if "audio_latent" in entry:
             assert entry["audio_latent"].shape == (14, 4) and entry["audio_latent"].std() > 0
     for clip, sound in (("quiet.mp4", False), ("talk.mp4", True)):
@@ -188,7 +245,6 @@ def test_the_sample_clip_plays_with_its_frames_and_its_sound(run):
     ({"data": {"masks": {"alpha": True}}}, "data.masks"),
     ({"data": {"regularisation": {"path": "/nowhere"}}}, "data.regularisation"),
     ({"train": {"dop": {"preservation_class": "a person"}}}, "train.dop"),
-    ({"data": {"validation": {"fraction": 0.5}}}, "data.validation"),
     ({"lora": {"type": "dora"}}, "lora.type"),
     ({"data": {"frames": [5]}}, "data.frames"),
     ({"resources": {"gpus": 2}}, "model.family, resources.gpus"),

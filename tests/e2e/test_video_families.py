@@ -11,6 +11,7 @@ generators of their own, so the two runs' adapters must still be bit-identical.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -24,7 +25,7 @@ from engine.config.job import load_job
 from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 from tests.helpers.kill_chain import Quiet, chains_beside_references
-from tests.helpers.videos import make_clips, truncated_mid_stream
+from tests.helpers.videos import make_clips, make_sound_clip, truncated_mid_stream
 
 # A run name -> (family, builtin model, model.expert)
 RUNS = {"wan-5b": ("wan", "tiny-wan22-5b", None), "wan-a14b": ("wan", "tiny-wan22-a14b", "both"),
@@ -35,10 +36,10 @@ FILES = {"wan-5b": ["pytorch_lora_weights.safetensors", "wan_lora_comfyui.safete
          "hunyuan": ["pytorch_lora_weights.safetensors", "hunyuan_video15_lora_comfyui.safetensors"]}
 
 
-def job_dict(model: str, data: Path, expert: str | None = None, family: str = "wan", **over) -> dict:
+def job_dict(model: str, data_path: Path, expert: str | None = None, family: str = "wan", **over) -> dict:
     d = {"name": "tiny-video", "model": {"family": family, "path": model, "dtype": "float32"},
          "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-         "data": {"path": str(data), "resolution": [32], "frames": [5], "fps": 16, "trigger": "sks",
+         "data": {"path": str(data_path), "resolution": [32], "frames": [5], "fps": 16, "trigger": "sks",
                   "caption_dropout": 0.3},
          "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw", "seed": 3,
                    "timestep_sampling": "shift"},
@@ -49,6 +50,19 @@ def job_dict(model: str, data: Path, expert: str | None = None, family: str = "w
     return deep_update(d, over)
 
 
+# data.validation per run: Wan holds out a third of data.path's 3 files (seed 3 picks red.mp4: 2 of its 4 windows);
+# HunyuanVideo reads a folder of its own (one 9-frame clip: one 5-frame window).
+# A run name -> (its validation, (windows trained on, windows held out)).
+VALIDATION = {"wan-5b": ({"fraction": 0.34, "every_steps": 2}, (2, 2)),
+              "wan-a14b": ({"fraction": 0.34, "every_steps": 2}, (2, 2)),
+              "hunyuan": ({"path": "VAL", "every_steps": 2}, (4, 1))}
+
+
+def _validation(run: str, val: Path) -> dict:
+    v = dict(VALIDATION[run][0])
+    return {**v, "path": str(val)} if "path" in v else v
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Per run: (model dir, job file, uninterrupted workdir (samples on), killed-twice future)."""
@@ -56,16 +70,21 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("video-families")
     data = make_clips(root / "data")
+    val = root / "val"
+    val.mkdir()
+    make_sound_clip(val / "green.mp4")  # its sound is ignored here: only LTX-2 reads it
+    (val / "green.txt").write_text("a green square slides right\n")
     models, jobs = {}, {}
     for run, (family, builtin, expert) in RUNS.items():
         model = models[run] = materialise(builtin, root / "models")
         job, sampled = root / f"{run}.yaml", root / f"{run}-sampled.yaml"
-        job.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family)))
+        over = {"validation": _validation(run, val)}
+        job.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family, data=over)))
         # Samples in one run per family (HunyuanVideo's quoted text goes through its glyph encoder).
         prompt = "sks" if run == "wan-5b" else 'sks "HI"'
-        sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family, sample={
+        sampled.write_text(yaml.safe_dump(job_dict(str(model), data, expert, family, data=over, sample={
             "every_steps": 4, "prompts": [prompt], "steps": 2, "width": 32, "height": 32}) if run != "wan-a14b"
-            else job_dict(str(model), data, expert, family)))
+            else job_dict(str(model), data, expert, family, data=over)))
         jobs[run] = (job, sampled)
     with chains_beside_references(root, jobs) as done:
         yield {run: (models[run], jobs[run][0], *done[run]) for run in RUNS}
@@ -84,6 +103,44 @@ def test_killed_while_caching_and_while_saving_then_resumed_is_bit_identical(run
     sides = {k.split(".")[0] for k in ckpt}
     assert sides == {"wan-5b": {"blocks"}, "wan-a14b": {"transformer", "transformer_2"},
                      "hunyuan": {"transformer_blocks"}}[run]
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_validation_is_reported_every_two_steps_with_the_same_losses_after_two_kills(run, runs):
+    """data.validation.every_steps: 2 — a finite loss over the held-out windows at steps 2 and 4; the killed-twice
+    run reports the very same values at every step it evaluated (a step evaluated again after a kill included),
+    and its dataset counts the held-out windows apart from the ones it trains on."""
+    from tests.helpers.jobs import read_events
+
+    _model, _job, ref, killed = runs[run]
+    wd, story = killed.result(timeout=900)
+    want = {e["step"]: e["loss"] for e in read_events(ref) if e["event"] == "validation"}
+    assert sorted(want) == [2, 4] and all(math.isfinite(v) and v > 0 for v in want.values()), want
+    got = [(e["step"], e["loss"]) for e in read_events(wd) if e["event"] == "validation"]
+    assert {s for s, _ in got} == {2, 4} and [(s, v) for s, v in got if v != want[s]] == [], story
+    for events in (read_events(ref), read_events(wd)):
+        assert {(e["windows"], e["validation"]) for e in events if e["event"] == "dataset"} == {VALIDATION[run][1]}
+
+
+def test_held_out_clips_are_cached_but_never_trained_on(runs, tmp_path):
+    """data.validation.fraction holds out whole clips: every window of red.mp4 comes after the training windows,
+    is in the cache (nothing left to encode), and no batch of the run's order reaches it."""
+    from engine.families import get_family
+
+    _model, job, ref, _ = runs["wan-5b"]
+    cfg = load_job(job)
+    shutil.copytree(ref / "cache", tmp_path / "work" / "cache")
+    family = get_family("wan")
+    family.prepare(cfg, tmp_path / "work", Quiet())
+    assert family.report.encoded == {"latent": [], "text": []}
+    dataset = family.build_dataset(cfg, tmp_path / "work", Quiet())
+    n = family.n_train
+    assert {it.record.rel for it in family.items[n:]} == {"red.mp4"} and len(family.items) - n == 2
+    assert {it.record.rel for it in family.items[:n]} == {"blue.gif", "still.png"}
+    assert "red.mp4" not in {r.rel for r in family.records}  # nor in the dataset hash the export records
+    trained = {i for p in range(0, 4 * len(dataset), 2) for i in dataset.indices_at(cfg.train.seed, p, 2)}
+    assert trained == set(range(n))
+    assert family.validation_set(cfg, tmp_path / "work", Quiet()).indices == [n, n + 1]
 
 
 @pytest.mark.parametrize("run", ["wan-5b", "hunyuan"])
@@ -260,6 +317,7 @@ def test_a_clip_that_breaks_while_caching_is_skipped_with_a_reason_and_no_entry(
     truncated_mid_stream(data / "broken.mp4")
     cfg = load_job(job)
     cfg.data.path = str(data)
+    cfg.data.validation = None  # a fraction of this folder would hold out broken.mp4, of which no window survives
     work = tmp_path / "work"
     shutil.copytree(ref / "cache", work / "cache")
     family = get_family("wan")

@@ -26,6 +26,7 @@ import torch
 
 from engine.builtin.models import resolve_model_path
 from engine.config.job import JobConfig
+from engine.errors import JobInvalid
 from engine.families.image.base import ImageFamily
 from engine.families.image.dataset import CachedImages, PipelineEncoder, pad_texts
 from engine.families.image.flow_lora import flip_and_drop, scheduler_settings
@@ -75,32 +76,56 @@ class VideoFamily(ImageFamily):
 
     # ---------------------------------------------------------------- data
     def prepare(self, cfg: JobConfig, workdir: Path, log, bar=None) -> None:
-        """Scan the clips, cut them into windows and make the latent/text cache complete (encoders freed after)."""
-        from engine.data.videos import make_video_items, scan_videos
+        """Scan the clips, cut them into windows and make the latent/text cache complete (encoders freed after);
+        data.validation's windows come after the training ones (items[n_train:]), cached the same way."""
+        from engine.data.videos import make_video_items
 
         quiet_libraries(diffusers=True)
         self.cfg = cfg
         path = resolve_model_path(cfg.model.path, workdir)
-        self.records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
-        if cfg.data.dedupe_mode != "off":  # near-duplicate clips by their sampled frames (engine/captioning/dedupe.py)
-            from engine.captioning.dedupe import dedupe_records
-
-            self.records = dedupe_records(cfg.data.dedupe_mode, self.records, log, cfg.data.fps)
-        if cfg.data.caption_mode != "files":  # captions from sampled frames, before the cache (engine/captioning/)
-            from engine.captioning.stage import caption_records
-
-            self.records = caption_records(cfg, self.records, workdir, log)
-        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, model_multiple(cfg, path))
+        self.records, held = self.scan_records(cfg, workdir, log)
+        multiple = model_multiple(cfg, path)
+        items = make_video_items(self.records, cfg.data.resolution, cfg.data.frames, multiple)
+        n_items = len(items)
+        if held:
+            items += make_video_items(held, cfg.data.resolution, cfg.data.frames, multiple)
         cache, plan, self.report = self.fill_window_cache(cfg, items, workdir, path, log, bar)
         # Windows whose clip broke while caching have no entry: they are left out (cache.py's docstring).
         keep = [i for i, k in enumerate(plan.item_latent) if cache.verify(k) is None]
         plan.item_latent = [plan.item_latent[i] for i in keep]
         plan.item_text = [plan.item_text[i] for i in keep]
-        self.items, self.cache, self.plan, self.n_train = [items[i] for i in keep], cache, plan, len(keep)
-        if not self.items:
-            from engine.errors import JobInvalid
-
+        self.items, self.cache, self.plan = [items[i] for i in keep], cache, plan
+        self.n_train = sum(i < n_items for i in keep)
+        if not self.n_train:
             raise JobInvalid(f"data.path: no window of any clip in {cfg.data.path} could be decoded")
+        if held and self.n_train == len(self.items):
+            raise JobInvalid("data.validation: no window of its clips could be decoded (or none is as long as "
+                             "data.frames); give it clips of at least one window")
+
+    def scan_records(self, cfg: JobConfig, workdir: Path, log) -> tuple[list, list]:
+        """(training records, validation records): data.path's clips and stills (near-duplicates handled and
+        captions written first), and data.validation's — whole clips of data.path held out by train.seed
+        (engine/training/heldout.py), or the clips of its own path, captioned by their files."""
+        from engine.data.videos import scan_videos
+
+        records = scan_videos(Path(cfg.data.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
+        if cfg.data.dedupe_mode != "off":  # near-duplicate clips by their sampled frames (engine/captioning/dedupe.py)
+            from engine.captioning.dedupe import dedupe_records
+
+            records = dedupe_records(cfg.data.dedupe_mode, records, log, cfg.data.fps)
+        if cfg.data.caption_mode != "files":  # captions from sampled frames, before the cache (engine/captioning/)
+            from engine.captioning.stage import caption_records
+
+            records = caption_records(cfg, records, workdir, log)
+        val = cfg.data.validation
+        if val is None:
+            return records, []
+        if val.fraction is not None:
+            from engine.training.heldout import holdout
+
+            train, held = holdout(len(records), val.fraction, cfg.train.seed)
+            return [records[i] for i in train], [records[i] for i in held]
+        return records, scan_videos(Path(val.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
 
     def fill_window_cache(self, cfg: JobConfig, items, workdir: Path, path: str, log, bar):
         """(cache, plan, report): each window's latent and each caption's embeddings, encoded where missing (a
@@ -117,11 +142,13 @@ class VideoFamily(ImageFamily):
 
         if self.cache is None:
             self.prepare(cfg, workdir, log)
-        order = BucketOrder(self.items, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
+        train = self.items[:self.n_train]  # the rest are data.validation's windows
+        order = BucketOrder(train, cfg.train.batch_size, cfg.data.repeats, cfg.train.seed)
         log.info("dataset", clips=sum(not r.still for r in self.records), stills=sum(r.still for r in self.records),
-                 windows=len(self.items), samples_per_epoch=len(order),
-                 buckets=sorted({"{}x{}x{}".format(*it.bucket) for it in self.items}),
-                 captions_missing=sum(r.caption_missing for r in self.records))
+                 windows=len(train), samples_per_epoch=len(order),
+                 buckets=sorted({"{}x{}x{}".format(*it.bucket) for it in train}),
+                 captions_missing=sum(r.caption_missing for r in self.records),
+                 validation=len(self.items) - len(train))
         self.dataset = self.dataset_class(self.items, order, self.cache, self.plan)
         return self.dataset
 
