@@ -150,7 +150,11 @@ def check_paths(cfg: JobConfig) -> None:
             raise JobInvalid(f"data.masks.path: {cfg.data.masks.path} is not a folder of masks")
         if cfg.data.regularisation is not None:
             check_image_folder(Path(cfg.data.regularisation.path), key="data.regularisation.path")
-        if val_path is not None:
+        if val_path is not None and cfg.model.family in VIDEO_FAMILIES:
+            from engine.config.clips import check_video_folder
+
+            check_video_folder(val_path, cfg.data.fps, cfg.data.frames, key="data.validation.path")
+        elif val_path is not None:
             check_image_folder(val_path, key="data.validation.path")
         if cfg.data.control_path is not None:
             _check_edit_job(cfg, mp, dp)

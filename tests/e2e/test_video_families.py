@@ -306,6 +306,19 @@ def test_a_bad_clip_is_refused_at_submit_naming_it(kind, tmp_path):
             "0 bytes": "0 bytes"}[kind] in str(e.value)
 
 
+def test_a_validation_folder_is_checked_like_data_path_naming_its_key(tmp_path):
+    from daemon.config.daemon import DaemonConfig
+    from daemon.intake.accept import validate_text
+    from engine.errors import JobInvalid
+
+    make_clips(tmp_path / "clips")
+    name = _bad("short", tmp_path / "val")
+    text = yaml.safe_dump(job_dict("builtin:tiny-wan22-5b", tmp_path / "clips",
+                                   data={"validation": {"path": str(tmp_path / "val")}}))
+    with pytest.raises(JobInvalid, match=re.escape(f"data.validation.path: {name} has 3 frames")):
+        validate_text(text, "job.yaml", tmp_path, DaemonConfig(), tmp_path)
+
+
 def test_a_clip_that_breaks_while_caching_is_skipped_with_a_reason_and_no_entry(runs, tmp_path):
     from engine.families import get_family
     from engine.report.events import EventLog
