@@ -40,6 +40,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ import torch
 
 from engine.frozen_base.inductor_dir import InductorDir
 from engine.storage import cache_evict
+from engine.storage.cache import STALE_S
 from engine.storage.fsio import FileLayer, RealFs, ensure_dir_durable, write_file_durable
 from engine.storage.home import cache_dir
 
@@ -336,6 +338,9 @@ def _lease(root: Path, key: str, log) -> cache_evict.Lease | None:
         lease = cache_evict.Lease(root, [key])
     except OSError:  # a home cache this process cannot write: it saves nothing there either
         return None
-    if log is not None and (max_bytes := cache_evict.limit()) is not None:
-        cache_evict.evict(root, max_bytes, log)
+    if log is not None:
+        for name in cache_evict.sweep_compile_leftovers(root, STALE_S, time.time()):
+            log.info("cache_swept", file=f"compile/{name}")
+        if (max_bytes := cache_evict.limit()) is not None:
+            cache_evict.evict(root, max_bytes, log)
     return lease

@@ -26,7 +26,8 @@ cache/compile/KEY.d (inductor's directory, committed by its MANIFEST.json) are o
 last used at the newer mtime of the file and the manifest (touched when a trainer finds them warm), leased by the
 trainer that compiles with KEY, and evicted in the same least-recently-used order as the latent entries. Each goes
 manifest first (the directory is then uncommitted: its next user wipes it, a cold compile), the directory synced,
-then the artifacts file (a torn one fails its checksum), then the rest of the directory.
+then the artifacts file (a torn one fails its checksum), then the rest of the directory. A killed writer's temp
+files there are swept by the next compile's start once they are an hour old (sweep_compile_leftovers).
 """
 
 from __future__ import annotations
@@ -250,6 +251,28 @@ def _remove_compile(d: Path, key: str) -> None:
         pass
     _fsync_dir(d)
     shutil.rmtree(inductor, ignore_errors=True)
+
+
+def sweep_compile_leftovers(root: Path, stale_s: float, now: float) -> list[str]:
+    """Remove what killed writers left in `root`/compile: temp files (.KEY.bin.tmp-PID-..., write_file_durable's)
+    older than `stale_s` (a live writer's are younger). Neither counted nor ever loaded, they only take disk."""
+    d = Path(root) / COMPILE
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        if not (name.startswith(".") and ".tmp-" in name):
+            continue
+        try:
+            st = os.lstat(d / name)
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > stale_s:
+                os.unlink(d / name)
+                removed.append(name)
+        except FileNotFoundError:
+            continue  # another sweeper was first
+    return removed
 
 
 def evict(root: Path, max_bytes: int, log) -> list[Entry]:

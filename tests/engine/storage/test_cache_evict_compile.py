@@ -105,6 +105,11 @@ def test_a_trainer_leases_its_compile_key_for_its_attempt_and_evicts_older_keys_
     own = compiling.cache_key(cfg, torch.device("cpu"))
     compile_key(home / "cache", own, 1000)  # the oldest, but this job's own
     compile_key(home / "cache", "older", 10)
+    # what killed writers left (write_file_durable's temp names): one two hours old, one a live writer's
+    stale, live = (home / "cache" / "compile" / f".{n}.bin.tmp-999-ab" for n in ("gone", "writing"))
+    for f in (stale, live):
+        f.write_bytes(b"x" * 100)
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     cache_evict.set_limit(1)
     try:
         log = RecLog()
@@ -113,6 +118,8 @@ def test_a_trainer_leases_its_compile_key_for_its_attempt_and_evicts_older_keys_
         cache_evict.set_limit(None)
     assert compile_keys(home / "cache") == {own}
     assert [e["file"] for e in log.named("cache_evicted")] == ["compile/older"]
+    assert not stale.exists() and live.exists()
+    assert [e["file"] for e in log.named("cache_swept")] == [f"compile/{stale.name}"]
     assert log.named("compile_cache")[0]["status"] == "warm"  # still committed: the eviction passed it by
     del compiler
     gc.collect()  # the attempt's model (and the hook that holds its Compiler) goes: so does the lease
