@@ -57,7 +57,8 @@ class VideoItem:
     controls: tuple = ()  # no edit pairs for video (engine/families/image/cache.py plans controls per item)
 
 
-def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None, log=None) -> list[VideoRecord]:
+def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None, log=None,
+                key: str = "data.path") -> list[VideoRecord]:
     """Every clip and still with its content hash, size, frames at fps and final caption (engine/data/images.py's
     caption rules)."""
     folder = Path(folder)
@@ -66,14 +67,14 @@ def scan_videos(folder: Path, fps: float, caption_ext: str, trigger: str | None,
         try:
             n, w, h, still = probe(p, fps)
         except ClipUnreadable as e:
-            raise JobInvalid(f"data.path: {p.relative_to(folder)} {e}") from None
+            raise JobInvalid(f"{key}: {p.relative_to(folder)} {e}") from None
         caption, missing = read_caption(p, folder, caption_ext, trigger, log)
         with open(p, "rb") as f:  # streamed: a clip may be larger than what we want to hold to hash it
             digest = hashlib.file_digest(f, "sha256").hexdigest()
         out.append(VideoRecord(p, str(p.relative_to(folder)), digest, w, h, caption, missing, n,
                                still))
     if not out:
-        raise JobInvalid(f"data.path: {folder} contains no clips or images")
+        raise JobInvalid(f"{key}: {folder} contains no clips or images")
     return out
 
 

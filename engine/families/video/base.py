@@ -125,7 +125,8 @@ class VideoFamily(ImageFamily):
 
             train, held = holdout(len(records), val.fraction, cfg.train.seed)
             return [records[i] for i in train], [records[i] for i in held]
-        return records, scan_videos(Path(val.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log)
+        return records, scan_videos(Path(val.path), cfg.data.fps, cfg.data.caption_ext, cfg.data.trigger, log,
+                                     key="data.validation.path")
 
     def fill_window_cache(self, cfg: JobConfig, items, workdir: Path, path: str, log, bar):
         """(cache, plan, report): each window's latent and each caption's embeddings, encoded where missing (a

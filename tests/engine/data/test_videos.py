@@ -49,3 +49,15 @@ def test_a_still_is_a_one_frame_video_in_a_bucket_of_its_own(tmp_path):
     assert [(it.bucket[0], it.resolution, it.start) for it in still] == [(1, 16, 0), (1, 64, 0)]
     f, w, h = still[1].bucket
     assert read_window(still[1], 10).shape == (3, 1, h, w) and w > h and recs[1].caption == "sks"
+
+
+def test_a_folder_that_cannot_be_read_is_named_by_the_key_that_gave_it(tmp_path):
+    from engine.errors import JobInvalid
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobInvalid, match=r"^data\.path: .*empty contains no clips or images$"):
+        scan_videos(tmp_path / "empty", 10, "txt", None)
+    (tmp_path / "val").mkdir()
+    (tmp_path / "val" / "cut.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 40)  # not a playable clip
+    with pytest.raises(JobInvalid, match=r"^data\.validation\.path: cut\.mp4 "):
+        scan_videos(tmp_path / "val", 10, "txt", None, key="data.validation.path")
