@@ -23,7 +23,7 @@ from engine.distributed.liveness import Liveness, die_with_parent
 from engine.errors import JobInvalid
 from engine.imports import unwalked_imports
 from engine.storage import cache_evict
-from engine.training.stop import EXIT_INVALID, EXIT_OK, EXIT_STOPPED, StopFlag
+from engine.training.stop import EXIT_INVALID, EXIT_STOPPED, StopFlag
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if alive is not None:
             alive.stop()  # a rank done before the others (rank 0 still exporting) is not a silent one
-    leave_process_group(code, clean=code in (EXIT_OK, EXIT_STOPPED))  # only in a distributed run
+    leave_process_group(code)  # a rank of a distributed run: its code, never an abort at exit
     return code
 
 

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from engine.errors import JobInvalid
+from engine.training.stop import EXIT_OK, EXIT_STOPPED
 
 
 @dataclass(frozen=True)
@@ -307,19 +308,19 @@ class Ranks:
             self.barrier()
 
 
-def leave_process_group(code: int, clean: bool) -> None:
+def leave_process_group(code: int) -> None:
     """End a rank of a distributed run that is done, with `code`, so that the code is what the launcher sees.
 
     Left to interpreter shutdown, gloo's worker threads can still hold tensors while the interpreter is torn
     down, and the rank aborts instead ("terminate called without an active exception", SIGABRT: 5 exits in 30
     of a two-rank gloo script that skipped this, 0 in 30 with it; pytorch#190489): a finished job became a
-    crash of rank 1, which CI saw. A clean end (every rank past the last barrier) shuts the group down. A
-    failed rank may leave another waiting inside a collective, where shutting down could block: it skips
+    crash of rank 1, which CI saw. A clean end (0, 75: every rank past the last barrier) shuts the group down.
+    A failed rank may leave another waiting inside a collective, where shutting down could block: it skips
     interpreter shutdown instead, its verdict (65, 69, 74) kept; the launcher stops the others.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    if clean:
+    if code in (EXIT_OK, EXIT_STOPPED):
         torch.distributed.destroy_process_group()
         return
     sys.stdout.flush()

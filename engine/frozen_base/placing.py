@@ -37,7 +37,7 @@ class LoadOutOfMemory(torch.OutOfMemoryError):
         model without blocks, which has no lever."""
         if not self.blocks:
             return None
-        return {"blocks": self.blocks, "swap": self.swapped, "micro_batch": 1, "samples": "none",
+        return {"blocks": self.blocks, "swap": self.swapped,
                 "summary": f"swap {self.swapped}/{self.blocks} blocks while loading"}
 
 
@@ -56,7 +56,5 @@ def placing(model: nn.Module, blocks_to_swap: int) -> Iterator[None]:
     try:
         debug_load_oom(blocks_to_swap)
         yield
-    except LoadOutOfMemory:
-        raise
     except torch.OutOfMemoryError as e:
         raise LoadOutOfMemory(str(e), len(find_blocks(model)), blocks_to_swap) from None
