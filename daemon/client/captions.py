@@ -17,13 +17,11 @@ from daemon import protocol as p
 from daemon.client import render
 from daemon.client.export import local_job
 from daemon.client.verbs import call, fail, out
+from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, skipped_files
 from daemon.system.paths import default_home
 from daemon.system.safe_files import open_at, opened_dir
 from engine.storage.fsio import RealFs, ensure_dir_durable, write_file_durable
 
-CAPTIONS_FILE = "captions.json"  # engine/captioning/stage.py's
-SKIPS_FILE = "captions_skipped.json"  # engine/captioning/stage.py's: the files it could not read, path → sha256
-MAX_BYTES = 64 << 20
 MOST_SKIPS_NAMED = 10
 
 
@@ -34,7 +32,7 @@ def cmd_captions(args: argparse.Namespace) -> int:
         with opened_dir(workdir) as d:
             fd = open_at(d, CAPTIONS_FILE)
         with open(fd, "rb") as f:
-            captions = json.loads(f.read(MAX_BYTES))
+            captions = json.loads(f.read(MAX_CAPTIONS_BYTES))
     except FileNotFoundError:
         return fail(False, "not_found", f"job {job} has no captions yet (data.captions: auto or files-else-auto "
                                         f"writes them as its first stage)", 1)
@@ -60,18 +58,6 @@ def cmd_captions(args: argparse.Namespace) -> int:
         print(render.term_safe(f"job {job}: {len(skipped)} file(s) could not be read and have no caption (why: "
                                f"`lorad logs {job}`, caption_skipped): {names}"))
     return 0
-
-
-def skipped_files(workdir: Path) -> list[str]:
-    """The files the caption stage skipped (unreadable; not trained on until they change), sorted; [] if none."""
-    try:
-        with opened_dir(workdir) as d:
-            fd = open_at(d, SKIPS_FILE)
-        with open(fd, "rb") as f:
-            said = json.loads(f.read(MAX_BYTES))
-    except (OSError, ValueError):
-        return []
-    return sorted(k for k in said if isinstance(k, str)) if isinstance(said, dict) else []
 
 
 def cmd_caption(args: argparse.Namespace) -> int:

@@ -32,7 +32,20 @@ from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES, REVIEWED_FI
 
 CAPTIONS_FILE = "captions.json"  # engine/captioning/stage.py's
 MAX_CAPTIONS_BYTES = 64 << 20
+SKIPS_FILE = "captions_skipped.json"  # engine/captioning/stage.py's: the files it could not read, path → sha256
+MAX_SKIPS_BYTES = 4 << 20
 _LOCK = threading.Lock()
+
+
+def skipped_files(workdir: Path) -> list[str]:
+    """The files the caption stage skipped (unreadable: not captioned, not trained on until they change), sorted;
+    [] when none, or when the file cannot be read (the trainer user may replace it)."""
+    try:
+        raw = read_bytes(Path(workdir) / SKIPS_FILE, MAX_SKIPS_BYTES)
+        said = json.loads(raw) if len(raw) <= MAX_SKIPS_BYTES else {}
+    except (OSError, ValueError):
+        return []
+    return sorted(k for k in said if isinstance(k, str)) if isinstance(said, dict) else []
 
 
 def _refused(message: str) -> p.ProtocolError:

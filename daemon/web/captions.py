@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, held, why_not
+from daemon.supervisor.caption_edits import CAPTIONS_FILE, MAX_CAPTIONS_BYTES, held, skipped_files, why_not
 from daemon.system.safe_files import read_bytes
 from daemon.web.pages import e
 from engine.config.caption_edits import EDITS_FILE, MAX_EDITS_BYTES
@@ -25,8 +25,6 @@ from engine.config.reading import YamlProblem, read_yaml
 
 CLIP_SUFFIXES = (".mp4", ".webm", ".mov")  # shown as <video>: engine/data/videos.py's clips that are not images
 MOST_SHOWN = 500  # images on the page; the rest are named by `lorad captions ID --to DIR`
-SKIPS_FILE = "captions_skipped.json"  # engine/captioning/stage.py's: the files it could not read, path → sha256
-MAX_SKIPS_BYTES = 4 << 20
 MOST_SKIPS_NAMED = 50
 
 
@@ -104,7 +102,7 @@ def section(j: dict[str, Any], csrf: str) -> str:
 def skipped_note(workdir: Path) -> str:
     """The files the caption stage could not read (not decodable, unreadable): not captioned, not trained on, until
     the file changes. Named here so that nobody finds out from the count alone; why, in the job's events."""
-    skipped = sorted(_read_map(workdir / SKIPS_FILE, MAX_SKIPS_BYTES))
+    skipped = skipped_files(workdir)
     if not skipped:
         return ""
     names = ", ".join(e(rel) for rel in skipped[:MOST_SKIPS_NAMED])

@@ -102,10 +102,10 @@ def test_an_edit_is_refused_once_training_has_begun_or_for_what_the_captions_do_
 
 
 def test_the_files_the_caption_stage_could_not_read_are_named_on_the_job_page(site, tmp_path):
-    from daemon.web import captions
+    from daemon.supervisor import caption_edits
     from engine.captioning import stage
 
-    assert captions.SKIPS_FILE == stage.SKIPS_FILE  # the page reads the file the stage writes
+    assert caption_edits.SKIPS_FILE == stage.SKIPS_FILE  # the page reads the file the stage writes
     jid = _captioned_job(site, tmp_path)
     with TestClient(site.app, base_url=BASE) as client:
         signed_in(client, site.token)

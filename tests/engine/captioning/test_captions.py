@@ -223,11 +223,11 @@ def test_lorad_captions_writes_them_out_as_text_files_without_a_daemon(reference
 
 
 def test_lorad_captions_names_the_files_the_stage_could_not_read(reference, tmp_path, capsys):
-    from daemon.client import captions
     from daemon.client.cli import main as lorad
+    from daemon.supervisor import caption_edits
     from engine.captioning import stage
 
-    assert captions.SKIPS_FILE == stage.SKIPS_FILE  # the CLI reads the file the stage writes
+    assert caption_edits.SKIPS_FILE == stage.SKIPS_FILE  # the CLI reads the file the stage writes
     ref_root, _data = reference
     home = tmp_path / "home"
     shutil.copytree(ref_root / "home" / "jobs" / "ref", home / "jobs" / "ref", symlinks=True)
