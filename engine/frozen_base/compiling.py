@@ -339,8 +339,13 @@ def _lease(root: Path, key: str, log) -> cache_evict.Lease | None:
     except OSError:  # a home cache this process cannot write: it saves nothing there either
         return None
     if log is not None:
-        for name in cache_evict.sweep_compile_leftovers(root, STALE_S, time.time()):
-            log.info("cache_swept", file=f"compile/{name}")
+        for name in cache_evict.remove_stale(root / cache_evict.COMPILE, _temp_file, STALE_S, time.time()):
+            log.info("cache_swept", file=f"{cache_evict.COMPILE}/{name}")
         if (max_bytes := cache_evict.limit()) is not None:
             cache_evict.evict(root, max_bytes, log)
     return lease
+
+
+def _temp_file(name: str) -> bool:
+    """A killed writer's temp file (.KEY.bin.tmp-PID-..., write_file_durable's): never loaded, it only takes disk."""
+    return name.startswith(".") and ".tmp-" in name

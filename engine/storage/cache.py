@@ -149,20 +149,10 @@ class Cache:
 
     def sweep(self, now: float | None = None) -> list[str]:
         """Remove a killed writer's leftovers older than STALE_S: temp files, data files no entry names."""
-        if not self.root.is_dir():
-            return []
-        now = time.time() if now is None else now
         named = {e["file"] for e in self.entries.values()}
-        removed = []
-        for p in self.root.iterdir():
-            leftover = ".tmp-" in p.name or (p.suffix == ".safetensors" and p.name not in named)
-            try:
-                if leftover and p.is_file() and now - p.stat().st_mtime > STALE_S:
-                    p.unlink()
-                    removed.append(p.name)
-            except FileNotFoundError:
-                pass  # another sweeper was first
-        return removed
+        return cache_evict.remove_stale(
+            self.root, lambda n: ".tmp-" in n or (n.endswith(".safetensors") and n not in named), STALE_S,
+            time.time() if now is None else now)
 
 
 @dataclass(frozen=True)

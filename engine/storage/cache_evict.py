@@ -27,7 +27,7 @@ last used at the newer mtime of the file and the manifest (touched when a traine
 trainer that compiles with KEY, and evicted in the same least-recently-used order as the latent entries. Each goes
 manifest first (the directory is then uncommitted: its next user wipes it, a cold compile), the directory synced,
 then the artifacts file (a torn one fails its checksum), then the rest of the directory. A killed writer's temp
-files there are swept by the next compile's start once they are an hour old (sweep_compile_leftovers).
+files there are swept by the next compile's start once they are an hour old (remove_stale).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,22 +253,21 @@ def _remove_compile(d: Path, key: str) -> None:
     shutil.rmtree(inductor, ignore_errors=True)
 
 
-def sweep_compile_leftovers(root: Path, stale_s: float, now: float) -> list[str]:
-    """Remove what killed writers left in `root`/compile: temp files (.KEY.bin.tmp-PID-..., write_file_durable's)
-    older than `stale_s` (a live writer's are younger). Neither counted nor ever loaded, they only take disk."""
-    d = Path(root) / COMPILE
+def remove_stale(d: Path, leftover: Callable[[str], bool], stale_s: float, now: float) -> list[str]:
+    """Remove the regular files of `d` that `leftover` names and that are older than `stale_s` (a killed writer's:
+    a live writer's are younger); their names. The latent cache's sweep and the compile cache's share it."""
     try:
         names = os.listdir(d)
     except (FileNotFoundError, NotADirectoryError):
         return []
     removed = []
     for name in names:
-        if not (name.startswith(".") and ".tmp-" in name):
+        if not leftover(name):
             continue
         try:
-            st = os.lstat(d / name)
+            st = os.lstat(Path(d) / name)
             if stat.S_ISREG(st.st_mode) and now - st.st_mtime > stale_s:
-                os.unlink(d / name)
+                os.unlink(Path(d) / name)
                 removed.append(name)
         except FileNotFoundError:
             continue  # another sweeper was first
