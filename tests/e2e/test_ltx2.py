@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
+from tests.e2e.test_video_families import job_dict as video_job_dict
 from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
 from tests.helpers.kill_chain import Quiet, chains_beside_references
@@ -28,15 +29,9 @@ FILES = ["pytorch_lora_weights.safetensors", "ltx2_lora_comfyui.safetensors"]
 
 
 def job_dict(model: str, data_path: Path, **over) -> dict:
-    d = {"name": "tiny-ltx2", "model": {"family": "ltx2", "path": model, "dtype": "float32"},
-         "lora": {"rank": 4, "alpha": 8, "dropout": 0.1},
-         "data": {"path": str(data_path), "resolution": [32], "frames": [9], "fps": 16, "trigger": "sks",
-                  "caption_dropout": 0.3},
-         "train": {"steps": 4, "batch_size": 2, "lr": 0.002, "schedule": "constant", "optimizer": "adamw", "seed": 3,
-                   "timestep_sampling": "shift"},
-         "checkpoint": {"every_steps": 2, "every_seconds": None, "keep": 2},
-         "output": {"formats": ["diffusers", "comfyui"]}}
-    return deep_update(d, over)
+    """The video families' tiny job (test_video_families), as LTX-2: 9-frame windows (8k + 1 frames)."""
+    return deep_update(video_job_dict(model, data_path, family="ltx2"),
+                       deep_update({"name": "tiny-ltx2", "data": {"frames": [9]}}, over))
 
 
 @pytest.fixture(scope="module")
