@@ -19,6 +19,7 @@ import yaml
 from safetensors.torch import load_file
 
 from engine.config.job import load_job
+from tests.e2e.test_video_families import assert_same_validation
 from tests.e2e.test_video_families import job_dict as video_job_dict
 from tests.helpers.images import tensor_bytes, with_last_checkpoint
 from tests.helpers.jobs import deep_update
@@ -69,18 +70,8 @@ def test_validation_is_reported_every_two_steps_with_the_same_losses_after_two_k
     """data.validation.path (hum.mp4 with sound, hush.mp4 without, one window each) every 2 steps: a finite loss at
     steps 2 and 4, the same values in the killed-twice run at every step it evaluated, the 2 windows counted apart
     from the 2 trained on."""
-    import math
-
-    from tests.helpers.jobs import read_events
-
     _model, _job, ref, killed = run
-    wd, story = killed.result(timeout=900)
-    want = {e["step"]: e["loss"] for e in read_events(ref) if e["event"] == "validation"}
-    assert sorted(want) == [2, 4] and all(math.isfinite(v) and v > 0 for v in want.values()), want
-    got = [(e["step"], e["loss"]) for e in read_events(wd) if e["event"] == "validation"]
-    assert {s for s, _ in got} == {2, 4} and [(s, v) for s, v in got if v != want[s]] == [], story
-    for events in (read_events(ref), read_events(wd)):
-        assert {(e["windows"], e["validation"]) for e in events if e["event"] == "dataset"} == {(2, 2)}
+    assert_same_validation(ref, killed, (2, 2))
 
 
 def test_held_out_clips_validate_on_the_loss_they_would_train_on(run):

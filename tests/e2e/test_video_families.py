@@ -110,16 +110,22 @@ def test_validation_is_reported_every_two_steps_with_the_same_losses_after_two_k
     """data.validation.every_steps: 2 — a finite loss over the held-out windows at steps 2 and 4; the killed-twice
     run reports the very same values at every step it evaluated (a step evaluated again after a kill included),
     and its dataset counts the held-out windows apart from the ones it trains on."""
+    _model, _job, ref, killed = runs[run]
+    assert_same_validation(ref, killed, VALIDATION[run][1])
+
+
+def assert_same_validation(ref: Path, killed, counts: tuple[int, int]) -> None:
+    """Validation at steps 2 and 4 with finite losses in the uninterrupted run `ref`; the killed-twice run reports
+    the very same values at every step it evaluated; both datasets count (trained windows, held-out windows)."""
     from tests.helpers.jobs import read_events
 
-    _model, _job, ref, killed = runs[run]
     wd, story = killed.result(timeout=900)
     want = {e["step"]: e["loss"] for e in read_events(ref) if e["event"] == "validation"}
     assert sorted(want) == [2, 4] and all(math.isfinite(v) and v > 0 for v in want.values()), want
     got = [(e["step"], e["loss"]) for e in read_events(wd) if e["event"] == "validation"]
     assert {s for s, _ in got} == {2, 4} and [(s, v) for s, v in got if v != want[s]] == [], story
     for events in (read_events(ref), read_events(wd)):
-        assert {(e["windows"], e["validation"]) for e in events if e["event"] == "dataset"} == {VALIDATION[run][1]}
+        assert {(e["windows"], e["validation"]) for e in events if e["event"] == "dataset"} == {counts}
 
 
 def test_held_out_clips_are_cached_but_never_trained_on(runs, tmp_path):
